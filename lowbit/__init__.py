@@ -1,0 +1,18 @@
+"""lowbit: low-bit quantized LLM inference.
+
+Example::
+
+    >>> import torch, lowbit
+    >>> qt = lowbit.quantize(torch.randn(64, 128), "int4-asym-g64")
+    >>> lowbit.dequantize(qt).shape
+    torch.Size([64, 128])
+"""
+
+from . import ops
+from .kernels import available_backends
+from .ops import dequantize, quantize
+from .qtensor import QTensor
+from .scheme import PRESETS, QuantScheme
+
+__version__ = "0.1.0"
+__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "ops", "available_backends"]

@@ -1,0 +1,65 @@
+"""Argument checks for the public boundary: each error names the argument, its value
+and what was expected.  Kernels never check; operators check before any work."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, ndim: int | None = None,
+           min_ndim: int | None = None) -> torch.Tensor:
+    """Check that ``t`` is a tensor with an allowed dtype and rank; return it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {_names(dtypes)}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)} ({t.dim()}-D)")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dim(s), got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def shape(name: str, t: torch.Tensor, expected: Iterable[int], why: str = "") -> None:
+    expected = tuple(expected)
+    if tuple(t.shape) != expected:
+        why = f" ({why})" if why else ""
+        raise ValueError(f"{name} must have shape {expected}{why}, got {tuple(t.shape)}")
+
+
+def same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {reference_name} is on {reference.device}; "
+                "expected both on the same device"
+            )
+
+
+def float_dtype(name: str, dtype, allowed: Iterable[torch.dtype] = FLOAT_DTYPES) -> torch.dtype:
+    allowed = tuple(allowed)
+    if dtype not in allowed:
+        raise TypeError(f"{name} must be one of {_names(allowed)}, got {dtype!r}")
+    return dtype
+
+
+def finite(name: str, t: torch.Tensor) -> None:
+    """Refuse NaN/Inf in a tensor to be quantized: they would poison its scale."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} contains NaN or Inf (first at index {bad}: {t[tuple(bad)].item()}); "
+            "a non-finite value would poison the scale of its block"
+        )
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "(" + ", ".join(str(d).replace("torch.", "") for d in dtypes) + ")"

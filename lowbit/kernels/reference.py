@@ -1,0 +1,200 @@
+"""Reference implementations: plain PyTorch, short, obviously right.
+
+These are the ground truth every fast kernel is tested against.  They take plain
+arguments (no validation: the public operators in ``lowbit.ops`` validate first)
+and follow the conventions of ``lowbit.scheme`` to the letter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
+
+
+# -- blocks: every granularity as rows of a 2-D view that share one scale ----------
+def to_blocks(x: torch.Tensor, granularity: str, group_size: int | None) -> torch.Tensor:
+    """View ``x`` as [num_blocks, block_len]; row i uses scale.reshape(-1)[i]."""
+    block_len = {
+        "tensor": x.numel(),
+        "channel": math.prod(x.shape[1:]),
+        "token": x.shape[-1] if x.dim() else 1,
+        "group": group_size,
+    }[granularity]
+    return x.reshape(math.prod(scale_shape(x.shape, granularity, group_size)), block_len)
+
+
+def scale_shape(shape: torch.Size | list[int], granularity: str, group_size: int | None) -> list[int]:
+    shape = list(shape)
+    if granularity == "tensor":
+        return [1]
+    if granularity == "channel":
+        return shape[:1]
+    if granularity == "token":
+        return shape[:-1]
+    return shape[:-1] + [shape[-1] // group_size]
+
+
+# -- choose_qparams ---------------------------------------------------------------
+def choose_qparams(
+    x: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    granularity: str,
+    group_size: int | None,
+    scale_dtype: torch.dtype,
+    zero_point_domain: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    qmin, qmax = qrange(bits, symmetric)
+    shape = scale_shape(x.shape, granularity, group_size)
+    if x.numel() == 0:  # empty blocks: scale 1, zero point 0, as for an all-zero block
+        ones = torch.ones(shape, dtype=scale_dtype, device=x.device)
+        if symmetric:
+            return ones, None
+        zp_dtype = torch.int32 if zero_point_domain == "int" else scale_dtype
+        return ones, torch.zeros(shape, dtype=zp_dtype, device=x.device)
+    xb = to_blocks(x, granularity, group_size).to(compute_dtype(x.dtype))
+    lo, hi = xb.amin(dim=1), xb.amax(dim=1)
+    if symmetric:
+        scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
+    elif zero_point_domain == "int":
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = (hi - lo) / (qmax - qmin)
+    else:
+        # Floor the scale so |zero_point| = |lo| / scale stays below 2^15 (fits float16).
+        scale = torch.maximum((hi - lo) / (qmax - qmin), torch.maximum(-lo, hi) * 2.0**-15)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block
+    scale = round_up_to(scale, scale_dtype)
+    if symmetric:
+        return scale.reshape(shape), None
+    s = scale.to(lo.dtype)
+    if zero_point_domain == "int":
+        zp = (qmin - torch.round(lo / s)).clamp(qmin, qmax).to(torch.int32)
+    else:
+        zp = (qmin - lo / s).to(scale_dtype)
+    return scale.reshape(shape), zp.reshape(shape)
+
+
+def round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to ``dtype`` rounding up, so a stored scale never clips the range."""
+    s = scale.to(dtype)
+    below = s.to(scale.dtype) < scale
+    return torch.where(below, torch.nextafter(s, torch.full_like(s, math.inf)), s)
+
+
+# -- quantize / dequantize on unpacked codes ---------------------------------------
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    bits: int,
+    symmetric: bool,
+    granularity: str,
+    group_size: int | None,
+    zero_point_domain: str,
+) -> torch.Tensor:
+    """Unpacked codes of x: int8 for symmetric, uint8 for asymmetric, shape of x."""
+    qmin, qmax = qrange(bits, symmetric)
+    cdt = compute_dtype(x.dtype)
+    xb = to_blocks(x, granularity, group_size).to(cdt)
+    s = scale.reshape(-1, 1).to(cdt)
+    if zero_point is None:
+        q = torch.round(xb / s)
+    elif zero_point_domain == "int":
+        q = torch.round(xb / s) + zero_point.reshape(-1, 1).to(cdt)
+    else:
+        q = torch.round(xb / s + zero_point.reshape(-1, 1).to(cdt))
+    q = q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8)
+    return q.reshape(x.shape)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    granularity: str,
+    group_size: int | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(q - zero_point) * scale in float32 (float64 for float64 output), rounded once."""
+    cdt = compute_dtype(out_dtype)
+    qb = to_blocks(q, granularity, group_size).to(cdt)
+    if zero_point is not None:
+        qb = qb - zero_point.reshape(-1, 1).to(cdt)
+    return (qb * scale.reshape(-1, 1).to(cdt)).to(out_dtype).reshape(q.shape)
+
+
+# -- bit packing ------------------------------------------------------------------
+def _word_bits(packing: str) -> int:
+    return 32 if packing == "u32" else 8
+
+
+def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
+    """Pack the low ``bits`` of each code along the last dim as a little-endian bit
+    stream into int32 words ("u32") or uint8 bytes ("u8")."""
+    word = _word_bits(packing)
+    unit = math.lcm(bits, word) // bits  # values that fill whole words
+    lead, k = q.shape[:-1], q.shape[-1]
+    v = (q.to(torch.int64) & ((1 << bits) - 1)).reshape(*lead, k // unit, unit)
+    stream = (v[..., None] >> torch.arange(bits)) & 1  # [..., k/unit, unit, bits]
+    stream = stream.reshape(*lead, k // unit, -1, word)  # bit i of word w
+    words = (stream << torch.arange(word)).sum(-1)
+    if packing == "u32":
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    else:
+        words = words.to(torch.uint8)
+    return words.reshape(*lead, -1)
+
+
+def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch.Tensor:
+    """Inverse of ``pack``: int8 codes (sign-extended) if signed, else uint8."""
+    word = _word_bits(packing)
+    unit = math.lcm(bits, word) // bits
+    lead = packed.shape[:-1]
+    w = packed.to(torch.int64) & ((1 << word) - 1)
+    stream = (w[..., None] >> torch.arange(word)) & 1  # [..., words, word]
+    stream = stream.reshape(*lead, -1, unit, bits)
+    v = (stream << torch.arange(bits)).sum(-1).reshape(*lead, -1)
+    if signed:
+        v = torch.where(v >= 1 << (bits - 1), v - (1 << bits), v)
+        return v.to(torch.int8)
+    return v.to(torch.uint8)
+
+
+# -- requirement A: int32 accumulators -> float ---------------------------------------
+def dequantize_accumulator_grouped(
+    acc: torch.Tensor, scale: torch.Tensor, group_size: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """float32(acc) * float32(scale of the group), rounded once to out_dtype."""
+    s = scale.to(torch.float32).repeat_interleave(group_size, dim=-1)
+    return (acc.to(torch.float32) * s).to(out_dtype)
+
+
+def dequantize_accumulator_rowcol(
+    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """float32(acc) * row_scale[m] * col_scale[n], left to right in float32."""
+    y = acc.to(torch.float32) * row_scale.to(torch.float32)[..., None]
+    return (y * col_scale.to(torch.float32)).to(out_dtype)
+
+
+# -- what the operators call: quantize-and-pack, unpack-and-dequantize -------------
+def quantize_packed(x, scale, zero_point, bits, symmetric, granularity, group_size,
+                    zero_point_domain, packing) -> torch.Tensor:
+    q = quantize(x, scale, zero_point, bits, symmetric, granularity, group_size, zero_point_domain)
+    return pack(q, bits, packing) if bits < 8 else q
+
+
+def dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity, group_size,
+                      packing, shape, out_dtype) -> torch.Tensor:
+    q = unpack(codes, bits, packing, symmetric) if bits < 8 else codes
+    return dequantize(q.reshape(shape), scale, zero_point, granularity, group_size, out_dtype)

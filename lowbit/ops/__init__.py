@@ -1,0 +1,13 @@
+"""Public operators.  Each validates its arguments, then calls a ``lowbit::*`` custom
+op (``torch.ops.lowbit``) that runs on the chosen backend."""
+
+from .accumulator import dequantize_accumulator
+from .pack import pack_bits, pack_int4, unpack_bits, unpack_int4
+from .per_token import dequantize_per_token, quantize_per_token
+from .quant import choose_qparams, dequantize, fake_quantize, quantize
+
+__all__ = [
+    "choose_qparams", "quantize", "dequantize", "fake_quantize",
+    "pack_bits", "unpack_bits", "pack_int4", "unpack_int4",
+    "quantize_per_token", "dequantize_per_token", "dequantize_accumulator",
+]

@@ -1,0 +1,140 @@
+"""quantize / dequantize / choose_qparams / fake_quantize for every scheme.
+
+The arithmetic is defined once, in ``lowbit.scheme``; this module validates
+arguments and calls the ``lowbit::*`` custom ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validate, kernels
+from ..kernels.reference import scale_shape
+from ..qtensor import QTensor
+from ..scheme import QuantScheme
+from . import library
+
+
+def as_scheme(scheme: QuantScheme | str, name: str = "scheme") -> QuantScheme:
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if isinstance(scheme, str):
+        return QuantScheme.parse(scheme)
+    raise TypeError(f"{name} must be a QuantScheme or its string form, got {type(scheme).__name__}")
+
+
+def _check_input(x, s: QuantScheme, name: str = "x") -> None:
+    _validate.tensor(name, x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
+    k = x.shape[-1]
+    if s.granularity == "group" and k % s.group_size:
+        raise ValueError(
+            f"group_size={s.group_size} of scheme '{s}' does not divide {name}.shape[-1]={k}"
+        )
+    if s.is_packed and k % s.pack_unit:
+        raise ValueError(
+            f"{name}.shape[-1]={k} must be a multiple of {s.pack_unit} to pack {s.bits}-bit codes "
+            f"into {s.packing} words (scheme '{s}')"
+        )
+
+
+def _check_qparams(x, s: QuantScheme, scale, zero_point) -> None:
+    expected = scale_shape(x.shape, s.granularity, s.group_size)
+    _validate.tensor("scale", scale, dtypes=[s.scale_dtype])
+    _validate.shape("scale", scale, expected, f"granularity {s.granularity!r} of {tuple(x.shape)}")
+    if s.symmetric:
+        if zero_point is not None:
+            raise ValueError(f"zero_point must be None for the symmetric scheme '{s}'")
+    else:
+        if zero_point is None:
+            raise ValueError(f"zero_point is required for the asymmetric scheme '{s}'")
+        _validate.tensor("zero_point", zero_point, dtypes=[s.zero_point_dtype])
+        _validate.shape("zero_point", zero_point, expected, "same as scale")
+    _validate.same_device("x", x, scale=scale, zero_point=zero_point)
+
+
+def choose_qparams(x: torch.Tensor, scheme: QuantScheme | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point (None for symmetric schemes) of ``x`` under ``scheme``.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.ops import choose_qparams
+        >>> scale, zp = choose_qparams(torch.tensor([[-1.0, 0.0, 2.0, 3.0]]), "int8-asym-token")
+        >>> round(scale.item(), 6), zp.item()
+        (0.015686, 64)
+    """
+    s = as_scheme(scheme)
+    _check_input(x, s)
+    scale, zp = library.choose_qparams(x, str(s))
+    return scale, (None if s.symmetric else zp)
+
+
+def quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | None = None,
+             zero_point: torch.Tensor | None = None, *, backend: str | None = None) -> QTensor:
+    """Quantize ``x`` to a ``QTensor``; scale and zero point are chosen from ``x``
+    unless given (static quantization).
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> w = torch.randn(128, 256)
+        >>> qt = lowbit.quantize(w, "int4-sym-g64")
+        >>> err = (lowbit.dequantize(qt) - w).abs().max()
+        >>> bool(err <= qt.scale.max() / 2 + 1e-6)
+        True
+    """
+    s = as_scheme(scheme)
+    _check_input(x, s)
+    if scale is None:
+        if zero_point is not None:
+            raise ValueError("zero_point was given without scale; give both or neither")
+        scale, zero_point = choose_qparams(x, s)
+    else:
+        _check_qparams(x, s, scale, zero_point)
+    b = kernels.resolve(backend, x.device)
+    codes = library.quantize(x, scale, zero_point, str(s), b)
+    return QTensor(codes, scale, zero_point, s, x.shape)
+
+
+def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
+    """``(q - zero_point) * scale`` as ``dtype`` (computed in float32, float64 for a
+    float64 output, rounded once).
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> qt = lowbit.quantize(torch.tensor([[0.5, -1.0, 0.25, 1.0]]), "int8-sym-tensor")
+        >>> lowbit.dequantize(qt, torch.bfloat16).dtype
+        torch.bfloat16
+    """
+    if not isinstance(qt, QTensor):
+        raise TypeError(f"qt must be a lowbit.QTensor, got {type(qt).__name__}")
+    _validate.float_dtype("dtype", dtype)
+    b = kernels.resolve(backend, qt.codes.device)
+    return library.dequantize(qt.codes, qt.scale, qt.zero_point, str(qt.scheme), list(qt.shape), dtype, b)
+
+
+def fake_quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | None = None,
+                  zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in x's dtype, with a straight-through gradient
+    (identity where x is inside the quantization range, zero where it is clamped),
+    for quantization-aware training.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.ops import fake_quantize
+        >>> x = torch.randn(4, 64, requires_grad=True)
+        >>> fake_quantize(x, "int4-sym-g32").sum().backward()
+        >>> bool((x.grad == 1).all())
+        True
+    """
+    s = as_scheme(scheme)
+    _check_input(x, s)
+    if scale is None:
+        if zero_point is not None:
+            raise ValueError("zero_point was given without scale; give both or neither")
+        scale, zero_point = choose_qparams(x.detach(), s)
+    else:
+        _check_qparams(x, s, scale, zero_point)
+    return library.fake_quantize(x, scale, zero_point, str(s))

@@ -1,0 +1,265 @@
+"""QuantScheme: the one source of truth for how a tensor is quantized.
+
+Conventions (every operator and kernel in lowbit follows these; none restates them)
+-----------------------------------------------------------------------------------
+Codes and values::
+
+    int zero point   : q = clamp(round_half_to_even(x / scale) + zero_point, qmin, qmax)
+                       x ~= (q - zero_point) * scale
+    float zero point : q = clamp(round_half_to_even(x / scale + zero_point), qmin, qmax)
+                       x ~= (q - zero_point) * scale          (zero_point is a float)
+
+* Symmetric schemes use signed codes ``[-2^(b-1), 2^(b-1) - 1]`` and no zero point.
+  ``scale = max|x| / ((qmax - qmin) / 2)`` (4 bit: ``max|x| / 7.5``), so the whole
+  grid is used and every value inside the range is within ``scale / 2`` of a code.
+* Asymmetric schemes use unsigned codes ``[0, 2^b - 1]``.  With an "int" zero point
+  the range is ``[min(x_min, 0), max(x_max, 0)]`` (zero is then exactly
+  representable) and ``zero_point = qmin - round(range_min / scale)`` is an integer
+  in the code range.  With a "float" zero point (the scale-and-min form of GGUF
+  Q4_1/Q4_K and HQQ) the range is ``[x_min, x_max]`` and
+  ``zero_point = qmin - x_min / scale`` is stored in ``scale_dtype``.
+* Arithmetic is float32 (float64 for float64 inputs).  The scale is computed in that
+  type and rounded *up* to ``scale_dtype``, so storing it in bfloat16 never clips the
+  range; quantization then divides by the stored scale, so quantize and dequantize
+  agree on the grid.  An all-zero block gets scale 1 (finite, non-zero).
+* Dequantization computes ``(q - zero_point) * scale`` in float32 (float64 for
+  float64 output) and rounds once to the output dtype; every backend gives the same
+  bits.
+
+Shapes::
+
+    granularity  blocks that share one scale       scale / zero_point shape
+    "tensor"     the whole tensor                   [1]
+    "channel"    x[n, ...] (weights: out_features)  [N]
+    "token"      x[..., :] (one row of activations) x.shape[:-1]
+    "group"      group_size consecutive elements    x.shape[:-1] + (K // group_size,)
+                 of the last dim (weights [N, K]:
+                 groups along in_features)
+
+Packing: 8-bit codes are stored one per byte (int8 signed, uint8 unsigned).  Sub-byte
+codes are packed along the last dim as a little-endian bit stream into int32 words
+("u32") or bytes ("u8"): value j of a word occupies bits ``b*j .. b*j + b - 1``.
+For 4 bits that is the "u32x8" layout (8 values per int32, element j in bits
+4j..4j+3) and the "u8x2" layout (2 per byte, even element in the low nibble).
+3-bit codes straddle words: 32 values fill 3 int32 words (8 values fill 3 bytes).
+
+String form: ``int{bits}-{sym|asym}[-g{G}|-channel|-token|-tensor][-zpfloat]
+[-{f32|f16|bf16}][-{u32|u8}]``; defaults (group for a ``-gG``, otherwise channel,
+int zero point, float32 scales, u32 packing) are left out of ``str(scheme)``.
+
+Example::
+
+    >>> from lowbit import QuantScheme
+    >>> s = QuantScheme.parse("int4-asym-g64")
+    >>> s.bits, s.symmetric, s.granularity, s.group_size, s.qmin, s.qmax
+    (4, False, 'group', 64, 0, 15)
+    >>> str(s)
+    'int4-asym-g64'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+BITS = (2, 3, 4, 8)
+GRANULARITIES = ("tensor", "channel", "token", "group")
+ZERO_POINT_DOMAINS = ("int", "float")
+PACKINGS = ("u32", "u8")
+SCALE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in SCALE_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one tensor is quantized; see the module docstring for the conventions.
+
+    Args:
+        bits: code width, one of 2, 3, 4, 8.
+        symmetric: signed codes and no zero point (True) or unsigned codes with a
+            zero point (False).
+        granularity: "tensor", "channel", "token" or "group".
+        group_size: elements per group along the last dim (granularity "group" only).
+        scale_dtype: float32, float16 or bfloat16.
+        zero_point_domain: "int" (integer zero point in the code range) or "float"
+            (float offset, asymmetric only).
+        packing: container of sub-byte codes, "u32" (int32 words) or "u8" (bytes);
+            ignored for 8 bits.
+
+    Example::
+
+        >>> QuantScheme(bits=4, symmetric=True, granularity="group", group_size=128)
+        QuantScheme('int4-sym-g128')
+    """
+
+    bits: int = 8
+    symmetric: bool = True
+    granularity: str = "channel"
+    group_size: int | None = None
+    scale_dtype: torch.dtype = torch.float32
+    zero_point_domain: str = "int"
+    packing: str = "u32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
+            raise ValueError(f"QuantScheme.bits must be one of {BITS}, got {self.bits!r}")
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"QuantScheme.symmetric must be a bool, got {self.symmetric!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"QuantScheme.granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
+            )
+        if self.granularity == "group":
+            g = self.group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+                raise ValueError(
+                    f"QuantScheme.group_size must be a positive int for granularity 'group', got {g!r}"
+                )
+            if g % self.pack_unit:
+                raise ValueError(
+                    f"QuantScheme.group_size={g} must be a multiple of {self.pack_unit} so that "
+                    f"groups of {self.bits}-bit codes fill whole {self.packing} words"
+                )
+        elif self.group_size is not None:
+            raise ValueError(
+                f"QuantScheme.group_size must be None for granularity {self.granularity!r}, "
+                f"got {self.group_size!r}"
+            )
+        if self.scale_dtype not in _DTYPE_NAMES:
+            raise TypeError(
+                f"QuantScheme.scale_dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                f"got {self.scale_dtype!r}"
+            )
+        if self.zero_point_domain not in ZERO_POINT_DOMAINS:
+            raise ValueError(
+                f"QuantScheme.zero_point_domain must be one of {ZERO_POINT_DOMAINS}, "
+                f"got {self.zero_point_domain!r}"
+            )
+        if self.symmetric and self.zero_point_domain != "int":
+            raise ValueError(
+                "QuantScheme.zero_point_domain='float' needs symmetric=False: "
+                "symmetric schemes have no zero point"
+            )
+        if self.packing not in PACKINGS:
+            raise ValueError(f"QuantScheme.packing must be one of {PACKINGS}, got {self.packing!r}")
+
+    # -- derived facts, used by every operator -------------------------------------
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1)) if self.symmetric else 0
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1 if self.symmetric else (1 << self.bits) - 1
+
+    @property
+    def has_zero_point(self) -> bool:
+        return not self.symmetric
+
+    @property
+    def is_packed(self) -> bool:
+        return self.bits < 8
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """dtype of the stored codes: int8/uint8 for 8 bits, the packing word below."""
+        if not self.is_packed:
+            return torch.int8 if self.symmetric else torch.uint8
+        return torch.int32 if self.packing == "u32" else torch.uint8
+
+    @property
+    def pack_unit(self) -> int:
+        """Values per whole number of packing words (the last dim must be a multiple)."""
+        return pack_unit(self.bits, self.packing) if self.is_packed else 1
+
+    @property
+    def zero_point_dtype(self) -> torch.dtype | None:
+        if self.symmetric:
+            return None
+        return torch.int32 if self.zero_point_domain == "int" else self.scale_dtype
+
+    # -- string form ----------------------------------------------------------------
+    def __str__(self) -> str:
+        parts = [f"int{self.bits}", "sym" if self.symmetric else "asym"]
+        if self.granularity == "group":
+            parts.append(f"g{self.group_size}")
+        elif self.granularity != "channel":
+            parts.append(self.granularity)
+        if self.zero_point_domain == "float":
+            parts.append("zpfloat")
+        if self.scale_dtype != torch.float32:
+            parts.append(_DTYPE_NAMES[self.scale_dtype])
+        if self.is_packed and self.packing != "u32":
+            parts.append(self.packing)
+        return "-".join(parts)
+
+    def __repr__(self) -> str:
+        return f"QuantScheme({str(self)!r})"
+
+    @classmethod
+    def parse(cls, text: str) -> "QuantScheme":
+        """Parse the string form, or a preset name (see ``PRESETS``).
+
+        Example::
+
+            >>> QuantScheme.parse("int8-sym-token") == QuantScheme(8, True, "token")
+            True
+            >>> QuantScheme.parse("w4-g128")
+            QuantScheme('int4-sym-g128')
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"QuantScheme.parse(text) needs a str, got {type(text).__name__}")
+        if text in PRESETS:
+            return PRESETS[text]
+        parts = text.strip().lower().split("-")
+        m = re.fullmatch(r"int(\d+)", parts[0])
+        if not m or len(parts) < 2 or parts[1] not in ("sym", "asym"):
+            raise ValueError(
+                f"cannot parse scheme {text!r}: expected 'int<bits>-<sym|asym>[-g<N>|-channel|"
+                f"-token|-tensor][-zpfloat][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(PRESETS)}"
+            )
+        kw: dict = {"bits": int(m.group(1)), "symmetric": parts[1] == "sym"}
+        for p in parts[2:]:
+            if re.fullmatch(r"g\d+", p):
+                kw["granularity"], kw["group_size"] = "group", int(p[1:])
+            elif p in GRANULARITIES:
+                kw["granularity"] = p
+            elif p == "zpfloat":
+                kw["zero_point_domain"] = "float"
+            elif p in SCALE_DTYPES:
+                kw["scale_dtype"] = SCALE_DTYPES[p]
+            elif p in PACKINGS:
+                kw["packing"] = p
+            else:
+                raise ValueError(f"cannot parse scheme {text!r}: unknown part {p!r}")
+        return cls(**kw)
+
+    def with_(self, **changes) -> "QuantScheme":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def pack_unit(bits: int, packing: str) -> int:
+    """Number of values that exactly fill a whole number of words (8 for int4 in u32)."""
+    word = 32 if packing == "u32" else 8
+    return math.lcm(bits, word) // bits
+
+
+PRESETS: dict[str, QuantScheme] = {
+    # weights
+    "w8": QuantScheme(8, True, "channel"),
+    "w4-g32": QuantScheme(4, True, "group", 32),
+    "w4-g64": QuantScheme(4, True, "group", 64),
+    "w4-g128": QuantScheme(4, True, "group", 128),
+    "w4a-g64": QuantScheme(4, False, "group", 64),
+    "w4a-g128": QuantScheme(4, False, "group", 128),
+    "q4_1": QuantScheme(4, False, "group", 32, torch.float16, "float"),  # GGUF Q4_1 form
+    "w2-g64": QuantScheme(2, False, "group", 64),
+    "w3-g64": QuantScheme(3, False, "group", 64),
+    # activations
+    "a8-token": QuantScheme(8, False, "token"),
+    "a8-token-sym": QuantScheme(8, True, "token"),
+}
