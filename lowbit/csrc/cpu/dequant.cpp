@@ -1,0 +1,198 @@
+// Fast CPU dequantization kernels behind lowbit's "cpu" backend.
+//
+// The arithmetic is the one of lowbit/scheme.py, which this file does not restate
+// beyond the line that matters: out = Out((Acc(q) - Acc(zero_point)) * Acc(scale)),
+// Acc = float (double for float64 output), one rounding to the output dtype.  Each
+// element is one product with no additions after it, so no FMA contraction can change
+// the bits and the result equals the reference exactly.
+//
+// A tensor is seen as R rows of K logical values (K = last dim).  Row r, column k
+// uses scale[(r / rows_per_scale) * (K / group) + k / group]; every granularity is
+// one setting of (group, rows_per_scale): tensor (K, R), channel (K, R / N),
+// token (K, 1), group (g, 1); int32 accumulators reuse it with group = their group.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <type_traits>
+
+namespace {
+
+// Value j of a packed word: bits [BITS*j, BITS*j + BITS), sign-extended if SIGNED.
+template <typename Word, int BITS, bool SIGNED>
+struct Codes {
+  static constexpr int PER = BITS >= 8 ? 1 : int(sizeof(Word) * 8) / BITS;
+  static inline int32_t get(Word w, int j) {
+    if constexpr (BITS >= 8) {
+      return static_cast<int32_t>(w);
+    } else {
+      uint32_t u = static_cast<uint32_t>(static_cast<std::make_unsigned_t<Word>>(w));
+      int32_t v = static_cast<int32_t>((u >> (BITS * j)) & ((1u << BITS) - 1u));
+      if constexpr (SIGNED) v -= (v >> (BITS - 1)) << BITS;
+      return v;
+    }
+  }
+};
+
+// Round float32 to the output type, exactly as torch's .to(dtype) does (nearest, ties to
+// even), in loops the compiler vectorizes (c10's scalar conversions do not).
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+template <typename Out, typename Acc>
+inline void store(const Acc* src, Out* dst, int64_t n) {
+  if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16_bits(src[i]);
+  } else if constexpr (std::is_same_v<Out, c10::Half>) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(src[i]);
+  }
+}
+
+template <typename Word, int BITS, bool SIGNED, bool HAS_ZP, typename Acc, typename Out>
+void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, int64_t R,
+                  int64_t K, int64_t group, int64_t rows_per_scale) {
+  using C = Codes<Word, BITS, SIGNED>;
+  constexpr int64_t CHUNK_WORDS = 256 / C::PER;  // values computed in Acc, then stored as Out
+  const int64_t groups = K / group, words_per_group = group / C::PER, row_words = K / C::PER;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
+    alignas(64) Acc buf[CHUNK_WORDS * C::PER];
+    for (int64_t r = r0; r < r1; ++r) {
+      const Word* c = codes + r * row_words;
+      Out* o = out + r * K;
+      const int64_t srow = (r / rows_per_scale) * groups;
+      for (int64_t g = 0; g < groups; ++g) {
+        const Acc s = scale[srow + g];
+        const Acc z = HAS_ZP ? zp[srow + g] : Acc(0);
+        for (int64_t w0 = 0; w0 < words_per_group; w0 += CHUNK_WORDS) {
+          const int64_t nw = std::min(CHUNK_WORDS, words_per_group - w0);
+          const Word* cw = c + g * words_per_group + w0;
+          for (int64_t w = 0; w < nw; ++w) {
+            const Word word = cw[w];
+#pragma GCC unroll 16
+            for (int j = 0; j < C::PER; ++j) {
+              const Acc q = static_cast<Acc>(C::get(word, j));
+              buf[w * C::PER + j] = HAS_ZP ? (q - z) * s : q * s;
+            }
+          }
+          store<Out, Acc>(buf, o + g * group + w0 * C::PER, nw * C::PER);
+        }
+      }
+    }
+  });
+}
+
+template <typename Word, int BITS, bool SIGNED, typename Acc, typename Out>
+void dispatch_zp(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zp,
+                 at::Tensor& out, int64_t R, int64_t K, int64_t group, int64_t rows_per_scale) {
+  const Word* c = codes.data_ptr<Word>();
+  const Acc* s = scale.data_ptr<Acc>();
+  Out* o = reinterpret_cast<Out*>(out.data_ptr());
+  if (zp.has_value()) {
+    dequant_rows<Word, BITS, SIGNED, true, Acc, Out>(c, s, zp->data_ptr<Acc>(), o, R, K, group, rows_per_scale);
+  } else {
+    dequant_rows<Word, BITS, SIGNED, false, Acc, Out>(c, s, nullptr, o, R, K, group, rows_per_scale);
+  }
+}
+
+template <typename Word, int BITS, bool SIGNED>
+void dispatch_out(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zp,
+                  at::Tensor& out, int64_t R, int64_t K, int64_t group, int64_t rows_per_scale) {
+  switch (out.scalar_type()) {
+    case at::kFloat: return dispatch_zp<Word, BITS, SIGNED, float, float>(codes, scale, zp, out, R, K, group, rows_per_scale);
+    case at::kBFloat16: return dispatch_zp<Word, BITS, SIGNED, float, c10::BFloat16>(codes, scale, zp, out, R, K, group, rows_per_scale);
+    case at::kHalf: return dispatch_zp<Word, BITS, SIGNED, float, c10::Half>(codes, scale, zp, out, R, K, group, rows_per_scale);
+    case at::kDouble: return dispatch_zp<Word, BITS, SIGNED, double, double>(codes, scale, zp, out, R, K, group, rows_per_scale);
+    default: TORCH_CHECK(false, "lowbit._C.dequantize: unsupported out dtype ", out.scalar_type());
+  }
+}
+
+// codes: [R, K * bits / word_bits] (packed) or [R, K]; scale, zero_point: flat, already in the
+// compute dtype (float32, float64 for float64 output); returns [R, K] of out_dtype.
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                      int64_t bits, bool is_signed, int64_t K, int64_t group, int64_t rows_per_scale,
+                      at::ScalarType out_dtype) {
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "lowbit._C.dequantize: contiguous inputs expected");
+  const int64_t word_bits = codes.element_size() * 8;
+  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+  at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
+  if (R == 0 || K == 0) return out;
+  const auto t = codes.scalar_type();
+#define LOWBIT_CASE(WORD, BITS, SIGNED) \
+  dispatch_out<WORD, BITS, SIGNED>(codes, scale, zero_point, out, R, K, group, rows_per_scale)
+  if (bits == 8 && t == at::kChar) LOWBIT_CASE(int8_t, 8, true);
+  else if (bits == 8 && t == at::kByte) LOWBIT_CASE(uint8_t, 8, false);
+  else if (bits == 32 && t == at::kInt) LOWBIT_CASE(int32_t, 32, true);
+  else if (bits == 4 && t == at::kInt && is_signed) LOWBIT_CASE(int32_t, 4, true);
+  else if (bits == 4 && t == at::kInt) LOWBIT_CASE(int32_t, 4, false);
+  else if (bits == 4 && t == at::kByte && is_signed) LOWBIT_CASE(uint8_t, 4, true);
+  else if (bits == 4 && t == at::kByte) LOWBIT_CASE(uint8_t, 4, false);
+  else if (bits == 2 && t == at::kInt && is_signed) LOWBIT_CASE(int32_t, 2, true);
+  else if (bits == 2 && t == at::kInt) LOWBIT_CASE(int32_t, 2, false);
+  else if (bits == 2 && t == at::kByte && is_signed) LOWBIT_CASE(uint8_t, 2, true);
+  else if (bits == 2 && t == at::kByte) LOWBIT_CASE(uint8_t, 2, false);
+  else TORCH_CHECK(false, "lowbit._C.dequantize: no kernel for bits=", bits, " codes ", t);
+  return out;
+#undef LOWBIT_CASE
+}
+
+// out[m, n] = Out(float(acc[m, n]) * row[m] * col[n]), left to right in float32.
+template <typename Out>
+void rowcol_rows(const int32_t* acc, const float* row, const float* col, Out* out, int64_t M, int64_t N) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float r = row[m];
+      const int32_t* a = acc + m * N;
+      Out* o = out + m * N;
+      alignas(64) float buf[256];
+      for (int64_t n0 = 0; n0 < N; n0 += 256) {
+        const int64_t nn = std::min<int64_t>(256, N - n0);
+        for (int64_t n = 0; n < nn; ++n) buf[n] = static_cast<float>(a[n0 + n]) * r * col[n0 + n];
+        store<Out, float>(buf, o + n0, nn);
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
+                             at::ScalarType out_dtype) {
+  TORCH_CHECK(acc.is_contiguous() && row.is_contiguous() && col.is_contiguous(),
+              "lowbit._C.dequantize_rowcol: contiguous inputs expected");
+  const int64_t N = acc.size(-1), M = N ? acc.numel() / N : 0;
+  at::Tensor out = at::empty(acc.sizes(), acc.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return out;
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* r = row.data_ptr<float>();
+  const float* c = col.data_ptr<float>();
+  switch (out_dtype) {
+    case at::kFloat: rowcol_rows<float>(a, r, c, out.data_ptr<float>(), M, N); break;
+    case at::kBFloat16: rowcol_rows<c10::BFloat16>(a, r, c, out.data_ptr<c10::BFloat16>(), M, N); break;
+    case at::kHalf: rowcol_rows<c10::Half>(a, r, c, out.data_ptr<c10::Half>(), M, N); break;
+    default: TORCH_CHECK(false, "lowbit._C.dequantize_rowcol: unsupported out dtype ", out_dtype);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes (see lowbit/kernels/cpu)");
+  m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
+}

@@ -1,0 +1,24 @@
+"""Builds lowbit's C++ CPU kernels (lowbit._C) with torch's cpp_extension.
+
+Install with ``pip install --no-build-isolation -e .`` so the extension is compiled
+against the torch already in the environment.  Set ``LOWBIT_NO_EXT=1`` to skip it:
+lowbit then runs on its pure-PyTorch reference kernels.
+"""
+
+import os
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("LOWBIT_NO_EXT") != "1":
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    # -march=native: the extension is built on the machine that runs it (AVX-512 here).
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+    ext_modules = [
+        CppExtension("lowbit._C", ["lowbit/csrc/cpu/dequant.cpp"],
+                     extra_compile_args=flags, extra_link_args=["-fopenmp"])
+    ]
+    cmdclass = {"build_ext": BuildExtension}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
