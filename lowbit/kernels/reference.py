@@ -145,14 +145,14 @@ def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
     unit = math.lcm(bits, word) // bits  # values that fill whole words
     lead, k = q.shape[:-1], q.shape[-1]
     v = (q.to(torch.int64) & ((1 << bits) - 1)).reshape(*lead, k // unit, unit)
-    stream = (v[..., None] >> torch.arange(bits)) & 1  # [..., k/unit, unit, bits]
-    stream = stream.reshape(*lead, k // unit, -1, word)  # bit i of word w
-    words = (stream << torch.arange(word)).sum(-1)
+    stream = (v[..., None] >> torch.arange(bits, device=q.device)) & 1  # [..., k/unit, unit, bits]
+    stream = stream.reshape(*lead, k // unit, unit * bits // word, word)  # bit i of word w
+    words = (stream << torch.arange(word, device=q.device)).sum(-1)
     if packing == "u32":
         words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     else:
         words = words.to(torch.uint8)
-    return words.reshape(*lead, -1)
+    return words.reshape(*lead, k * bits // word)
 
 
 def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch.Tensor:
@@ -161,9 +161,10 @@ def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch
     unit = math.lcm(bits, word) // bits
     lead = packed.shape[:-1]
     w = packed.to(torch.int64) & ((1 << word) - 1)
-    stream = (w[..., None] >> torch.arange(word)) & 1  # [..., words, word]
-    stream = stream.reshape(*lead, -1, unit, bits)
-    v = (stream << torch.arange(bits)).sum(-1).reshape(*lead, -1)
+    k = packed.shape[-1] * word // bits
+    stream = (w[..., None] >> torch.arange(word, device=packed.device)) & 1  # [..., words, word]
+    stream = stream.reshape(*lead, k // unit, unit, bits)
+    v = (stream << torch.arange(bits, device=packed.device)).sum(-1).reshape(*lead, k)
     if signed:
         v = torch.where(v >= 1 << (bits - 1), v - (1 << bits), v)
         return v.to(torch.int8)

@@ -199,16 +199,19 @@ def _fake_quantize_setup(ctx, inputs, output):
 
 
 def _fake_quantize_backward(ctx, grad):
-    # Straight-through estimator: d out / d x = 1 where x maps inside [qmin, qmax]
-    # (before rounding), 0 where it is clamped.
+    # Straight-through estimator (as torch.fake_quantize_*): d out / d x = 1 where the
+    # rounded code lies in [qmin, qmax], 0 where quantize clamps it.
     x, scale, zero_point = ctx.saved_tensors
     s = scheme_of(ctx.scheme)
     cdt = ref.compute_dtype(x.dtype)
-    xb = ref.to_blocks(x, s.granularity, s.group_size).to(cdt)
-    v = xb / scale.reshape(-1, 1).to(cdt)
-    if zero_point is not None:
-        v = v + zero_point.reshape(-1, 1).to(cdt)
-    inside = ((v >= s.qmin - 0.5) & (v <= s.qmax + 0.5)).reshape(x.shape)
+    v = ref.to_blocks(x, s.granularity, s.group_size).to(cdt) / scale.reshape(-1, 1).to(cdt)
+    if zero_point is None:
+        q = torch.round(v)
+    elif s.zero_point_domain == "int":
+        q = torch.round(v) + zero_point.reshape(-1, 1).to(cdt)
+    else:
+        q = torch.round(v + zero_point.reshape(-1, 1).to(cdt))
+    inside = ((q >= s.qmin) & (q <= s.qmax)).reshape(x.shape)
     return grad * inside, None, None, None
 
 

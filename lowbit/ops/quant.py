@@ -23,14 +23,14 @@ def as_scheme(scheme: QuantScheme | str, name: str = "scheme") -> QuantScheme:
     raise TypeError(f"{name} must be a QuantScheme or its string form, got {type(scheme).__name__}")
 
 
-def _check_input(x, s: QuantScheme, name: str = "x") -> None:
+def _check_input(x, s: QuantScheme, name: str = "x", packed: bool = True) -> None:
     _validate.tensor(name, x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
     k = x.shape[-1]
     if s.granularity == "group" and k % s.group_size:
         raise ValueError(
             f"group_size={s.group_size} of scheme '{s}' does not divide {name}.shape[-1]={k}"
         )
-    if s.is_packed and k % s.pack_unit:
+    if packed and s.is_packed and k % s.pack_unit:
         raise ValueError(
             f"{name}.shape[-1]={k} must be a multiple of {s.pack_unit} to pack {s.bits}-bit codes "
             f"into {s.packing} words (scheme '{s}')"
@@ -117,24 +117,27 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, backend: str 
 def fake_quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | None = None,
                   zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(quantize(x))`` in x's dtype, with a straight-through gradient
-    (identity where x is inside the quantization range, zero where it is clamped),
-    for quantization-aware training.
+    (identity where the rounded code lies in [qmin, qmax], zero where quantize clamps
+    it), for quantization-aware training.  Scale and zero point are chosen from x
+    unless given.
 
     Example::
 
         >>> import torch
         >>> from lowbit.ops import fake_quantize
-        >>> x = torch.randn(4, 64, requires_grad=True)
-        >>> fake_quantize(x, "int4-sym-g32").sum().backward()
-        >>> bool((x.grad == 1).all())
-        True
+        >>> x = torch.tensor([[-2.0, -0.5, 0.5, 2.0]], requires_grad=True)
+        >>> y = fake_quantize(x, "int4-sym-tensor", scale=torch.tensor([0.25]))
+        >>> y.sum().backward()
+        >>> y.tolist(), x.grad.tolist()  # 2.0 / 0.25 = 8 > qmax = 7: clamped
+        ([[-2.0, -0.5, 0.5, 1.75]], [[1.0, 1.0, 1.0, 0.0]])
     """
     s = as_scheme(scheme)
-    _check_input(x, s)
+    _check_input(x, s, packed=False)
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; give both or neither")
-        scale, zero_point = choose_qparams(x.detach(), s)
+        scale, zero_point = library.choose_qparams(x.detach(), str(s))
+        zero_point = None if s.symmetric else zero_point
     else:
         _check_qparams(x, s, scale, zero_point)
     return library.fake_quantize(x, scale, zero_point, str(s))

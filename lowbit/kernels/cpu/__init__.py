@@ -68,7 +68,7 @@ def pack(q, bits, packing):
     if word % bits:
         return reference.pack(q, bits, packing)
     per = word // bits
-    v = (q.to(torch.int32) & ((1 << bits) - 1)).reshape(*q.shape[:-1], -1, per)
+    v = (q.to(torch.int32) & ((1 << bits) - 1)).reshape(*q.shape[:-1], q.shape[-1] // per, per)
     shifts = torch.arange(0, word, bits, dtype=torch.int32, device=q.device)
     words = (v << shifts).sum(-1, dtype=torch.int64 if packing == "u32" else torch.int32)
     return words.to(torch.int32 if packing == "u32" else torch.uint8)
@@ -78,11 +78,12 @@ def unpack(packed, bits, packing, signed):
     word = 32 if packing == "u32" else 8
     if word % bits:
         return reference.unpack(packed, bits, packing, signed)
+    per = word // bits
     shifts = torch.arange(0, word, bits, dtype=torch.int32, device=packed.device)
     v = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
     if signed:
         v = v - ((v >> (bits - 1)) << bits)
-    return v.reshape(*packed.shape[:-1], -1).to(torch.int8 if signed else torch.uint8)
+    return v.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8 if signed else torch.uint8)
 
 
 def dequantize_accumulator_grouped(acc, scale, group_size, out_dtype):
