@@ -1,0 +1,88 @@
+"""The lowbit::* custom ops: torch.library.opcheck, torch.compile(fullgraph=True)
+and torch.export."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.ops import dequantize_accumulator, dequantize_per_token, quantize_per_token
+
+from .conftest import BACKENDS
+
+ops = torch.ops.lowbit
+
+
+def _samples():
+    x = torch.randn(4, 64)
+    for s in ["int4-asym-g32", "int8-sym", "int3-sym-g32", "int4-asym-g32-zpfloat-f16"]:
+        scale, zp = ops.choose_qparams(x, s)
+        zp = None if "-sym" in s else zp
+        yield "choose_qparams", (x, s)
+        for b in BACKENDS:
+            codes = ops.quantize(x, scale, zp, s, b)
+            yield "quantize", (x, scale, zp, s, b)
+            yield "dequantize", (codes, scale, zp, s, [4, 64], torch.bfloat16, b)
+    q = torch.randint(-8, 8, (3, 16), dtype=torch.int8)
+    for b in BACKENDS:
+        yield "pack", (q, 4, "u32", b)
+        yield "unpack", (ops.pack(q, 4, "u8", b), 4, "u8", True, b)
+        yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32),
+                                         torch.rand(2), 32, None, None, torch.bfloat16, b)
+        yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32), None, 0,
+                                         torch.rand(3), torch.rand(64), torch.float16, b)
+        qt, st, zt = quantize_per_token(torch.randn(3, 16, dtype=torch.float64))
+        yield "dequantize_per_token", (qt, st.requires_grad_(), zt, b)
+    yield "quantize_per_token", (torch.randn(3, 16), 8, False)
+    xs = torch.randn(4, 64, requires_grad=True)
+    yield "fake_quantize", (xs, *ops.choose_qparams(xs.detach(), "int4-asym-g32"), "int4-asym-g32")
+    yield "fake_quantize", (xs, torch.rand(4) + 0.1, None, "int8-sym")
+
+
+@pytest.mark.parametrize("name, args", list(_samples()), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(ops, name).default, args)
+
+
+def test_every_registered_op_has_an_opcheck_sample():
+    registered = {n for n in dir(ops) if not n.startswith("_") and isinstance(getattr(ops, n), torch._ops.OpOverloadPacket)}
+    assert registered == {name for name, _ in _samples()}
+
+
+def _pipeline(x, w_qt, acc):
+    """A W8A8-style chain plus weight dequant: every public op in one function."""
+    q, s, z = quantize_per_token(x)
+    xd = dequantize_per_token(q, s, z)
+    w = lowbit.dequantize(w_qt, torch.float32)
+    y = dequantize_accumulator(acc, row_scale=s, col_scale=torch.ones(acc.shape[-1]), out_dtype=torch.float32)
+    return xd @ w.t() + y[:, : w.shape[0]], lowbit.quantize(xd, "int4-asym-g32")
+
+
+def _inputs():
+    x = torch.randn(8, 64)
+    w_qt = lowbit.quantize(torch.randn(16, 64), "int4-sym-g32")
+    acc = torch.randint(-1000, 1000, (8, 32), dtype=torch.int32)
+    return x, w_qt, acc
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    args = _inputs()
+    eager_y, eager_qt = _pipeline(*args)
+    y, qt = torch.compile(_pipeline, fullgraph=True)(*args)
+    assert torch.equal(y, eager_y)
+    assert torch.equal(qt.codes, eager_qt.codes) and torch.equal(qt.scale, eager_qt.scale)
+
+
+class Pipeline(torch.nn.Module):
+    def forward(self, x, w_qt, acc):
+        return _pipeline(x, w_qt, acc)[0]
+
+
+def test_export_shows_lowbit_ops_by_name():
+    args = _inputs()
+    ep = torch.export.export(Pipeline(), args)
+    code = ep.graph_module.code
+    for op in ["lowbit.quantize_per_token", "lowbit.dequantize_per_token", "lowbit.dequantize.",
+               "lowbit.dequantize_accumulator"]:
+        assert op in code, op
+    assert torch.equal(ep.module()(*args), Pipeline()(*args))

@@ -1,0 +1,43 @@
+"""Bad input to quantize / dequantize / choose_qparams: a clear error that names the
+argument, raised before any work."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.ops import choose_qparams, fake_quantize
+
+X = torch.randn(4, 64)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: lowbit.quantize(X.to(torch.int32), "int8-sym"), TypeError, "x must have dtype"),
+    (lambda: lowbit.quantize([1.0, 2.0], "int8-sym"), TypeError, "x must be a torch.Tensor"),
+    (lambda: lowbit.quantize(torch.tensor(1.0), "int8-sym-tensor"), ValueError, "x must have at least 1"),
+    (lambda: lowbit.quantize(X, "int4-sym-g48"), ValueError, "group_size=48 .* does not divide x.shape"),
+    (lambda: lowbit.quantize(X[:, :60], "int4-sym-channel"), ValueError, "multiple of 8"),
+    (lambda: lowbit.quantize(X, "int5-sym"), ValueError, "QuantScheme.bits"),
+    (lambda: lowbit.quantize(X, 4), TypeError, "scheme must be a QuantScheme"),
+    (lambda: lowbit.quantize(X, "int8-sym", backend="tpu"), ValueError, "backend"),
+    (lambda: lowbit.quantize(torch.tensor([[1.0, float("nan")]] * 4), "int8-sym"), ValueError, "x contains NaN"),
+    (lambda: lowbit.quantize(torch.tensor([[1.0, float("-inf")]] * 4), "int8-sym"), ValueError, "x contains NaN"),
+    (lambda: lowbit.quantize(X * 1e8, "int8-sym-f16"), ValueError, "scale overflows"),
+    # static quantization: given scale / zero point
+    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(3)), ValueError, "scale must have shape"),
+    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4, dtype=torch.float16)), TypeError, "scale must have dtype"),
+    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4), torch.zeros(4, dtype=torch.int32)), ValueError,
+     "zero_point must be None"),
+    (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4)), ValueError, "zero_point is required"),
+    (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4), torch.zeros(4)), TypeError, "zero_point must have dtype"),
+    (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4), torch.zeros(2, dtype=torch.int32)), ValueError,
+     "zero_point must have shape"),
+    (lambda: lowbit.quantize(X, "int8-sym", zero_point=torch.zeros(4)), ValueError, "without scale"),
+    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4, device="meta")), ValueError, "scale is on meta"),
+    (lambda: lowbit.dequantize(X), TypeError, "qt must be a lowbit.QTensor"),
+    (lambda: lowbit.dequantize(lowbit.quantize(X, "int8-sym"), torch.int8), TypeError, "dtype must be one of"),
+    (lambda: choose_qparams(X, "int4-sym-g48"), ValueError, "group_size=48"),
+    (lambda: fake_quantize(X.long(), "int8-sym"), TypeError, "x must have dtype"),
+])
+def test_bad_arguments_name_the_argument(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
