@@ -24,7 +24,7 @@ class QTensor:
     Attributes:
         codes: packed codes (``scheme.code_dtype``), last dim packed for sub-byte widths.
         scale: ``scheme.scale_dtype``, shape per granularity (see ``lowbit.scheme``).
-        zero_point: None for symmetric schemes; int32 ("int" domain) or
+        zero_point: None for symmetric schemes; uint8 ("int" domain) or
             ``scale_dtype`` ("float" domain), same shape as ``scale``.
         scheme: the ``QuantScheme``.
         shape: logical (unpacked) shape.
@@ -34,7 +34,7 @@ class QTensor:
         >>> import torch, lowbit
         >>> qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
         >>> qt.codes.shape, qt.scale.shape, qt.nbytes
-        (torch.Size([16, 8]), torch.Size([16, 2]), 768)
+        (torch.Size([16, 8]), torch.Size([16, 2]), 672)
         >>> qt.dequantize(torch.bfloat16).shape
         torch.Size([16, 64])
     """

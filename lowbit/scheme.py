@@ -15,7 +15,7 @@ Codes and values::
 * Asymmetric schemes use unsigned codes ``[0, 2^b - 1]``.  With an "int" zero point
   the range is ``[min(x_min, 0), max(x_max, 0)]`` (zero is then exactly
   representable) and ``zero_point = qmin - round(range_min / scale)`` is an integer
-  in the code range.  With a "float" zero point (the scale-and-min form of GGUF
+  in the code range, stored as uint8.  With a "float" zero point (the scale-and-min form of GGUF
   Q4_1/Q4_K and HQQ) the range is ``[x_min, x_max]`` and
   ``zero_point = qmin - x_min / scale`` is stored in ``scale_dtype``.
 * Arithmetic is float32 (float64 for float64 inputs).  The scale is computed in that
@@ -179,7 +179,8 @@ class QuantScheme:
     def zero_point_dtype(self) -> torch.dtype | None:
         if self.symmetric:
             return None
-        return torch.int32 if self.zero_point_domain == "int" else self.scale_dtype
+        # An int zero point lies in the code range [0, 2^bits): one byte holds it.
+        return torch.uint8 if self.zero_point_domain == "int" else self.scale_dtype
 
     # -- string form ----------------------------------------------------------------
     def __str__(self) -> str:

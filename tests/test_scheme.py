@@ -34,7 +34,7 @@ def test_code_ranges_follow_the_convention():
     s = QuantScheme.parse("int4-sym-g32")
     assert (s.qmin, s.qmax, s.code_dtype) == (-8, 7, torch.int32)
     a = QuantScheme.parse("int8-asym-token")
-    assert (a.qmin, a.qmax, a.code_dtype, a.zero_point_dtype) == (0, 255, torch.uint8, torch.int32)
+    assert (a.qmin, a.qmax, a.code_dtype, a.zero_point_dtype) == (0, 255, torch.uint8, torch.uint8)
     assert QuantScheme.parse("int3-asym-g32").pack_unit == 32  # 32 values fill 3 int32 words
     assert QuantScheme.parse("int3-asym-g32-u8").pack_unit == 8
 

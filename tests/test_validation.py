@@ -25,11 +25,11 @@ X = torch.randn(4, 64)
     # static quantization: given scale / zero point
     (lambda: lowbit.quantize(X, "int8-sym", torch.ones(3)), ValueError, "scale must have shape"),
     (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4, dtype=torch.float16)), TypeError, "scale must have dtype"),
-    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4), torch.zeros(4, dtype=torch.int32)), ValueError,
+    (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4), torch.zeros(4, dtype=torch.uint8)), ValueError,
      "zero_point must be None"),
     (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4)), ValueError, "zero_point is required"),
     (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4), torch.zeros(4)), TypeError, "zero_point must have dtype"),
-    (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4), torch.zeros(2, dtype=torch.int32)), ValueError,
+    (lambda: lowbit.quantize(X, "int8-asym", torch.ones(4), torch.zeros(2, dtype=torch.uint8)), ValueError,
      "zero_point must have shape"),
     (lambda: lowbit.quantize(X, "int8-sym", zero_point=torch.zeros(4)), ValueError, "without scale"),
     (lambda: lowbit.quantize(X, "int8-sym", torch.ones(4, device="meta")), ValueError, "scale is on meta"),

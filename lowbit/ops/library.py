@@ -49,7 +49,7 @@ def choose_qparams(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
         x, s.bits, s.symmetric, s.granularity, s.group_size, s.scale_dtype, s.zero_point_domain
     )
     _check_scale(scale, s.scale_dtype)
-    return scale, (_no_zero_point(x) if zp is None else zp)
+    return scale, (_no_zero_point(x) if zp is None else zp.to(s.zero_point_dtype))
 
 
 @choose_qparams.register_fake

@@ -83,15 +83,18 @@ void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, 
         for (int64_t w0 = 0; w0 < words_per_group; w0 += CHUNK_WORDS) {
           const int64_t nw = std::min(CHUNK_WORDS, words_per_group - w0);
           const Word* cw = c + g * words_per_group + w0;
+          Out* dst = o + g * group + w0 * C::PER;
+          // float32/float64 output is written directly; 16-bit output goes through buf.
+          Acc* vals = std::is_same_v<Out, Acc> ? reinterpret_cast<Acc*>(dst) : buf;
           for (int64_t w = 0; w < nw; ++w) {
             const Word word = cw[w];
 #pragma GCC unroll 16
             for (int j = 0; j < C::PER; ++j) {
               const Acc q = static_cast<Acc>(C::get(word, j));
-              buf[w * C::PER + j] = HAS_ZP ? (q - z) * s : q * s;
+              vals[w * C::PER + j] = HAS_ZP ? (q - z) * s : q * s;
             }
           }
-          store<Out, Acc>(buf, o + g * group + w0 * C::PER, nw * C::PER);
+          if constexpr (!std::is_same_v<Out, Acc>) store<Out, Acc>(buf, dst, nw * C::PER);
         }
       }
     }
