@@ -23,7 +23,7 @@ DEMO_SCHEMES = [
 
 
 def demo(model: str | None = None, schemes: list[str] | None = None, limit: int | None = None,
-         out=sys.stdout) -> list[dict]:
+         quiet: bool = False) -> list[dict]:
     """Quantize every decoder linear weight of a GGUF model (default: the bundled
     SmolLM2-135M) at several schemes and print what each costs in error and bytes.
 
@@ -32,7 +32,7 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
     Example::
 
         >>> from lowbit.cli import demo
-        >>> rows = demo(schemes=["int8-sym"], limit=2, out=None)
+        >>> rows = demo(schemes=["int8-sym"], limit=2, quiet=True)
         >>> rows[0]["scheme"], rows[0]["bits_per_weight"] > 8, rows[0]["worst_err_over_half_step"] <= 1.0001
         ('int8-sym', True, True)
     """
@@ -41,8 +41,8 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
     from lowbit.models import read_gguf_linear_weights
 
     def say(line=""):
-        if out is not None:
-            print(line, file=out, flush=True)
+        if not quiet:
+            print(line, flush=True)
 
     t0 = time.perf_counter()
     weights = read_gguf_linear_weights(model, limit=limit)
@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", help=f"comma-separated schemes (default: {','.join(DEMO_SCHEMES)})")
     p.add_argument("--limit", type=int, help="only the first N linear weights")
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
     if args.command == "demo":
         try:
-            demo(args.model, args.schemes.split(",") if args.schemes else None, args.limit)
+            with torch.no_grad():
+                demo(args.model, args.schemes.split(",") if args.schemes else None, args.limit)
         except (FileNotFoundError, ValueError, TypeError) as e:
             print(f"lowbit demo: error: {e}", file=sys.stderr)
             return 2

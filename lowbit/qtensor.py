@@ -45,6 +45,34 @@ class QTensor:
     scheme: QuantScheme
     shape: torch.Size
 
+    def __post_init__(self) -> None:
+        # Metadata only (works on fake tensors too): a mismatch here would make a kernel
+        # read past the end of a buffer, so it is refused when the QTensor is built.
+        from . import _validate
+        from .kernels.reference import scale_shape
+        from .ops.library import packed_last_dim
+
+        s, shape = self.scheme, torch.Size(self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(s, QuantScheme):
+            raise TypeError(f"scheme must be a QuantScheme, got {type(s).__name__}")
+        if len(shape) == 0:
+            raise ValueError("shape must have at least 1 dim")
+        _validate.tensor("codes", self.codes, dtypes=[s.code_dtype])
+        _validate.shape("codes", self.codes, [*shape[:-1], packed_last_dim(shape[-1], s)],
+                        f"{tuple(shape)} packed as '{s}'")
+        expected = scale_shape(shape, s.granularity, s.group_size)
+        _validate.tensor("scale", self.scale, dtypes=[s.scale_dtype])
+        _validate.shape("scale", self.scale, expected, f"granularity of '{s}'")
+        if s.symmetric and self.zero_point is not None:
+            raise ValueError(f"zero_point must be None for the symmetric scheme '{s}'")
+        if not s.symmetric:
+            if self.zero_point is None:
+                raise ValueError(f"zero_point is required for the asymmetric scheme '{s}'")
+            _validate.tensor("zero_point", self.zero_point, dtypes=[s.zero_point_dtype])
+            _validate.shape("zero_point", self.zero_point, expected, "same as scale")
+        _validate.same_device("codes", self.codes, scale=self.scale, zero_point=self.zero_point)
+
     def dequantize(self, dtype: torch.dtype = torch.float32, backend: str | None = None) -> torch.Tensor:
         """Float tensor of ``self.shape``: ``(q - zero_point) * scale`` rounded once to dtype."""
         from .ops.quant import dequantize

@@ -41,3 +41,19 @@ X = torch.randn(4, 64)
 def test_bad_arguments_name_the_argument(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+def test_inconsistent_qtensor_is_refused_when_built():
+    qt = lowbit.quantize(X, "int4-asym-g32")
+    good = dict(codes=qt.codes, scale=qt.scale, zero_point=qt.zero_point, scheme=qt.scheme, shape=qt.shape)
+    for change, match in [
+        (dict(codes=qt.codes[:, :4]), "codes must have shape"),
+        (dict(codes=qt.codes.to(torch.uint8)), "codes must have dtype"),
+        (dict(scale=qt.scale[:, :1]), "scale must have shape"),
+        (dict(zero_point=None), "zero_point is required"),
+        (dict(zero_point=qt.zero_point.to(torch.int32)), "zero_point must have dtype"),
+        (dict(shape=torch.Size([4, 128])), "codes must have shape"),
+        (dict(scheme="int4-asym-g32"), "scheme must be a QuantScheme"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            lowbit.QTensor(**{**good, **change})
