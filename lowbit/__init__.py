@@ -10,9 +10,9 @@ Example::
 
 from . import ops
 from .kernels import available_backends
-from .ops import dequantize, quantize
+from .ops import dequantize, linear, quantize, quantized_matmul
 from .qtensor import QTensor
 from .scheme import PRESETS, QuantScheme
 
 __version__ = "0.1.0"
-__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "ops", "available_backends"]
+__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops", "available_backends"]

@@ -199,3 +199,38 @@ def dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity, gr
                       packing, shape, out_dtype) -> torch.Tensor:
     q = unpack(codes, bits, packing, symmetric) if bits < 8 else codes
     return dequantize(q.reshape(shape), scale, zero_point, granularity, group_size, out_dtype)
+
+
+# -- matmuls -------------------------------------------------------------------------
+def dequantize_weight(codes, scale, zero_point, bits, group_size, k, out_dtype=torch.float32):
+    """Float [N, K] weight from codes [N, K] (8 bit) or packed int32 [N, K*bits/32],
+    scale/zero_point [N, K // group_size]; signed codes iff zero_point is None."""
+    q = codes if bits == 8 else unpack(codes, bits, "u32", zero_point is None)
+    return dequantize(q.reshape(-1, k), scale, zero_point, "group", group_size, out_dtype)
+
+
+def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
+    """x [..., K] @ dequantize(W).T in float32, rounded once to x's dtype."""
+    w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1])
+    return (x.to(torch.float32) @ w.T).to(x.dtype)
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 a [M, K] @ int8 b [N, K].T with exact int32 accumulation (int64 inside)."""
+    return (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.int32)
+
+
+def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
+    """Requirement D before output quantization: dequantize the int8 per-token input
+    and the int4 per-group weight, float32 linear (+ bias)."""
+    k = x_q.shape[-1]
+    x = (x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]) * x_scale.to(torch.float32)[:, None]
+    w = dequantize_weight(w_packed, w_scales, w_zero_points, 4, group_size, k)
+    y = x @ w.T
+    return y if bias is None else y + bias.to(torch.float32)
+
+
+def requantize_per_token(y, out_scale, out_zero_point):
+    """int8 clamp(round(y / out_scale) + out_zero_point, -128, 127), one row per token."""
+    q = torch.round(y / out_scale.to(torch.float32)[:, None]) + out_zero_point.to(torch.float32)[:, None]
+    return q.clamp(-128, 127).to(torch.int8)

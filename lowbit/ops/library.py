@@ -232,3 +232,54 @@ def dequantize_accumulator(acc: Tensor, scale: Tensor | None, group_size: int,
 @dequantize_accumulator.register_fake
 def _(acc, scale, group_size, row_scale, col_scale, out_dtype, backend):
     return acc.new_empty(acc.shape, dtype=out_dtype)
+
+
+# -- matmuls -------------------------------------------------------------------------------
+@torch.library.custom_op("lowbit::weight_only_matmul", mutates_args=())
+def weight_only_matmul(x: Tensor, codes: Tensor, scale: Tensor, zero_point: Tensor | None, bits: int,
+                       group_size: int, backend: str) -> Tensor:
+    return kernels.module(backend).weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+
+
+@weight_only_matmul.register_fake
+def _(x, codes, scale, zero_point, bits, group_size, backend):
+    return x.new_empty([*x.shape[:-1], codes.shape[0]])
+
+
+@torch.library.custom_op("lowbit::int8_mm", mutates_args=())
+def int8_mm(a: Tensor, b: Tensor, backend: str) -> Tensor:
+    return kernels.module(backend).int8_mm(a, b)
+
+
+@int8_mm.register_fake
+def _(a, b, backend):
+    return a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32)
+
+
+@torch.library.custom_op("lowbit::linear_qta8a_qga4w", mutates_args=())
+def linear_qta8a_qga4w(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor, w_packed: Tensor,
+                       w_scales: Tensor, w_zero_points: Tensor | None, group_size: int,
+                       bias: Tensor | None, backend: str) -> Tensor:
+    return kernels.module(backend).linear_qta8a_qga4w(
+        x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias)
+
+
+@linear_qta8a_qga4w.register_fake
+def _(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias, backend):
+    return x_q.new_empty([x_q.shape[0], w_packed.shape[0]], dtype=torch.float32)
+
+
+@torch.library.custom_op("lowbit::linear_qta8a_qga4w_qta8o", mutates_args=())
+def linear_qta8a_qga4w_qta8o(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor, w_packed: Tensor,
+                             w_scales: Tensor, w_zero_points: Tensor | None, group_size: int,
+                             out_scale: Tensor, out_zero_point: Tensor, bias: Tensor | None,
+                             backend: str) -> Tensor:
+    k = kernels.module(backend)
+    y = k.linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias)
+    return k.requantize_per_token(y, out_scale, out_zero_point)
+
+
+@linear_qta8a_qga4w_qta8o.register_fake
+def _(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, out_scale,
+      out_zero_point, bias, backend):
+    return x_q.new_empty([x_q.shape[0], w_packed.shape[0]], dtype=torch.int8)

@@ -98,3 +98,68 @@ def dequantize_accumulator_grouped(acc, scale, group_size, out_dtype):
 def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
     return _C.dequantize_rowcol(acc.contiguous(), row_scale.to(torch.float32).contiguous(),
                                 col_scale.to(torch.float32).contiguous(), out_dtype)
+
+
+# -- matmuls -------------------------------------------------------------------------
+# Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
+# the dequantize and the matmul, so no full float copy of W is ever made.
+TILE_BYTES = 1 << 20
+
+
+def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
+    """x @ dequantize(W).T: W is dequantized one L2-sized tile of rows at a time, in the
+    activation dtype (bf16 stays bf16 for the AMX matmul; f16 and f32 use f32), and each
+    tile is multiplied at once."""
+    if bits not in (4, 8) or x.dtype == torch.float64:
+        return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+    k, n = x.shape[-1], codes.shape[0]
+    x2 = x.reshape(-1, k)
+    cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    xc = x2.to(cdt).contiguous()
+    out_t = torch.empty(n, x2.shape[0], dtype=cdt)
+    tile = max(16, TILE_BYTES // max(k * out_t.element_size(), 1))
+    zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+    s = scale.to(torch.float32).contiguous()
+    for n0 in range(0, n, tile):
+        n1 = min(n, n0 + tile)
+        w = _C.dequantize(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
+                          bits, zero_point is None, k, group_size, 1, cdt)
+        torch.mm(w, xc.T, out=out_t[n0:n1])
+    return out_t.T.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def int8_mm(a, b):
+    """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation."""
+    return torch._int_mm(a.contiguous(), b.T)
+
+
+def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
+    """Integer arithmetic inside each weight group, float scaling once per group:
+
+    y[m, n] = x_scale[m] * sum_g w_scale[n, g] * sum_{k in g} (x_q[m, k] - x_zp[m]) (w_q[n, k] - w_zp[n, g])
+
+    The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
+    all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
+    """
+    m, k = x_q.shape
+    n, groups = w_scales.shape
+    g = group_size
+    w_q = unpack(w_packed, 4, "u32", w_zero_points is None).to(torch.int8).reshape(n, groups, g)
+    xg = x_q.reshape(m, groups, g)
+    w_zp = (torch.zeros(n, groups, dtype=torch.int32) if w_zero_points is None
+            else w_zero_points.to(torch.int32))
+    x_zp = x_zero_point.to(torch.int32)
+    x_sum = xg.to(torch.int32).sum(-1)                       # [m, groups]
+    w_sum = w_q.to(torch.int32).sum(-1)                      # [n, groups]
+    y = torch.zeros(m, n, dtype=torch.float32)
+    ws = w_scales.to(torch.float32)
+    for j in range(groups):
+        acc = int8_mm(xg[:, j].contiguous(), w_q[:, j].contiguous())  # [m, n] int32
+        acc = (acc - x_sum[:, j, None] * w_zp[None, :, j] - x_zp[:, None] * w_sum[None, :, j]
+               + g * x_zp[:, None] * w_zp[None, :, j])
+        y += acc.to(torch.float32) * ws[None, :, j]
+    y = y * x_scale.to(torch.float32)[:, None]
+    return y if bias is None else y + bias.to(torch.float32)
+
+
+requantize_per_token = reference.requantize_per_token

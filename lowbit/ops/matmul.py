@@ -1,0 +1,257 @@
+"""Quantized matmuls: weight-only (W8A16, W4A16), W8A8 and W4A8.
+
+Weights are [N, K] (out_features, in_features) with groups along K, following
+``lowbit.scheme``: 8-bit codes one per byte, 4-bit codes packed "u32x8"; signed
+codes without zero point (symmetric) or unsigned codes with a zero point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validate, kernels
+from ..qtensor import QTensor
+from ..scheme import QuantScheme
+from . import library
+from .pack import pack_bits, unpack_bits
+from .per_token import quantize_per_token
+
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
+
+
+def _check_weight(k: int, weight, scales, zero_points, bits, group_size, prefix=""):
+    """Validate a weight triple against the activations' K; return N."""
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"{prefix}bits must be 4 or 8, got {bits!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"{prefix}group_size must be a positive int, got {group_size!r}")
+    if k % group_size:
+        raise ValueError(f"{prefix}group_size={group_size} does not divide K={k} (in_features)")
+    if bits == 4 and group_size % 8:
+        raise ValueError(f"{prefix}group_size={group_size} must be a multiple of 8 for u32x8-packed 4-bit weights")
+    name = prefix + "weight"
+    if bits == 8:
+        dtypes = [torch.int8] if zero_points is None else [torch.uint8]
+        _validate.tensor(name, weight, dtypes=dtypes, ndim=2)
+        _validate.shape(name, weight, (weight.shape[0], k), "[N, K] with K = in_features of the input")
+    else:
+        _validate.tensor(name, weight, dtypes=[torch.int32], ndim=2)
+        _validate.shape(name, weight, (weight.shape[0], k // 8), "[N, K/8] u32x8-packed 4-bit codes")
+    n = weight.shape[0]
+    _validate.tensor(prefix + "scales", scales, dtypes=SCALE_DTYPES, ndim=2)
+    _validate.shape(prefix + "scales", scales, (n, k // group_size), "[N, K / group_size]")
+    if zero_points is not None:
+        _validate.tensor(prefix + "zero_points", zero_points, dtypes=ZP_INT_DTYPES + SCALE_DTYPES, ndim=2)
+        _validate.shape(prefix + "zero_points", zero_points, (n, k // group_size), "same as scales")
+    _validate.same_device(name, weight, **{prefix + "scales": scales, prefix + "zero_points": zero_points})
+    return n
+
+
+def quantized_matmul(input: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     zero_points: torch.Tensor | None = None, *, bits: int, group_size: int,
+                     out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """``input @ dequantize(weight).T`` in input's dtype, without a float copy of the weight.
+
+    Args:
+        input: float [..., K].
+        weight: bits=8: int8 [N, K] (symmetric) or uint8 [N, K] (with zero_points);
+            bits=4: int32 [N, K/8], "u32x8"-packed codes.
+        scales: [N, K / group_size] (group_size = K: per channel).
+        zero_points: None (symmetric, signed codes), integer (unsigned codes) or float
+            (the scheme's "float" zero-point domain), same shape as scales.
+        out: optional [..., N] tensor of input's dtype to write the result into.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> w = torch.randn(32, 64)
+        >>> qt = lowbit.quantize(w, "int4-sym-g32")
+        >>> x = torch.randn(2, 64)
+        >>> y = lowbit.quantized_matmul(x, qt.codes, qt.scale, bits=4, group_size=32)
+        >>> torch.allclose(y, x @ qt.dequantize().T, atol=1e-4)
+        True
+    """
+    _validate.tensor("input", input, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
+    n = _check_weight(input.shape[-1], weight, scales, zero_points, bits, group_size)
+    _validate.same_device("input", input, weight=weight, out=out)
+    if out is not None:
+        _validate.tensor("out", out, dtypes=[input.dtype])
+        _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
+    y = library.weight_only_matmul(input, weight, scales, zero_points, bits, group_size,
+                                   kernels.resolve(backend, input.device))
+    return y if out is None else out.copy_(y)
+
+
+def _weight_parts(qweight: QTensor):
+    """(codes, scales [N, G], zero_points, bits, group_size) of a 2-D weight QTensor,
+    4-bit codes as u32x8 words."""
+    if not isinstance(qweight, QTensor):
+        raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
+    s, (n, k) = qweight.scheme, (tuple(qweight.shape) + (None,))[:2]
+    if len(qweight.shape) != 2:
+        raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
+    if s.granularity == "token":
+        raise ValueError(f"qweight scheme '{s}' is per-token; weights are per tensor, channel or group")
+    group = s.group_size if s.granularity == "group" else k
+    groups = k // group
+    scale = qweight.scale.reshape(-1, 1).expand(n, groups) if s.granularity == "tensor" else qweight.scale.reshape(n, groups)
+    zp = qweight.zero_point
+    if zp is not None:
+        zp = zp.reshape(-1, 1).expand(n, groups) if s.granularity == "tensor" else zp.reshape(n, groups)
+    codes = qweight.codes
+    if s.bits == 4 and s.packing == "u8":
+        # u8x2 bytes are u32x8 words read little-endian: same bits, no repacking.
+        codes = codes.contiguous().view(torch.int32) if k % 8 == 0 else pack_bits(
+            unpack_bits(codes, 4, "u8", signed=s.symmetric), 4, "u32")
+    return codes, scale.contiguous(), None if zp is None else zp.contiguous(), s.bits, group
+
+
+def _as_act_scheme(act_scheme) -> QuantScheme:
+    s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(act_scheme)
+    if s.bits != 8 or s.granularity not in ("token", "tensor"):
+        raise ValueError(
+            f"act_scheme must be an 8-bit per-token or per-tensor scheme (e.g. 'int8-sym-token', "
+            f"'int8-asym-token'), got '{s}'"
+        )
+    return s
+
+
+def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, *,
+           act_scheme: QuantScheme | str | None = None, act_scale: torch.Tensor | None = None,
+           act_zero_point: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with a quantized weight, dispatching on the schemes:
+
+    * ``act_scheme=None``: weight-only (W8A16, W4A16; 2/3-bit weights run the reference).
+    * 8-bit activations with an int8 symmetric per-channel weight: W8A8, an int8 x int8 ->
+      int32 GEMM and the ``dequantize_accumulator`` epilogue.
+    * 8-bit activations with a 4-bit grouped weight: W4A8, integer accumulation per
+      weight group (``linear_qta8a_qga4w``).
+
+    Activations are quantized per token on the fly (``'int8-sym-token'`` or
+    ``'int8-asym-token'``), or with a calibrated per-tensor ``act_scale`` (and
+    ``act_zero_point`` for an asymmetric scheme) when ``act_scheme`` is per tensor.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> w = lowbit.quantize(torch.randn(64, 128), "int8-sym")
+        >>> x = torch.randn(4, 128, dtype=torch.bfloat16)
+        >>> lowbit.linear(x, w, act_scheme="int8-sym-token").dtype
+        torch.bfloat16
+    """
+    _validate.tensor("x", x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
+    codes, scales, zps, bits, group = _weight_parts(qweight)
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match qweight in_features={k}")
+    _validate.same_device("x", x, qweight=qweight.codes, bias=bias)
+    if bias is not None:
+        _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
+        _validate.shape("bias", bias, (n,), "[out_features]")
+    b = kernels.resolve(backend, x.device)
+    if act_scheme is None:
+        if act_scale is not None or act_zero_point is not None:
+            raise ValueError("act_scale / act_zero_point need an act_scheme")
+        if bits in (4, 8):
+            y = library.weight_only_matmul(x, codes, scales, zps, bits, group, b)
+        else:
+            y = torch.nn.functional.linear(x, qweight.dequantize(x.dtype, backend=b))
+        return y if bias is None else y + bias.to(y.dtype)
+
+    s = _as_act_scheme(act_scheme)
+    if x.dtype == torch.float64:
+        raise TypeError("x must be float32, float16 or bfloat16 for 8-bit activations, got torch.float64")
+    x2 = x.reshape(-1, k)
+    xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, b)
+    if bits == 8:
+        if not qweight.scheme.symmetric or qweight.scheme.granularity != "channel":
+            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{qweight.scheme}'")
+        acc = library.int8_mm(xq, codes, b)
+        if not s.symmetric or act_scale is not None:
+            # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.
+            acc = acc - xz[:, None] * codes.sum(dim=1, dtype=torch.int32)[None, :]
+        from .accumulator import dequantize_accumulator
+
+        y = dequantize_accumulator(acc, row_scale=xs, col_scale=scales.reshape(n), out_dtype=x.dtype, backend=b)
+    elif bits == 4:
+        if zps is not None and zps.is_floating_point():
+            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{qweight.scheme}'")
+        y = library.linear_qta8a_qga4w(xq, xs.to(torch.float32), xz, codes, scales, zps, group, None, b).to(x.dtype)
+    else:
+        raise ValueError(f"8-bit activations need an 8- or 4-bit weight, got '{qweight.scheme}'")
+    y = y.reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend):
+    """int8 codes [M, K], scale [M], int32 zero point [M] (0 for symmetric)."""
+    m = x2.shape[0]
+    if act_scale is None:
+        if act_zero_point is not None:
+            raise ValueError("act_zero_point was given without act_scale")
+        if s.granularity == "token":
+            q, scale, zp = quantize_per_token(x2, 8, s.symmetric)
+        else:
+            from .quant import quantize
+
+            qt = quantize(x2, s, backend=backend)
+            q, scale = qt.codes, qt.scale.expand(m)
+            zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric
+                  else qt.zero_point.to(torch.int32).expand(m))
+    else:
+        if s.granularity != "tensor":
+            raise ValueError(f"a calibrated act_scale needs a per-tensor act_scheme, got '{s}'")
+        from .quant import quantize
+
+        qt = quantize(x2, s, act_scale, act_zero_point, backend=backend)
+        q, scale = qt.codes, qt.scale.expand(m)
+        zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric
+              else qt.zero_point.to(torch.int32).expand(m))
+    if q.dtype == torch.uint8:  # unsigned codes: shift by 128 to int8, exactly
+        q = (q.to(torch.int16) - 128).to(torch.int8)
+        zp = zp - 128
+    return q, scale.contiguous(), zp.contiguous()
+
+
+def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor,
+                             w_packed: torch.Tensor, w_scales: torch.Tensor,
+                             w_zero_points: torch.Tensor | None, group_size: int,
+                             out_scale: torch.Tensor, out_zero_point: torch.Tensor,
+                             bias: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Integer W4A8 linear with int8 output (requirement D).
+
+    ``x = (x_q - x_zero_point[m]) * x_scale[m]`` (int8 [M, K], per token);
+    ``W = (w_q - w_zero_points[n, g]) * w_scales[n, g]`` (4-bit u32x8 [N, K/8], per group);
+    ``out = clamp(round((x @ W.T + bias) / out_scale[m]) + out_zero_point[m], -128, 127)``.
+    The fast path accumulates in int32 inside each weight group and scales once per group.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> from lowbit.ops import linear_qta8a_qga4w_qta8o
+        >>> w = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+        >>> x_q = torch.randint(-128, 128, (2, 64), dtype=torch.int8)
+        >>> one, zero = torch.full((2,), 0.05), torch.zeros(2, dtype=torch.int32)
+        >>> out = linear_qta8a_qga4w_qta8o(x_q, one, zero, w.codes, w.scale, w.zero_point, 32,
+        ...                                torch.full((2,), 0.5), zero)
+        >>> out.dtype, out.shape
+        (torch.int8, torch.Size([2, 16]))
+    """
+    _validate.tensor("x_q", x_q, dtypes=[torch.int8], ndim=2)
+    m, k = x_q.shape
+    for name, t, dtypes in [("x_scale", x_scale, SCALE_DTYPES), ("x_zero_point", x_zero_point, [torch.int32]),
+                            ("out_scale", out_scale, SCALE_DTYPES), ("out_zero_point", out_zero_point, [torch.int32])]:
+        _validate.tensor(name, t, dtypes=dtypes, ndim=1)
+        _validate.shape(name, t, (m,), "one per token (row of x_q)")
+    if w_zero_points is not None and w_zero_points.is_floating_point():
+        raise TypeError(f"w_zero_points must be integer (int domain), got {w_zero_points.dtype}")
+    n = _check_weight(k, w_packed, w_scales, w_zero_points, 4, group_size, prefix="w_")
+    if bias is not None:
+        _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
+        _validate.shape("bias", bias, (n,), "[N]")
+    _validate.same_device("x_q", x_q, x_scale=x_scale, x_zero_point=x_zero_point, w_packed=w_packed,
+                          out_scale=out_scale, out_zero_point=out_zero_point, bias=bias)
+    return library.linear_qta8a_qga4w_qta8o(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points,
+                                            group_size, out_scale, out_zero_point, bias,
+                                            kernels.resolve(backend, x_q.device))
