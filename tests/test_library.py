@@ -33,6 +33,18 @@ def _samples():
         qt, st, zt = quantize_per_token(torch.randn(3, 16, dtype=torch.float64))
         yield "dequantize_per_token", (qt, st.requires_grad_(), zt, b)
     yield "quantize_per_token", (torch.randn(3, 16), 8, False)
+    w4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    w8 = lowbit.quantize(torch.randn(16, 64), "int8-sym")
+    xq = torch.randint(-128, 128, (3, 64), dtype=torch.int8)
+    for b in BACKENDS:
+        for dt in (torch.float32, torch.bfloat16):
+            yield "weight_only_matmul", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32, b)
+            yield "weight_only_matmul", (torch.randn(1, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64, b)
+        yield "int8_mm", (xq, w8.codes, b)
+        x_args = (xq, torch.rand(3), torch.randint(-5, 5, (3,), dtype=torch.int32), w4.codes, w4.scale,
+                  w4.zero_point, 32)
+        yield "linear_qta8a_qga4w", (*x_args, torch.randn(16), b)
+        yield "linear_qta8a_qga4w_qta8o", (*x_args, torch.rand(3) + 0.5, torch.zeros(3, dtype=torch.int32), None, b)
     xs = torch.randn(4, 64, requires_grad=True)
     yield "fake_quantize", (xs, *ops.choose_qparams(xs.detach(), "int4-asym-g32"), "int4-asym-g32")
     yield "fake_quantize", (xs, torch.rand(4) + 0.1, None, "int8-sym")
@@ -76,6 +88,32 @@ def test_compile_fullgraph_matches_eager():
 class Pipeline(torch.nn.Module):
     def forward(self, x, w_qt, acc):
         return _pipeline(x, w_qt, acc)[0]
+
+
+class QuantizedMLP(torch.nn.Module):
+    """W8A8 then W4A16 then W4A8, as a model would chain them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = lowbit.quantize(torch.randn(64, 32), "int8-sym")
+        self.w2 = lowbit.quantize(torch.randn(32, 64), "int4-asym-g32")
+        self.w3 = lowbit.quantize(torch.randn(16, 32), "int4-sym-g32")
+
+    def forward(self, x):
+        h = torch.relu(lowbit.linear(x, self.w1, act_scheme="int8-sym-token"))
+        h = lowbit.linear(h, self.w2)
+        return lowbit.linear(h, self.w3, act_scheme="int8-asym-token")
+
+
+def test_quantized_linears_compile_fullgraph_and_export_by_name():
+    torch._dynamo.reset()
+    model, x = QuantizedMLP(), torch.randn(5, 32)
+    eager = model(x)
+    assert torch.equal(torch.compile(model, fullgraph=True)(x), eager)
+    code = torch.export.export(model, (x,)).graph_module.code
+    for op in ["lowbit.int8_mm", "lowbit.dequantize_accumulator", "lowbit.weight_only_matmul",
+               "lowbit.linear_qta8a_qga4w"]:
+        assert op in code, op
 
 
 def test_export_shows_lowbit_ops_by_name():

@@ -20,31 +20,32 @@ SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
 
 
-def _check_weight(k: int, weight, scales, zero_points, bits, group_size, prefix=""):
+def _check_weight(k: int, weight, scales, zero_points, bits, group_size,
+                  names=("weight", "scales", "zero_points")):
     """Validate a weight triple against the activations' K; return N."""
+    wname, sname, zname = names
     if isinstance(bits, bool) or bits not in (4, 8):
-        raise ValueError(f"{prefix}bits must be 4 or 8, got {bits!r}")
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"{prefix}group_size must be a positive int, got {group_size!r}")
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if k % group_size:
-        raise ValueError(f"{prefix}group_size={group_size} does not divide K={k} (in_features)")
+        raise ValueError(f"group_size={group_size} does not divide K={k} (in_features)")
     if bits == 4 and group_size % 8:
-        raise ValueError(f"{prefix}group_size={group_size} must be a multiple of 8 for u32x8-packed 4-bit weights")
-    name = prefix + "weight"
+        raise ValueError(f"group_size={group_size} must be a multiple of 8 for u32x8-packed 4-bit weights")
     if bits == 8:
         dtypes = [torch.int8] if zero_points is None else [torch.uint8]
-        _validate.tensor(name, weight, dtypes=dtypes, ndim=2)
-        _validate.shape(name, weight, (weight.shape[0], k), "[N, K] with K = in_features of the input")
+        _validate.tensor(wname, weight, dtypes=dtypes, ndim=2)
+        _validate.shape(wname, weight, (weight.shape[0], k), "[N, K] with K = in_features of the input")
     else:
-        _validate.tensor(name, weight, dtypes=[torch.int32], ndim=2)
-        _validate.shape(name, weight, (weight.shape[0], k // 8), "[N, K/8] u32x8-packed 4-bit codes")
+        _validate.tensor(wname, weight, dtypes=[torch.int32], ndim=2)
+        _validate.shape(wname, weight, (weight.shape[0], k // 8), "[N, K/8] u32x8-packed 4-bit codes")
     n = weight.shape[0]
-    _validate.tensor(prefix + "scales", scales, dtypes=SCALE_DTYPES, ndim=2)
-    _validate.shape(prefix + "scales", scales, (n, k // group_size), "[N, K / group_size]")
+    _validate.tensor(sname, scales, dtypes=SCALE_DTYPES, ndim=2)
+    _validate.shape(sname, scales, (n, k // group_size), "[N, K / group_size]")
     if zero_points is not None:
-        _validate.tensor(prefix + "zero_points", zero_points, dtypes=ZP_INT_DTYPES + SCALE_DTYPES, ndim=2)
-        _validate.shape(prefix + "zero_points", zero_points, (n, k // group_size), "same as scales")
-    _validate.same_device(name, weight, **{prefix + "scales": scales, prefix + "zero_points": zero_points})
+        _validate.tensor(zname, zero_points, dtypes=ZP_INT_DTYPES + SCALE_DTYPES, ndim=2)
+        _validate.shape(zname, zero_points, (n, k // group_size), f"same as {sname}")
+    _validate.same_device(wname, weight, **{sname: scales, zname: zero_points})
     return n
 
 
@@ -246,7 +247,8 @@ def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_po
         _validate.shape(name, t, (m,), "one per token (row of x_q)")
     if w_zero_points is not None and w_zero_points.is_floating_point():
         raise TypeError(f"w_zero_points must be integer (int domain), got {w_zero_points.dtype}")
-    n = _check_weight(k, w_packed, w_scales, w_zero_points, 4, group_size, prefix="w_")
+    n = _check_weight(k, w_packed, w_scales, w_zero_points, 4, group_size,
+                      names=("w_packed", "w_scales", "w_zero_points"))
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[N]")

@@ -125,7 +125,7 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
         w = _C.dequantize(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
                           bits, zero_point is None, k, group_size, 1, cdt)
         torch.mm(w, xc.T, out=out_t[n0:n1])
-    return out_t.T.to(x.dtype).reshape(*x.shape[:-1], n)
+    return out_t.T.to(x.dtype).contiguous().reshape(*x.shape[:-1], n)
 
 
 def int8_mm(a, b):

@@ -1,0 +1,272 @@
+"""Quantized matmuls: every backend against the reference, with derived tolerances."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.kernels import reference
+from lowbit.ops import linear, quantized_matmul
+
+from .conftest import BACKENDS, FAST_BACKENDS
+
+U32 = 2.0**-24  # unit roundoff of float32
+UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+WEIGHT_SCHEMES = ["int8-sym", "int8-sym-g64", "int8-asym-g32", "int4-sym-g32", "int4-sym-g128",
+                  "int4-asym-g64", "int4-asym-channel", "int4-asym-g32-zpfloat-f16", "int4-sym-g64-bf16",
+                  "int4-asym-g64-u8", "int2-asym-g64", "int4-sym-tensor"]
+
+
+def gamma(k: int, u: float = U32) -> float:
+    """Higham's bound for a k-term float sum of products: |fl(sum) - sum| <= gamma_k sum|terms|."""
+    return k * u / (1 - k * u)
+
+
+def abs_products(x: torch.Tensor, qt) -> torch.Tensor:
+    """|x| @ (scale * (|q| + |z|)).T in float64: bounds every partial sum either backend
+    forms, whichever of (q - z) * s * x or s * (q.x - z * sum x) it evaluates."""
+    s = qt.scheme
+    q = (reference.unpack(qt.codes, s.bits, s.packing, s.symmetric) if s.is_packed else qt.codes).double()
+    z = qt.zero_point.double().abs() if qt.zero_point is not None else torch.zeros_like(qt.scale.double())
+    wq = reference.to_blocks(q.abs(), s.granularity, s.group_size) + z.reshape(-1, 1)
+    w = (wq * qt.scale.double().reshape(-1, 1).abs()).reshape(qt.shape)
+    return x.double().abs().reshape(-1, x.shape[-1]) @ w.T
+
+
+def weight_only_tolerance(x, qt, y_ref):
+    """Both results are within gamma_K * A of the exact float64 value (A = abs_products),
+    plus: a bfloat16 fast path rounds the dequantized weight to bf16 (u_bf16 * A), and
+    each output is rounded once to x's dtype (u_out * |y| each)."""
+    k = x.shape[-1]
+    a = abs_products(x, qt)
+    u_w = UNIT[torch.bfloat16] if x.dtype == torch.bfloat16 else 0.0
+    return (2 * gamma(k + 2) + u_w) * a + 2 * UNIT[x.dtype] * y_ref.double().abs().reshape(a.shape) + 1e-30
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("scheme", WEIGHT_SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_weight_only_linear_matches_the_reference(backend, scheme, dtype, m):
+    n, k = 48, 256
+    qt = lowbit.quantize(torch.randn(n, k), scheme)
+    x = torch.randn(m, k).to(dtype)
+    y_ref = linear(x, qt, backend="reference")
+    y = linear(x, qt, backend=backend)
+    assert y.dtype == dtype and y.shape == (m, n)
+    err = (y.double() - y_ref.double()).abs()
+    assert bool((err <= weight_only_tolerance(x, qt, y_ref)).all()), float(err.max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reference_weight_only_is_the_float_linear_of_the_dequantized_weight(backend):
+    qt = lowbit.quantize(torch.randn(32, 128), "int4-asym-g32")
+    x = torch.randn(2, 5, 128)
+    bias = torch.randn(32)
+    y = linear(x, qt, bias, backend=backend)
+    expected = torch.nn.functional.linear(x.double(), qt.dequantize(torch.float64), bias.double())
+    tol = weight_only_tolerance(x, qt, expected) + 4 * U32 * bias.double().abs()
+    assert y.shape == (2, 5, 32)
+    assert bool(((y.double() - expected).abs().reshape(tol.shape) <= tol).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", ["int8-sym-g32", "int4-asym-g64", "int4-sym-channel", "int4-asym-g32-zpfloat"])
+def test_quantized_matmul_raw_api_equals_linear_and_writes_out(backend, scheme):
+    qt = lowbit.quantize(torch.randn(24, 128), scheme)
+    x = torch.randn(3, 128)
+    s = qt.scheme
+    group = s.group_size or 128
+    scales = qt.scale.reshape(24, -1)
+    zps = None if qt.zero_point is None else qt.zero_point.reshape(24, -1)
+    y = quantized_matmul(x, qt.codes, scales, zps, bits=s.bits, group_size=group, backend=backend)
+    assert torch.equal(y, linear(x, qt, backend=backend))
+    out = torch.empty(3, 24)
+    assert quantized_matmul(x, qt.codes, scales, zps, bits=s.bits, group_size=group, out=out,
+                            backend=backend) is out
+    assert torch.equal(out, y)
+
+
+# -- W8A8 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("act", ["int8-sym-token", "int8-asym-token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_w8a8_is_bit_exact_across_backends(act, dtype, m):
+    qt = lowbit.quantize(torch.randn(96, 320), "int8-sym")
+    x = torch.randn(m, 320).to(dtype)
+    ys = [linear(x, qt, act_scheme=act, backend=b) for b in BACKENDS]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+
+
+@pytest.mark.parametrize("act", ["int8-sym-token", "int8-asym-token"])
+def test_w8a8_is_the_exact_integer_product_with_the_float32_epilogue(act):
+    qt = lowbit.quantize(torch.randn(64, 256), "int8-sym")
+    x = torch.randn(9, 256)
+    q, s, z = lowbit.ops.quantize_per_token(x, 8, act.startswith("int8-sym") is True)
+    acc = (q.double() - z.double()[:, None]) @ qt.codes.double().T  # exact in float64
+    expected = ((acc.float() * s[:, None]) * qt.scale.float()[None, :])
+    assert torch.equal(linear(x, qt, act_scheme=act), expected)
+
+
+def test_w8a8_static_per_tensor_activation_scale():
+    qt = lowbit.quantize(torch.randn(32, 64), "int8-sym")
+    x = torch.randn(4, 64)
+    scale = torch.tensor([0.05])
+    y = linear(x, qt, act_scheme="int8-sym-tensor", act_scale=scale)
+    xq = torch.clamp(torch.round(x / scale), -128, 127)
+    expected = ((xq.double() @ qt.codes.double().T).float() * scale) * qt.scale.float()
+    assert torch.equal(y, expected)
+
+
+# -- W4A8: requirement D ---------------------------------------------------------------------
+def _qta8o_case(m, n, k, group, zp_kind, values, seed):
+    g = torch.Generator().manual_seed(seed)
+    if values == "extreme":
+        x_q = torch.where(torch.rand(m, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+        w_q = torch.full((n, k), 15, dtype=torch.uint8)
+    else:
+        x_q = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        w_q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    x_scale = torch.rand(m, generator=g) * 0.02 + 1e-3
+    x_zp = torch.randint(-20, 21, (m,), generator=g, dtype=torch.int32)
+    w_scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    w_zp = {"random": torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8),
+            "zero": torch.zeros(n, k // group, dtype=torch.uint8), "none": None}[zp_kind]
+    if w_zp is None:
+        w_q = (w_q.to(torch.int16) - 8).to(torch.int8)  # symmetric: signed codes
+    w_packed = reference.pack(w_q, 4, "u32")
+    bias = torch.randn(n, generator=g)
+    # Output scale so the int8 range is exercised (some values clamp).
+    y = reference.linear_qta8a_qga4w(x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, bias)
+    out_scale = y.abs().amax(dim=1) / 100 + 1e-6
+    out_zp = torch.randint(-10, 11, (m,), generator=g, dtype=torch.int32)
+    return (x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias)
+
+
+def _exact_and_tie_tolerance(args):
+    """The exact pre-rounding value v = y / out_scale (float64, from integers) and how far
+    the float32 reference may sit from it: gamma_{K+3} * sum|terms| / out_scale, plus the
+    division and zero-point addition (2 more roundings of |v|)."""
+    x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args
+    k = x_q.shape[1]
+    x = (x_q.double() - x_zp.double()[:, None]) * x_scale.double()[:, None]
+    w = reference.dequantize_weight(w_packed, w_scales.double(), None if w_zp is None else w_zp, 4, group, k,
+                                    torch.float64)
+    y = x @ w.T + bias.double()
+    terms = x.abs() @ w.abs().T + bias.double().abs()
+    v = y / out_scale.double()[:, None]
+    tol = (gamma(k + 3) * terms / out_scale.double()[:, None] + 4 * U32 * v.abs())
+    return v + out_zp.double()[:, None], tol
+
+
+QTA8O_CASES = [
+    (m, n, k, group, zp, values)
+    for (m, n, k) in [(1, 8, 64), (7, 24, 256), (64, 48, 512), (3, 16, 4096), (2, 8, 16384)]
+    for group in (32, 64, 128) if k % group == 0
+    for zp in ("random", "zero", "none")
+    for values in ("random", "extreme")
+]
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("m, n, k, group, zp, values", QTA8O_CASES)
+def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(backend, m, n, k, group, zp, values):
+    args = _qta8o_case(m, n, k, group, zp, values, seed=m * 1000 + k + group)
+    ref = lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend="reference")
+    fast = lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend=backend)
+    assert ref.dtype == fast.dtype == torch.int8
+    diff = (ref.int() - fast.int()).abs()
+    assert int(diff.max()) <= 1
+    if bool((diff > 0).any()):
+        exact, tol = _exact_and_tie_tolerance(args)
+        distance_to_tie = ((exact - exact.floor()) - 0.5).abs()
+        # Every disagreement sits within the reference's own rounding error of a .5 tie.
+        assert bool((distance_to_tie[diff > 0] <= tol[diff > 0]).all())
+
+
+def test_w4a8_qta8o_is_the_written_reference():
+    args = _qta8o_case(5, 16, 128, 32, "random", "random", seed=1)
+    x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args
+    x = (x_q.float() - x_zp.float()[:, None]) * x_scale[:, None]
+    w = lowbit.ops.unpack_int4(w_packed, signed=False).float().reshape(16, 4, 32)
+    w = ((w - w_zp.float()[..., None]) * w_scales[..., None]).reshape(16, 128)
+    expected = torch.clamp(torch.round((x @ w.T + bias) / out_scale[:, None]) + out_zp[:, None], -128, 127)
+    assert torch.equal(lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend="reference"), expected.to(torch.int8))
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_w4a8_linear_float_output_matches_the_reference(backend):
+    qt = lowbit.quantize(torch.randn(40, 256), "int4-asym-g64")
+    x = torch.randn(6, 256)
+    y_ref = linear(x, qt, act_scheme="int8-asym-token", backend="reference")
+    y = linear(x, qt, act_scheme="int8-asym-token", backend=backend)
+    q, s, z = lowbit.ops.quantize_per_token(x)
+    x_hat = lowbit.ops.dequantize_per_token(q, s, z)
+    tol = 2 * gamma(256 + 3) * abs_products(x_hat, qt) + 1e-30
+    assert bool(((y.double() - y_ref.double()).abs() <= tol).all())
+
+
+# -- bad input -------------------------------------------------------------------------------
+W4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+X = torch.randn(2, 64)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: quantized_matmul(X, W4.codes, W4.scale, W4.zero_point, bits=4, group_size=48), ValueError,
+     "group_size=48 does not divide K=64"),
+    (lambda: quantized_matmul(X, W4.codes, W4.scale, W4.zero_point, bits=3, group_size=32), ValueError, "bits"),
+    (lambda: quantized_matmul(X[:, :32], W4.codes, W4.scale, W4.zero_point, bits=4, group_size=32), ValueError,
+     "weight must have shape"),
+    (lambda: quantized_matmul(X, W4.codes.to(torch.uint8), W4.scale, W4.zero_point, bits=4, group_size=32),
+     TypeError, "weight must have dtype"),
+    (lambda: quantized_matmul(X, W4.codes, W4.scale[:, :1], W4.zero_point, bits=4, group_size=32), ValueError,
+     "scales must have shape"),
+    (lambda: quantized_matmul(X, W4.codes, W4.scale, W4.zero_point[:1], bits=4, group_size=32), ValueError,
+     "zero_points must have shape"),
+    (lambda: quantized_matmul(X.long(), W4.codes, W4.scale, W4.zero_point, bits=4, group_size=32), TypeError,
+     "input must have dtype"),
+    (lambda: quantized_matmul(X, W4.codes, W4.scale, W4.zero_point, bits=4, group_size=32, out=torch.empty(2, 8)),
+     ValueError, "out must have shape"),
+    (lambda: quantized_matmul(X, W4.codes, W4.scale.to("meta"), W4.zero_point, bits=4, group_size=32),
+     ValueError, "scales is on meta"),
+    (lambda: quantized_matmul(X, torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 1),
+                              torch.zeros(16, 1, dtype=torch.uint8), bits=8, group_size=64), TypeError,
+     "weight must have dtype"),  # zero points with int8 (signed, symmetric) codes
+    (lambda: linear(X[:, :32], W4), ValueError, "does not match qweight in_features"),
+    (lambda: linear(X, W4.codes), TypeError, "qweight must be a lowbit.QTensor"),
+    (lambda: linear(X, W4, torch.ones(3)), ValueError, "bias must have shape"),
+    (lambda: linear(X, W4, act_scheme="int4-sym-token"), ValueError, "act_scheme must be an 8-bit"),
+    (lambda: linear(X, lowbit.quantize(torch.randn(16, 64), "int8-asym"), act_scheme="int8-sym-token"),
+     ValueError, "W8A8 needs an int8 symmetric per-channel weight"),
+    (lambda: linear(X, W4, act_scheme="int8-sym-token", act_scale=torch.ones(1)), ValueError,
+     "needs a per-tensor act_scheme"),
+    (lambda: linear(X, W4, act_scale=torch.ones(1)), ValueError, "need an act_scheme"),
+    (lambda: linear(X.double(), W4, act_scheme="int8-sym-token"), TypeError, "float64"),
+    (lambda: linear(X, lowbit.quantize(torch.randn(16, 64), "int4-asym-g32-zpfloat"), act_scheme="int8-asym-token"),
+     ValueError, "integer weight zero points"),
+])
+def test_bad_matmul_arguments_are_refused_before_any_work(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_bad_qta8o_arguments_name_the_argument():
+    args = list(_qta8o_case(3, 8, 64, 32, "random", "random", seed=0))
+    f = lowbit.ops.linear_qta8a_qga4w_qta8o
+    for i, bad, match in [
+        (0, args[0].to(torch.int32), "x_q must have dtype"),
+        (1, args[1][:2], "x_scale must have shape"),
+        (2, args[2].float(), "x_zero_point must have dtype"),
+        (3, args[3][:, :4], "w_packed must have shape"),
+        (4, args[4][:, :1], "w_scales must have shape"),
+        (5, args[5].float(), "w_zero_points must be integer"),
+        (6, 48, "group_size=48 does not divide"),
+        (7, args[7][:1], "out_scale must have shape"),
+        (8, args[8].to(torch.int64), "out_zero_point must have dtype"),
+        (9, torch.ones(5), "bias must have shape"),
+    ]:
+        call = list(args)
+        call[i] = bad
+        with pytest.raises((ValueError, TypeError), match=match):
+            f(*call)
