@@ -16,7 +16,8 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
     # -march=native: the extension is built on the machine that runs it (AVX-512 here).
     flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
     ext_modules = [
-        CppExtension("lowbit._C", ["lowbit/csrc/cpu/dequant.cpp"],
+        CppExtension("lowbit._C", ["lowbit/csrc/cpu/bindings.cpp", "lowbit/csrc/cpu/dequant.cpp",
+                                   "lowbit/csrc/cpu/matmul.cpp"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])
     ]
     cmdclass = {"build_ext": BuildExtension}

@@ -126,6 +126,8 @@ void dispatch_out(const at::Tensor& codes, const at::Tensor& scale, const c10::o
   }
 }
 
+}  // namespace
+
 // codes: [R, K * bits / word_bits] (packed) or [R, K]; scale, zero_point: flat, already in the
 // compute dtype (float32, float64 for float64 output); returns [R, K] of out_dtype.
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
@@ -156,6 +158,8 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
 }
 
 // out[m, n] = Out(float(acc[m, n]) * row[m] * col[n]), left to right in float32.
+namespace {
+
 template <typename Out>
 void rowcol_rows(const int32_t* acc, const float* row, const float* col, Out* out, int64_t M, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
@@ -173,6 +177,8 @@ void rowcol_rows(const int32_t* acc, const float* row, const float* col, Out* ou
     }
   });
 }
+
+}  // namespace
 
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
                              at::ScalarType out_dtype) {
@@ -193,9 +199,3 @@ at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes (see lowbit/kernels/cpu)");
-  m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
-}

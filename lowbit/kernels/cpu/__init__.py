@@ -104,16 +104,29 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
+# Up to this many activation rows, the fused AVX-512 kernel (weights read packed, float32
+# accumulation) beats dequantizing tiles for torch.mm.
+GEMV_MAX_M = 16
+
+
+def _fused_ok(bits: int, group_size: int) -> bool:
+    return _C.has_avx512() and group_size % (32 if bits == 4 else 16) == 0
 
 
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
-    """x @ dequantize(W).T: W is dequantized one L2-sized tile of rows at a time, in the
-    activation dtype (bf16 stays bf16 for the AMX matmul; f16 and f32 use f32), and each
-    tile is multiplied at once."""
+    """x @ dequantize(W).T.  Small M: one fused kernel reads the packed weight and
+    accumulates in float32.  Larger M: W is dequantized one L2-sized tile of rows at a
+    time, in the activation dtype (bf16 stays bf16; f16 and f32 use f32), and each tile
+    goes through torch.mm; no full float copy of W is ever made."""
     if bits not in (4, 8) or x.dtype == torch.float64:
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
+    if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
+        zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+        y = _C.weight_only_gemv(x2.to(torch.float32).contiguous(), codes.contiguous(),
+                                scale.to(torch.float32).contiguous(), zp, bits, group_size)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
     cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     xc = x2.to(cdt).contiguous()
     out_t = torch.empty(n, x2.shape[0], dtype=cdt)
@@ -141,6 +154,12 @@ def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_po
     The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
     all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
     """
+    if _fused_ok(4, group_size):
+        zp = None if w_zero_points is None else w_zero_points.to(torch.int32).contiguous()
+        y = _C.w4a8_gemm(x_q.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_packed.contiguous(),
+                         w_scales.to(torch.float32).contiguous(), zp, group_size)
+        y = y * x_scale.to(torch.float32)[:, None]
+        return y if bias is None else y + bias.to(torch.float32)
     m, k = x_q.shape
     n, groups = w_scales.shape
     g = group_size

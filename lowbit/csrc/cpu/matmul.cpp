@@ -1,0 +1,264 @@
+// Fused quantized matmuls for small M (decode): the weight is read once, in its packed
+// form, and never written out as floats.  Conventions: lowbit/scheme.py.
+//
+// Layout facts used here (all from the scheme): a weight is [N, K] with groups of
+// `group` along K; 4-bit codes are u32x8 words, which read as bytes are the u8x2 layout:
+// byte i of a row holds element 2i in its low nibble and 2i+1 in its high nibble.
+// So a block of 32 values is 16 bytes whose low nibbles are the even elements and
+// high nibbles the odd ones; the activations are split the same way once per call
+// (x_even, x_odd), and no shuffle is needed in the inner loop.
+//
+// Weight-only (W4A16, W8A16), per output n and row m:
+//   y = sum_g s[n,g] * (sum_{k in g} q[n,k] x[k]  -  z[n,g] * sum_{k in g} x[k])
+// which is the reference sum_k (q - z) s x regrouped, in float32.
+//
+// W4A8 (requirement D), all integer inside a group, with u = unsigned nibble
+// (signed weights: u = q + 8, zero point 8), int8 x with per-token zero point xz:
+//   sum_{k in g} (x - xz)(u - z) = x.u - z sum x - xz sum u + |g| xz z
+// x.u and sum u are vpdpbusd dot products (u8 x s8 -> s32); the float scale is
+// applied once per group.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
+constexpr int MB = 4;  // activation rows computed together (each unpacked weight reused MB times)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+
+// ---- weight-only, float32 accumulation --------------------------------------------------
+// xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G] group sums of x.
+// (A 16-entry vpermps table of (code - z) * s per group measured 1.9x slower on Zen 4:
+// cross-lane permutes of zmm registers are expensive there.)
+template <int R, bool SIGNED, bool HAS_ZP>
+void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
+             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+  __m512 total[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
+  const int64_t blocks = group / 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = (g * group + b * 32) / 2;  // byte offset == index into xe/xo
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off)));
+      __m512i lo, hi;
+      if constexpr (SIGNED) {
+        lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
+        hi = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28);
+      } else {
+        lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF));
+        hi = _mm512_srli_epi32(v, 4);
+      }
+      const __m512 flo = _mm512_cvtepi32_ps(lo), fhi = _mm512_cvtepi32_ps(hi);
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_fmadd_ps(flo, _mm512_loadu_ps(xe + r * (K / 2) + off), dot[r]);
+        dot[r] = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xo + r * (K / 2) + off), dot[r]);
+      }
+    }
+    const __m512 sg = _mm512_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
+      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
+}
+
+template <int R, bool SIGNED, bool HAS_ZP>
+void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
+             const float* s, const float* z, float* y, int64_t ldy) {
+  __m512 total[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
+  const int64_t blocks = group / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = g * group + b * 16;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off));
+      const __m512 q = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + r * K + off), dot[r]);
+    }
+    const __m512 sg = _mm512_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
+      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
+}
+
+template <bool SIGNED, bool HAS_ZP>
+void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t N, int64_t K, int64_t G,
+            int64_t group, int64_t bits, const uint8_t* w, const float* s, const float* z, float* y) {
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wn = w + n * row_bytes;
+      const float* sn = s + n * G;
+      const float* zn = HAS_ZP ? z + n * G : nullptr;
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) {
+        if (bits == 4)
+          w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        else
+          w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+      }
+      for (; m < M; ++m) {
+        if (bits == 4)
+          w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        else
+          w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+      }
+    }
+  });
+}
+
+// ---- W4A8: int8 activations x u4 weights with vpdpbusd ---------------------------------
+// xe/xo: [M, K/2] int8 even/odd activations of each 32-block; xsum: [M, G] int32 sums.
+inline int32_t hsum(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+
+template <int R>
+void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const int32_t* xzp, int64_t K,
+               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
+               float* y, int64_t ldy) {
+  float corr[R];
+  for (int r = 0; r < R; ++r) corr[r] = 0.f;
+  const __m128i mask = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(is_signed ? 0x08 : 0x00), ones = _mm_set1_epi8(1);
+  const int64_t blocks = group / 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m128i acc[R];
+    __m128i accw = _mm_setzero_si128();
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_si128();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = (g * group + b * 32) / 2;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off));
+      const __m128i lo = _mm_xor_si128(_mm_and_si128(bytes, mask), flip);
+      const __m128i hi = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), flip);
+      accw = _mm_dpbusd_epi32(_mm_dpbusd_epi32(accw, lo, ones), hi, ones);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm_dpbusd_epi32(acc[r], lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xe + r * (K / 2) + off)));
+        acc[r] = _mm_dpbusd_epi32(acc[r], hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xo + r * (K / 2) + off)));
+      }
+    }
+    const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
+    // sum u over the group, reduced once per (n, g) and shared by the R rows.
+    const int32_t wsum = hsum(accw);
+    for (int r = 0; r < R; ++r) {
+      const int32_t xz = xzp[r];
+      const int32_t dot = hsum(acc[r]);
+      const int32_t exact = dot - zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg;
+      corr[r] += s[g] * static_cast<float>(exact);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = corr[r];
+}
+#endif
+
+// Split x [M, K] into the even/odd elements of every 32-block: [M, K/2] each.
+template <typename T>
+void deinterleave(const T* x, T* xe, T* xo, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int i = 0; i < 16; ++i) {
+        xe[m * (K / 2) + b * 16 + i] = x[m * K + b * 32 + 2 * i];
+        xo[m * (K / 2) + b * 16 + i] = x[m * K + b * 32 + 2 * i + 1];
+      }
+}
+
+}  // namespace
+
+bool has_avx512() { return kHaveAvx512; }
+
+// x: float32 [M, K]; codes: int8/uint8 [N, K] or int32 [N, K/8]; scale, zero_point: float32 [N, G].
+at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  TORCH_CHECK(kHaveAvx512, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && codes.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "lowbit._C.weight_only_gemv: contiguous float32 x and scale expected");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
+  TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0, "lowbit._C.weight_only_gemv: group must be a multiple of ",
+              bits == 4 ? 32 : 16);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const bool has_zp = zero_point.has_value();
+  at::Tensor xs = has_zp ? x.view({M, G, group}).sum(-1).contiguous() : at::empty({M, G}, x.options());
+  at::Tensor xa = x, xb = x;
+  if (bits == 4) {
+    xa = at::empty({M, K / 2}, x.options());
+    xb = at::empty({M, K / 2}, x.options());
+    deinterleave<float>(x.data_ptr<float>(), xa.data_ptr<float>(), xb.data_ptr<float>(), M, K);
+  }
+  const bool is_signed = !has_zp;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* z = has_zp ? zero_point->data_ptr<float>() : nullptr;
+  if (is_signed)
+    wo_all<true, false>(xa.data_ptr<float>(), xb.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, G, group, bits, w,
+                        scale.data_ptr<float>(), z, y.data_ptr<float>());
+  else
+    wo_all<false, true>(xa.data_ptr<float>(), xb.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, G, group, bits, w,
+                        scale.data_ptr<float>(), z, y.data_ptr<float>());
+#endif
+  return y;
+}
+
+// x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8]; w_scale float32 [N, G]; w_zp int32 [N, G] or none
+// (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g  (x_scale and bias applied by the caller).
+at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                     const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
+  TORCH_CHECK(kHaveAvx512, "lowbit._C.w4a8_gemm needs AVX-512 (VNNI, BW, VL)");
+  TORCH_CHECK(x_q.is_contiguous() && codes.is_contiguous() && w_scale.is_contiguous() && x_zp.is_contiguous(),
+              "lowbit._C.w4a8_gemm: contiguous inputs expected");
+  TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
+  at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
+  deinterleave<int8_t>(x_q.data_ptr<int8_t>(), xe.data_ptr<int8_t>(), xo.data_ptr<int8_t>(), M, K);
+  at::Tensor xsum = x_q.view({M, G, group}).sum(-1, false, at::kInt).contiguous();
+  const bool is_signed = !w_zp.has_value();
+  const int32_t* z = is_signed ? nullptr : w_zp->data_ptr<int32_t>();
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const int8_t* pe = xe.data_ptr<int8_t>();
+  const int8_t* po = xo.data_ptr<int8_t>();
+  const int32_t* ps = xsum.data_ptr<int32_t>();
+  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  const float* s = w_scale.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wn = w + n * (K / 2);
+      const int32_t* zn = z ? z + n * G : nullptr;
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB)
+        w4a8_rows<MB>(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn,
+                      is_signed, py + m * N + n, N);
+      for (; m < M; ++m)
+        w4a8_rows<1>(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn,
+                     is_signed, py + m * N + n, N);
+    }
+  });
+#endif
+  return y;
+}
