@@ -32,7 +32,9 @@ def _samples():
                                          torch.rand(3), torch.rand(64), torch.float16, b)
         qt, st, zt = quantize_per_token(torch.randn(3, 16, dtype=torch.float64))
         yield "dequantize_per_token", (qt, st.requires_grad_(), zt, b)
-    yield "quantize_per_token", (torch.randn(3, 16), 8, False)
+    for b in BACKENDS:
+        yield "quantize_per_token", (torch.randn(3, 16), 8, False, b)
+        yield "quantize_per_token", (torch.randn(3, 16, dtype=torch.bfloat16), 4, True, b)
     w4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
     w8 = lowbit.quantize(torch.randn(16, 64), "int8-sym")
     xq = torch.randint(-128, 128, (3, 64), dtype=torch.int8)

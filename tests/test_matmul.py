@@ -46,7 +46,7 @@ def weight_only_tolerance(x, qt, y_ref):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme", WEIGHT_SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 6, 16, 33])
 def test_weight_only_linear_matches_the_reference(backend, scheme, dtype, m):
     n, k = 48, 256
     qt = lowbit.quantize(torch.randn(n, k), scheme)

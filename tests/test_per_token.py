@@ -30,6 +30,30 @@ def test_dequantize_inverts_quantize_within_half_a_step(backend, n, d, dtype, bi
     assert bool(((y.double() - x.double()).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@given(n=st.integers(0, 9), d=st.integers(0, 300), dtype=st.sampled_from(FLOATS),
+       bits=st.sampled_from([2, 4, 7, 8]), symmetric=st.booleans(), seed=st.integers(0, 2**31),
+       magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]), zero_row=st.booleans())
+def test_quantize_per_token_is_bit_exact_across_backends(backend, n, d, dtype, bits, symmetric, seed,
+                                                         magnitude, zero_row):
+    x = torch.randn(n, d, generator=gen(seed), dtype=torch.float64) * magnitude
+    if zero_row and n:
+        x[0] = 0
+    x = x.to(dtype)
+    ref = quantize_per_token(x, bits, symmetric, backend="reference")
+    fast = quantize_per_token(x, bits, symmetric, backend=backend)
+    for a, b in zip(ref, fast):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantize_per_token_refuses_non_finite_input_on_every_backend(backend):
+    x = torch.randn(4, 64)
+    x[2, 17] = float("inf")
+    with pytest.raises(ValueError, match=r"x contains NaN or Inf \(first at index \[2, 17\]"):
+        quantize_per_token(x, backend=backend)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_dequantize_per_token_is_the_written_formula_bit_for_bit(dtype):
     q = torch.randint(0, 256, (16, 100), dtype=torch.uint8)

@@ -171,6 +171,16 @@ def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch
     return v.to(torch.uint8)
 
 
+# -- requirement B: per-token quantization ------------------------------------------
+def quantize_per_token(x, bits, symmetric):
+    """(codes, scale in x's dtype, int32 zero point (0 when symmetric)) of each row."""
+    scale, zp = choose_qparams(x, bits, symmetric, "token", None, x.dtype, "int")
+    q = quantize(x, scale, zp, bits, symmetric, "token", None, "int")
+    if zp is None:
+        zp = torch.zeros(scale.shape, dtype=torch.int32, device=x.device)
+    return q, scale, zp, True  # the caller checked that x is finite
+
+
 # -- requirement A: int32 accumulators -> float ---------------------------------------
 def dequantize_accumulator_grouped(
     acc: torch.Tensor, scale: torch.Tensor, group_size: int, out_dtype: torch.dtype

@@ -128,17 +128,17 @@ def _(packed, bits, packing, signed, backend):
 
 # -- requirement B: per-token quantize / dequantize ----------------------------------------
 @torch.library.custom_op("lowbit::quantize_per_token", mutates_args=())
-def quantize_per_token(x: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, Tensor]:
-    _validate.finite("x", x)
-    scale, zp = ref.choose_qparams(x, bits, symmetric, "token", None, x.dtype, "int")
-    q = ref.quantize(x, scale, zp, bits, symmetric, "token", None, "int")
-    if zp is None:
-        zp = torch.zeros(scale.shape, dtype=torch.int32, device=x.device)
+def quantize_per_token(x: Tensor, bits: int, symmetric: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "reference":
+        _validate.finite("x", x)
+    q, scale, zp, finite = kernels.module(backend).quantize_per_token(x, bits, symmetric)
+    if not finite:  # the fast kernel checks while it reads; name the first bad value
+        _validate.finite("x", x)
     return q, scale, zp
 
 
 @quantize_per_token.register_fake
-def _(x, bits, symmetric):
+def _(x, bits, symmetric, backend):
     n = x.shape[0]
     return (x.new_empty(x.shape, dtype=torch.int8 if symmetric else torch.uint8),
             x.new_empty([n]), x.new_empty([n], dtype=torch.int32))

@@ -13,8 +13,8 @@ from .. import _validate, kernels
 from . import library
 
 
-def quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = False, *,
+                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize each row of ``x`` [N, D] with its own scale.
 
     Returns ``(q, scale, zero_point)``: q [N, D] uint8 codes in [0, 2^bits) with an
@@ -37,7 +37,7 @@ def quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = False
         raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
-    return library.quantize_per_token(x, bits, symmetric)
+    return library.quantize_per_token(x, bits, symmetric, kernels.resolve(backend, x.device))
 
 
 def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,

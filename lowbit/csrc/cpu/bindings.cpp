@@ -7,6 +7,8 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
                              at::ScalarType out_dtype);
 bool has_avx512();
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
+                                                                        bool symmetric);
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
@@ -15,6 +17,7 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
+  m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
   m.def("weight_only_gemv", &weight_only_gemv, "x @ dequantize(W).T for small M, W read packed");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");

@@ -14,7 +14,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
@@ -199,3 +203,92 @@ at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const
   return out;
 }
 
+
+// ---- per-token quantize (requirement B), bit-exact with the reference ------------------
+// Per row: range -> scale (rounded up to the scale dtype) -> zero point -> codes, with the
+// reference's operations in its order: x / scale is a division, rounding is to nearest
+// even (nearbyint), and everything is float32 (float64 for float64 input).
+namespace {
+
+template <typename T>
+inline float round_up_scale(float s) {
+  if constexpr (std::is_same_v<T, float>) {
+    return s;
+  } else {
+    T r = static_cast<T>(s);  // nearest; bump one ulp up if that went below
+    if (static_cast<float>(r) < s) r.x = static_cast<uint16_t>(r.x + 1);  // s > 0
+    return static_cast<float>(r);
+  }
+}
+
+template <typename T, typename C, typename Q>
+bool quantize_rows(const T* x, Q* q, T* scale_out, int32_t* zp_out, int64_t N, int64_t D, int64_t bits,
+                   bool symmetric) {
+  const int64_t qmin = symmetric ? -(int64_t(1) << (bits - 1)) : 0;
+  const int64_t qmax = symmetric ? (int64_t(1) << (bits - 1)) - 1 : (int64_t(1) << bits) - 1;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      C lo = D ? static_cast<C>(xr[0]) : C(0), hi = lo, poison = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const C v = static_cast<C>(xr[d]);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        poison += v * C(0);  // NaN if any v is NaN or Inf
+      }
+      if (poison != poison) finite = false;
+      C s;
+      if (symmetric) {
+        s = std::max(-lo, hi) / static_cast<C>((qmax - qmin) / 2.0);
+      } else {
+        lo = std::min(lo, C(0));
+        hi = std::max(hi, C(0));
+        s = (hi - lo) / static_cast<C>(qmax - qmin);
+      }
+      if (!(s > 0)) s = 1;
+      if constexpr (!std::is_same_v<C, double>) s = round_up_scale<T>(s);
+      const C zp = symmetric ? C(0) : std::min<C>(std::max<C>(qmin - std::nearbyint(lo / s), qmin), qmax);
+      scale_out[r] = static_cast<T>(s);
+      zp_out[r] = static_cast<int32_t>(zp);
+      Q* qr = q + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const C v = std::nearbyint(static_cast<C>(xr[d]) / s) + zp;
+        qr[d] = static_cast<Q>(std::min<C>(std::max<C>(v, qmin), qmax));
+      }
+    }
+  });
+  return finite;
+}
+
+template <typename T, typename C>
+bool quantize_dispatch(const at::Tensor& x, at::Tensor& q, at::Tensor& scale, at::Tensor& zp, int64_t bits,
+                       bool symmetric) {
+  const int64_t N = x.size(0), D = x.size(1);
+  T* s = reinterpret_cast<T*>(scale.data_ptr());
+  const T* px = reinterpret_cast<const T*>(x.data_ptr());
+  if (symmetric) return quantize_rows<T, C, int8_t>(px, q.data_ptr<int8_t>(), s, zp.data_ptr<int32_t>(), N, D, bits, true);
+  return quantize_rows<T, C, uint8_t>(px, q.data_ptr<uint8_t>(), s, zp.data_ptr<int32_t>(), N, D, bits, false);
+}
+
+}  // namespace
+
+// x [N, D] float32/float64/float16/bfloat16 -> (q int8|uint8 [N, D], scale [N] x.dtype,
+// zero_point int32 [N], all_finite).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
+                                                                        bool symmetric) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "lowbit._C.quantize_per_token: contiguous 2-D x expected");
+  const int64_t N = x.size(0), D = x.size(1);
+  at::Tensor q = at::empty({N, D}, x.options().dtype(symmetric ? at::kChar : at::kByte));
+  at::Tensor scale = at::empty({N}, x.options());
+  at::Tensor zp = at::empty({N}, x.options().dtype(at::kInt));
+  bool ok = true;
+  switch (x.scalar_type()) {
+    case at::kFloat: ok = quantize_dispatch<float, float>(x, q, scale, zp, bits, symmetric); break;
+    case at::kDouble: ok = quantize_dispatch<double, double>(x, q, scale, zp, bits, symmetric); break;
+    case at::kBFloat16: ok = quantize_dispatch<c10::BFloat16, float>(x, q, scale, zp, bits, symmetric); break;
+    case at::kHalf: ok = quantize_dispatch<c10::Half, float>(x, q, scale, zp, bits, symmetric); break;
+    default: TORCH_CHECK(false, "lowbit._C.quantize_per_token: unsupported dtype ", x.scalar_type());
+  }
+  return {q, scale, zp, ok};
+}

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -137,41 +138,96 @@ inline int32_t hsum(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
   return _mm_cvtsi128_si32(v);
 }
+inline int32_t hsum(__m256i v) {
+  return hsum(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+inline int32_t hsum(__m512i v) { return _mm512_reduce_add_epi32(v); }
 
-template <int R>
+// One vector width of the W4A8 inner loop: BYTES packed bytes = 2 * BYTES values.
+template <int BYTES> struct Vec;
+template <> struct Vec<16> {
+  using I = __m128i;
+  using F = __m128;
+  static I load(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static I zero() { return _mm_setzero_si128(); }
+  static I bytes(int8_t v) { return _mm_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(w, 4), mask), flip); }
+  static I dot(I acc, I u, I x) { return _mm_dpbusd_epi32(acc, u, x); }
+  static F fzero() { return _mm_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm_fmadd_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(s), t); }
+  static float fsum(F t) {
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+  }
+};
+template <> struct Vec<32> {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask), flip); }
+  static I dot(I acc, I u, I x) { return _mm256_dpbusd_epi32(acc, u, x); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), t); }
+  static float fsum(F t) {
+    return Vec<16>::fsum(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+};
+template <> struct Vec<64> {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), mask), flip); }
+  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), t); }
+  static float fsum(F t) { return _mm512_reduce_add_ps(t); }
+};
+
+// R activation rows x one weight row.  The products x.u accumulate in int32 lanes inside
+// a group (exact: a lane holds at most group/16 * 4 products of |x| <= 128, u <= 15),
+// are converted to float once per group and scaled by s[g]; the zero-point terms are
+// exact int32 scalars per group.
+template <int R, int BYTES>
 void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const int32_t* xzp, int64_t K,
                int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
                float* y, int64_t ldy) {
+  using V = Vec<BYTES>;
+  typename V::F total[R];
   float corr[R];
-  for (int r = 0; r < R; ++r) corr[r] = 0.f;
-  const __m128i mask = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(is_signed ? 0x08 : 0x00), ones = _mm_set1_epi8(1);
-  const int64_t blocks = group / 32;
+  for (int r = 0; r < R; ++r) { total[r] = V::fzero(); corr[r] = 0.f; }
+  const auto mask = V::bytes(0x0F), flip = V::bytes(is_signed ? 0x08 : 0x00), ones = V::bytes(1);
+  const int64_t blocks = group / (2 * BYTES);
   for (int64_t g = 0; g < G; ++g) {
-    __m128i acc[R];
-    __m128i accw = _mm_setzero_si128();
-    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_si128();
+    typename V::I acc[R];
+    auto accw = V::zero();
+    for (int r = 0; r < R; ++r) acc[r] = V::zero();
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = (g * group + b * 32) / 2;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off));
-      const __m128i lo = _mm_xor_si128(_mm_and_si128(bytes, mask), flip);
-      const __m128i hi = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), flip);
-      accw = _mm_dpbusd_epi32(_mm_dpbusd_epi32(accw, lo, ones), hi, ones);
+      const int64_t off = (g * group + b * 2 * BYTES) / 2;
+      const auto bytes = V::load(w + off);
+      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);
+      accw = V::dot(V::dot(accw, lo, ones), hi, ones);
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm_dpbusd_epi32(acc[r], lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xe + r * (K / 2) + off)));
-        acc[r] = _mm_dpbusd_epi32(acc[r], hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xo + r * (K / 2) + off)));
+        acc[r] = V::dot(acc[r], lo, V::load(xe + r * (K / 2) + off));
+        acc[r] = V::dot(acc[r], hi, V::load(xo + r * (K / 2) + off));
       }
     }
     const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
-    // sum u over the group, reduced once per (n, g) and shared by the R rows.
-    const int32_t wsum = hsum(accw);
+    const int32_t wsum = hsum(accw);  // sum of u over the group, shared by the R rows
     for (int r = 0; r < R; ++r) {
+      total[r] = V::fma(acc[r], s[g], total[r]);
       const int32_t xz = xzp[r];
-      const int32_t dot = hsum(acc[r]);
-      const int32_t exact = dot - zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg;
-      corr[r] += s[g] * static_cast<float>(exact);
+      corr[r] += s[g] * static_cast<float>(-zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = corr[r];
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
 }
 #endif
 
@@ -246,17 +302,25 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   const int32_t* pz = x_zp.data_ptr<int32_t>();
   const float* s = w_scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
+  // Widest vector whose value count (2 * bytes) divides the group.
+  const int width = group % 128 == 0 ? 64 : group % 64 == 0 ? 32 : 16;
+  auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
+    constexpr int R = decltype(r_const)::value;
+    auto call = [&](auto kernel) {
+      kernel(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn, is_signed,
+             py + m * N + n, N);
+    };
+    if (width == 64) call(w4a8_rows<R, 64>);
+    else if (width == 32) call(w4a8_rows<R, 32>);
+    else call(w4a8_rows<R, 16>);
+  };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = w + n * (K / 2);
       const int32_t* zn = z ? z + n * G : nullptr;
       int64_t m = 0;
-      for (; m + MB <= M; m += MB)
-        w4a8_rows<MB>(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn,
-                      is_signed, py + m * N + n, N);
-      for (; m < M; ++m)
-        w4a8_rows<1>(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn,
-                     is_signed, py + m * N + n, N);
+      for (; m + MB <= M; m += MB) rows(std::integral_constant<int, MB>{}, m, wn, zn, n);
+      for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m, wn, zn, n);
     }
   });
 #endif

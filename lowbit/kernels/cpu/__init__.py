@@ -86,6 +86,11 @@ def unpack(packed, bits, packing, signed):
     return v.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8 if signed else torch.uint8)
 
 
+def quantize_per_token(x, bits, symmetric):
+    """One pass per row (range, scale, codes); also reports whether x was all finite."""
+    return _C.quantize_per_token(x.contiguous(), bits, symmetric)
+
+
 def dequantize_accumulator_grouped(acc, scale, group_size, out_dtype):
     n = acc.shape[-1]
     rows = acc.numel() // n if n else 0
@@ -104,9 +109,11 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
-# Up to this many activation rows, the fused AVX-512 kernel (weights read packed, float32
-# accumulation) beats dequantizing tiles for torch.mm.
-GEMV_MAX_M = 16
+# Up to this many activation rows the fused AVX-512 kernel (weights read packed, float32
+# accumulation) beats dequantizing tiles for torch.mm; measured on 4096x4096 (Zen 4, 2
+# threads): bf16 activations cross over between M=8 and M=16 (bf16 tiles run on the
+# bf16 matmul), float32 ones at M=16.
+GEMV_MAX_M = {torch.bfloat16: 8, torch.float16: 16, torch.float32: 16}
 
 
 def _fused_ok(bits: int, group_size: int) -> bool:
@@ -122,7 +129,7 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
+    if x2.shape[0] <= GEMV_MAX_M[x.dtype] and _fused_ok(bits, group_size):
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         y = _C.weight_only_gemv(x2.to(torch.float32).contiguous(), codes.contiguous(),
                                 scale.to(torch.float32).contiguous(), zp, bits, group_size)
