@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ops.py
+	$(PY) benchmarks/matmul.py
 
 clean:
 	rm -rf $(VENV) build lowbit/_C*.so *.egg-info

@@ -89,9 +89,9 @@ def _weight_parts(qweight: QTensor):
     4-bit codes as u32x8 words."""
     if not isinstance(qweight, QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
-    s, (n, k) = qweight.scheme, (tuple(qweight.shape) + (None,))[:2]
     if len(qweight.shape) != 2:
         raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
+    s, (n, k) = qweight.scheme, qweight.shape
     if s.granularity == "token":
         raise ValueError(f"qweight scheme '{s}' is per-token; weights are per tensor, channel or group")
     group = s.group_size if s.granularity == "group" else k
