@@ -110,10 +110,9 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
 # Up to this many activation rows the fused AVX-512 kernel (weights read packed, float32
-# accumulation) beats dequantizing tiles for torch.mm; measured on 4096x4096 (Zen 4, 2
-# threads): bf16 activations cross over between M=8 and M=16 (bf16 tiles run on the
-# bf16 matmul), float32 ones at M=16.
-GEMV_MAX_M = {torch.bfloat16: 8, torch.float16: 16, torch.float32: 16}
+# accumulation) beats dequantizing bf16 tiles for torch.mm; measured on 4096x4096 (Zen 4,
+# 2 threads): the crossover lies between M=8 and M=16.
+GEMV_MAX_M = 8
 
 
 def _fused_ok(bits: int, group_size: int) -> bool:
@@ -123,18 +122,20 @@ def _fused_ok(bits: int, group_size: int) -> bool:
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     """x @ dequantize(W).T.  Small M: one fused kernel reads the packed weight and
     accumulates in float32.  Larger M: W is dequantized one L2-sized tile of rows at a
-    time, in the activation dtype (bf16 stays bf16; f16 and f32 use f32), and each tile
-    goes through torch.mm; no full float copy of W is ever made."""
+    time to bfloat16 and each tile goes through torch's bf16 matmul (float32
+    accumulation) with x rounded to bf16, whatever x's dtype: a float32 matmul is 4-5x
+    slower here, and rounding x and W to bf16 (2^-9 relative each) is far below the
+    4/8-bit weight error.  No full float copy of W is ever made."""
     if bits not in (4, 8) or x.dtype == torch.float64:
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] <= GEMV_MAX_M[x.dtype] and _fused_ok(bits, group_size):
+    if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         y = _C.weight_only_gemv(x2.to(torch.float32).contiguous(), codes.contiguous(),
                                 scale.to(torch.float32).contiguous(), zp, bits, group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
-    cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    cdt = torch.bfloat16
     xc = x2.to(cdt).contiguous()
     out_t = torch.empty(n, x2.shape[0], dtype=cdt)
     tile = max(16, TILE_BYTES // max(k * out_t.element_size(), 1))
