@@ -22,13 +22,14 @@ def gamma(k: int, u: float = U32) -> float:
     return k * u / (1 - k * u)
 
 
-def abs_products(x: torch.Tensor, qt) -> torch.Tensor:
-    """|x| @ (scale * (|q| + |z|)).T in float64: bounds every partial sum either backend
-    forms, whichever of (q - z) * s * x or s * (q.x - z * sum x) it evaluates."""
+def abs_products(x: torch.Tensor, qt, offset: float = 0.0) -> torch.Tensor:
+    """|x| @ (scale * (|q| + |z| + offset)).T in float64: bounds every partial sum either
+    backend forms, whichever of (q - z) * s * x or s * ((q + offset).x - (z + offset) * sum x)
+    it evaluates."""
     s = qt.scheme
     q = (reference.unpack(qt.codes, s.bits, s.packing, s.symmetric) if s.is_packed else qt.codes).double()
     z = qt.zero_point.double().abs() if qt.zero_point is not None else torch.zeros_like(qt.scale.double())
-    wq = reference.to_blocks(q.abs(), s.granularity, s.group_size) + z.reshape(-1, 1)
+    wq = reference.to_blocks(q.abs(), s.granularity, s.group_size) + z.reshape(-1, 1) + offset
     w = (wq * qt.scale.double().reshape(-1, 1).abs()).reshape(qt.shape)
     return x.double().abs().reshape(-1, x.shape[-1]) @ w.T
 
@@ -36,12 +37,16 @@ def abs_products(x: torch.Tensor, qt) -> torch.Tensor:
 def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     """Both results are within gamma_K * A of the exact float64 value (A = abs_products),
     plus: above GEMV_MAX_M rows the cpu backend runs bf16 tiles, rounding the dequantized
-    weight and x to bf16 (u_bf16 * A each), and each output is rounded once to x's dtype
-    (u_out * |y| each)."""
+    weight and x to bf16 (u_bf16 * A each); up to GEMV_MAX_M rows, 4-bit weights go
+    through bf16 dot products on 128 + u (offset 128, +8 for signed codes) and non-bf16
+    x is split into two bf16 parts (|x - hi - lo| <= 2^-16 |x|); each output is rounded
+    once to x's dtype (u_out * |y| each)."""
     k = x.shape[-1]
-    a = abs_products(x, qt)
-    bf16_tiles = backend == "cpu" and a.shape[0] > cpu.GEMV_MAX_M
-    u_in = 2 * UNIT[torch.bfloat16] if bf16_tiles else 0.0
+    m = x.reshape(-1, k).shape[0]
+    bf16_tiles = backend == "cpu" and m > cpu.GEMV_MAX_M
+    bf16_dots = backend == "cpu" and not bf16_tiles and qt.scheme.bits == 4  # or float FMAs: a subset
+    a = abs_products(x, qt, offset=136.0 if bf16_dots else 0.0)
+    u_in = 2 * UNIT[torch.bfloat16] if bf16_tiles else 2.0**-16 if bf16_dots else 0.0
     return (2 * gamma(k + 2) + u_in) * a + 2 * UNIT[x.dtype] * y_ref.double().abs().reshape(a.shape) + 1e-30
 
 

@@ -11,6 +11,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
                                                                         bool symmetric);
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+bool gemv_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 
@@ -20,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
   m.def("weight_only_gemv", &weight_only_gemv, "x @ dequantize(W).T for small M, W read packed");
+  m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
+  m.def("weight_only_gemv_bf16", &weight_only_gemv_bf16, "W4A16 for small M with vdpbf16ps");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
 }

@@ -109,10 +109,14 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
-# Up to this many activation rows the fused AVX-512 kernel (weights read packed, float32
-# accumulation) beats dequantizing bf16 tiles for torch.mm; measured on 4096x4096 (Zen 4,
-# 2 threads): the crossover lies between M=8 and M=16.
+# Up to this many activation rows the fused AVX-512 kernels (weights read packed) beat
+# dequantizing bf16 tiles for torch.mm; measured on 4096x4096 (Zen 4, 2 threads): the
+# crossover lies between M=8 and M=16.  4-bit weights use bf16 dot products, which split
+# float32/float16 activations into two bf16 parts: that doubles their work, so beyond
+# SPLIT_MAX_M rows the float32-FMA kernel is faster for them (M=1: 0.17 vs 0.24 ms, M=4:
+# 0.87 vs 0.70 ms).
 GEMV_MAX_M = 8
+SPLIT_MAX_M = 2
 
 
 def _fused_ok(bits: int, group_size: int) -> bool:
@@ -132,8 +136,13 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-        y = _C.weight_only_gemv(x2.to(torch.float32).contiguous(), codes.contiguous(),
-                                scale.to(torch.float32).contiguous(), zp, bits, group_size)
+        xf, s = x2.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
+        split = x.dtype != torch.bfloat16
+        if bits == 4 and _C.gemv_bf16_supported(k, group_size) and (not split or x2.shape[0] <= SPLIT_MAX_M):
+            # bf16 dot products; float32/float16 activations split into two bf16 parts
+            y = _C.weight_only_gemv_bf16(xf, codes.contiguous(), s, zp, group_size, split)
+        else:
+            y = _C.weight_only_gemv(xf, codes.contiguous(), s, zp, bits, group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
     cdt = torch.bfloat16
     xc = x2.to(cdt).contiguous()
