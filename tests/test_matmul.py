@@ -65,6 +65,19 @@ def test_weight_only_linear_matches_the_reference(backend, scheme, dtype, m):
     assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g32-zpfloat-f16", "int8-sym-g64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m):
+    # K = 576 = 4 * 128 + 64: the 4-bit decode kernel ends on a 64-value tail block.
+    qt = lowbit.quantize(torch.randn(40, 576), scheme)
+    x = torch.randn(m, 576).to(dtype)
+    y_ref = linear(x, qt, backend="reference")
+    err = (linear(x, qt, backend=backend).double() - y_ref.double()).abs()
+    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reference_weight_only_is_the_float_linear_of_the_dequantized_weight(backend):
     qt = lowbit.quantize(torch.randn(32, 128), "int4-asym-g32")
