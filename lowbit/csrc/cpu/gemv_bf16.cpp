@@ -152,10 +152,21 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
 }
 
 // Lay out x [M, K] for the lane bookkeeping above: within each block of W values, vector j
-// holds x[8t + j] in lane 2t and x[8t + 4 + j] in lane 2t + 1.
-void prepare(const float* x, uint16_t* hi, uint16_t* lo, int64_t M, int64_t K) {
+// holds x[8t + j] in lane 2t and x[8t + 4 + j] in lane 2t + 1.  xsum [M, G] gets the group
+// sums of the values actually multiplied (hi + lo), so the 128 offset cancels exactly
+// against them and the split error of x is not amplified by it.
+void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M, int64_t K, int64_t group) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
+    for (int64_t g = 0; g < K / group; ++g) {
+      float t = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        const uint16_t h = bf16_bits(xm[k]);
+        t += bf16_value(h);
+        if (lo) t += bf16_value(bf16_bits(xm[k] - bf16_value(h)));
+      }
+      xsum[m * (K / group) + g] = t;
+    }
     for (int64_t p = 0; p < K;) {
       const int64_t W = K - p >= 128 ? 128 : 64, Q = W / 4;
       for (int j = 0; j < 4; ++j)
@@ -219,8 +230,8 @@ at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, c
   at::Tensor xl = split ? at::empty({M, K}, x.options().dtype(at::kShort)) : at::Tensor();
   uint16_t* ph = reinterpret_cast<uint16_t*>(xh.data_ptr());
   uint16_t* pl = split ? reinterpret_cast<uint16_t*>(xl.data_ptr()) : nullptr;
-  prepare(x.data_ptr<float>(), ph, pl, M, K);
-  at::Tensor xsum = x.view({M, G, group}).sum(-1).contiguous();
+  at::Tensor xsum = at::empty({M, G}, x.options());
+  prepare(x.data_ptr<float>(), ph, pl, xsum.data_ptr<float>(), M, K, group);
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scale.data_ptr<float>();
   const float* z = zero_point.has_value() ? zero_point->data_ptr<float>() : nullptr;
