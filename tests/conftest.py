@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from lowbit.kernels import available_backends  # noqa: E402
 
 settings.register_profile(
-    "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "default", max_examples=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
