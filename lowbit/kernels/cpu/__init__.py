@@ -125,7 +125,8 @@ def _fused_ok(bits: int, group_size: int) -> bool:
 
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     """x @ dequantize(W).T.  Small M: one fused kernel reads the packed weight and
-    accumulates in float32.  Larger M: W is dequantized one L2-sized tile of rows at a
+    accumulates in float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit and wider M
+    with float32 activations: float32 FMAs, matmul.cpp).  Larger M: W is dequantized one L2-sized tile of rows at a
     time to bfloat16 and each tile goes through torch's bf16 matmul (float32
     accumulation) with x rounded to bf16, whatever x's dtype: a float32 matmul is 4-5x
     slower here, and rounding x and W to bf16 (2^-9 relative each) is far below the
