@@ -283,3 +283,38 @@ def linear_qta8a_qga4w_qta8o(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor,
 def _(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, out_scale,
       out_zero_point, bias, backend):
     return x_q.new_empty([x_q.shape[0], w_packed.shape[0]], dtype=torch.int8)
+
+
+# -- eager fast path -------------------------------------------------------------------------
+# Calling a custom op from Python costs ~30 us of dispatch machinery (autograd wrapper,
+# redispatch, dynamo-disable), more than a decode-sized kernel.  In plain eager calls the
+# public functions therefore run the op's own implementation directly; whenever anything
+# traces (torch.compile, torch.export, fake tensors, dispatch modes) or autograd needs the
+# op's backward, the registered op runs, so graphs still show lowbit ops by name.
+def _plain(args) -> bool:
+    if torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) is not Tensor or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def _with_eager_fast_path(op):
+    impl = op._init_fn
+
+    def call(*args):
+        if torch.compiler.is_compiling() or not _plain(args):
+            return op(*args)
+        return impl(*args)
+
+    call.__name__ = call.__qualname__ = op._name.split("::")[-1]
+    call.op = op
+    return call
+
+
+for _name in ["choose_qparams", "quantize", "dequantize", "pack", "unpack", "quantize_per_token",
+              "dequantize_per_token", "fake_quantize", "dequantize_accumulator", "weight_only_matmul",
+              "int8_mm", "linear_qta8a_qga4w", "linear_qta8a_qga4w_qta8o"]:
+    globals()[_name] = _with_eager_fast_path(globals()[_name])
