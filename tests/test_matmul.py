@@ -43,8 +43,13 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     once to x's dtype (u_out * |y| each)."""
     k = x.shape[-1]
     m = x.reshape(-1, k).shape[0]
-    bf16_tiles = backend == "cpu" and m > cpu.GEMV_MAX_M
-    bf16_dots = backend == "cpu" and not bf16_tiles and qt.scheme.bits == 4  # or float FMAs: a subset
+    s = qt.scheme
+    group = s.group_size or k
+    # Which path cpu takes (the same predicates as lowbit.kernels.cpu.weight_only_matmul);
+    # on a machine without AVX-512 every 4/8-bit call runs bf16 tiles.
+    fused = s.bits in (4, 8) and m <= cpu.GEMV_MAX_M and cpu.available() and cpu._fused_ok(s.bits, group)
+    bf16_tiles = backend == "cpu" and s.bits in (4, 8) and not fused
+    bf16_dots = backend == "cpu" and fused and s.bits == 4  # or float32 FMAs: a tighter subset
     a = abs_products(x, qt)
     a_sums = abs_products(x, qt, offset=136.0) if bf16_dots else a  # what the float32 sums add up
     u_in = 2 * UNIT[torch.bfloat16] if bf16_tiles else 2.0**-16 if bf16_dots else 0.0
