@@ -104,7 +104,7 @@ def rows(n: int, k: int, m: int, dtype: torch.dtype):
     def module(build):
         def make(w):
             lin = build(w)
-            nbytes = sum(t.numel() * t.element_size() for t in _tensors(lin))
+            nbytes = sum(_nbytes(t) for t in lin.state_dict().values())
             return (lambda: lin(x)), nbytes
         return make
 
@@ -126,17 +126,12 @@ def rows(n: int, k: int, m: int, dtype: torch.dtype):
     yield "peer quanto qint4 weights", module(lambda w: quanto_linear(w, dtype, "qint4")), True
 
 
-def _tensors(module: torch.nn.Module):
-    """Every plain tensor a (possibly subclassed) parameter holds."""
-    out = []
-    for p in module.parameters():
-        t = p.data if hasattr(p, "data") else p
-        if type(t) is torch.Tensor:
-            out.append(t)
-        elif hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            out += [getattr(t, name) for name in names if isinstance(getattr(t, name), torch.Tensor)]
-    return out
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a (possibly subclassed, e.g. torchao/quanto) tensor holds in plain tensors."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t.numel() * t.element_size()
+    names, _ = t.__tensor_flatten__()
+    return sum(_nbytes(getattr(t, name)) for name in names)
 
 
 # Quantized weights of these shapes fit the 32 MiB L3 of the machine this was tuned on;
