@@ -13,8 +13,10 @@ from .. import _validate, kernels
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
 from . import library
+from .accumulator import dequantize_accumulator
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
+from .quant import quantize
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
@@ -173,8 +175,6 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         if not s.symmetric or act_scale is not None:
             # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.
             acc = acc - xz[:, None] * codes.sum(dim=1, dtype=torch.int32)[None, :]
-        from .accumulator import dequantize_accumulator
-
         y = dequantize_accumulator(acc, row_scale=xs, col_scale=scales.reshape(n), out_dtype=x.dtype, backend=b)
     elif bits == 4:
         if zps is not None and zps.is_floating_point():
@@ -189,23 +189,13 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
 def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend):
     """int8 codes [M, K], scale [M], int32 zero point [M] (0 for symmetric)."""
     m = x2.shape[0]
-    if act_scale is None:
-        if act_zero_point is not None:
-            raise ValueError("act_zero_point was given without act_scale")
-        if s.granularity == "token":
-            q, scale, zp = quantize_per_token(x2, 8, s.symmetric)
-        else:
-            from .quant import quantize
-
-            qt = quantize(x2, s, backend=backend)
-            q, scale = qt.codes, qt.scale.expand(m)
-            zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric
-                  else qt.zero_point.to(torch.int32).expand(m))
-    else:
-        if s.granularity != "tensor":
-            raise ValueError(f"a calibrated act_scale needs a per-tensor act_scheme, got '{s}'")
-        from .quant import quantize
-
+    if act_scale is None and act_zero_point is not None:
+        raise ValueError("act_zero_point was given without act_scale")
+    if act_scale is not None and s.granularity != "tensor":
+        raise ValueError(f"a calibrated act_scale needs a per-tensor act_scheme, got '{s}'")
+    if s.granularity == "token":
+        q, scale, zp = quantize_per_token(x2, 8, s.symmetric)
+    else:  # per tensor: calibrated (act_scale given) or chosen from x2
         qt = quantize(x2, s, act_scale, act_zero_point, backend=backend)
         q, scale = qt.codes, qt.scale.expand(m)
         zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric

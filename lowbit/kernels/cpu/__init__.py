@@ -126,18 +126,19 @@ def _fused_ok(bits: int, group_size: int) -> bool:
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     """x @ dequantize(W).T.  Small M: one fused kernel reads the packed weight and
     accumulates in float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit and wider M
-    with float32 activations: float32 FMAs, matmul.cpp).  Larger M: W is dequantized one L2-sized tile of rows at a
-    time to bfloat16 and each tile goes through torch's bf16 matmul (float32
-    accumulation) with x rounded to bf16, whatever x's dtype: a float32 matmul is 4-5x
+    with float32 activations: float32 FMAs, matmul.cpp).  Larger M: W is dequantized
+    one L2-sized tile of rows at a time to bfloat16 and each tile goes through torch's
+    bf16 matmul (float32 accumulation) with x rounded to bf16, whatever x's dtype: a float32 matmul is 4-5x
     slower here, and rounding x and W to bf16 (2^-9 relative each) is far below the
     4/8-bit weight error.  No full float copy of W is ever made."""
     if bits not in (4, 8) or x.dtype == torch.float64:
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
+    zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+    s = scale.to(torch.float32).contiguous()
     if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
-        zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-        xf, s = x2.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
+        xf = x2.to(torch.float32).contiguous()
         split = x.dtype != torch.bfloat16
         if bits == 4 and _C.gemv_bf16_supported(k, group_size) and (not split or x2.shape[0] <= SPLIT_MAX_M):
             # bf16 dot products; float32/float16 activations split into two bf16 parts
@@ -149,8 +150,6 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     xc = x2.to(cdt).contiguous()
     out_t = torch.empty(n, x2.shape[0], dtype=cdt)
     tile = max(16, TILE_BYTES // max(k * out_t.element_size(), 1))
-    zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-    s = scale.to(torch.float32).contiguous()
     for n0 in range(0, n, tile):
         n1 = min(n, n0 + tile)
         w = _C.dequantize(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
