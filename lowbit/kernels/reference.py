@@ -104,17 +104,20 @@ def quantize(
 ) -> torch.Tensor:
     """Unpacked codes of x: int8 for symmetric, uint8 for asymmetric, shape of x."""
     qmin, qmax = qrange(bits, symmetric)
+    q = rounded_codes(x, scale, zero_point, granularity, group_size, zero_point_domain)
+    return q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8).reshape(x.shape)
+
+
+def rounded_codes(x, scale, zero_point, granularity, group_size, zero_point_domain) -> torch.Tensor:
+    """The codes before clamping, as floats in blocks [num_blocks, block_len]."""
     cdt = compute_dtype(x.dtype)
     xb = to_blocks(x, granularity, group_size).to(cdt)
     s = scale.reshape(-1, 1).to(cdt)
     if zero_point is None:
-        q = torch.round(xb / s)
-    elif zero_point_domain == "int":
-        q = torch.round(xb / s) + zero_point.reshape(-1, 1).to(cdt)
-    else:
-        q = torch.round(xb / s + zero_point.reshape(-1, 1).to(cdt))
-    q = q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8)
-    return q.reshape(x.shape)
+        return torch.round(xb / s)
+    if zero_point_domain == "int":
+        return torch.round(xb / s) + zero_point.reshape(-1, 1).to(cdt)
+    return torch.round(xb / s + zero_point.reshape(-1, 1).to(cdt))
 
 
 def dequantize(

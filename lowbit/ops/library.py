@@ -203,14 +203,7 @@ def _fake_quantize_backward(ctx, grad):
     # rounded code lies in [qmin, qmax], 0 where quantize clamps it.
     x, scale, zero_point = ctx.saved_tensors
     s = scheme_of(ctx.scheme)
-    cdt = ref.compute_dtype(x.dtype)
-    v = ref.to_blocks(x, s.granularity, s.group_size).to(cdt) / scale.reshape(-1, 1).to(cdt)
-    if zero_point is None:
-        q = torch.round(v)
-    elif s.zero_point_domain == "int":
-        q = torch.round(v) + zero_point.reshape(-1, 1).to(cdt)
-    else:
-        q = torch.round(v + zero_point.reshape(-1, 1).to(cdt))
+    q = ref.rounded_codes(x, scale, zero_point, s.granularity, s.group_size, s.zero_point_domain)
     inside = ((q >= s.qmin) & (q <= s.qmax)).reshape(x.shape)
     return grad * inside, None, None, None
 
