@@ -8,11 +8,15 @@ Example::
     torch.Size([64, 128])
 """
 
-from . import ops
+from . import models, nn, ops
 from .kernels import available_backends
+from .models import load_model, quantize_model
 from .ops import dequantize, linear, quantize, quantized_matmul
 from .qtensor import QTensor
+from .recipe import Recipe
+from .runtime import Runner
 from .scheme import PRESETS, QuantScheme
 
 __version__ = "0.1.0"
-__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops", "available_backends"]
+__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops",
+           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "Runner"]

@@ -1,5 +1,9 @@
-"""Finding and reading models: the bundled SmolLM2-135M GGUF and user files."""
+"""Models: finding and loading them (GGUF, Hugging Face folders, lowbit checkpoints),
+quantizing them with a recipe, saving them."""
 
 from .gguf_file import BUNDLED_GGUF, bundled_model_path, read_gguf_linear_weights
+from .load import cache_dir, load_model
+from .quantize import dequantized_copy, plan, quantize_model
 
-__all__ = ["BUNDLED_GGUF", "bundled_model_path", "read_gguf_linear_weights"]
+__all__ = ["BUNDLED_GGUF", "bundled_model_path", "read_gguf_linear_weights", "load_model", "cache_dir",
+           "quantize_model", "plan", "dequantized_copy"]

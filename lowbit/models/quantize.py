@@ -1,0 +1,171 @@
+"""Swapping a model's ``nn.Linear`` (and optionally ``nn.Embedding``) modules for
+quantized ones according to a ``Recipe`` (round to nearest)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+from torch import nn
+
+from ..nn import QuantEmbedding, QuantLinear
+from ..recipe import Recipe, with_group_size
+from ..scheme import QuantScheme
+
+
+def _fit_group(scheme: str, in_features: int) -> str:
+    """``scheme`` with a group size that divides ``in_features``: the largest power of
+    two from 32 up to the asked one (the sizes other runtimes load), else per channel."""
+    s = QuantScheme.parse(scheme)
+    if s.granularity != "group" or in_features % s.group_size == 0:
+        return scheme
+    g = 1 << (s.group_size.bit_length() - 1)
+    while g >= 32:
+        if in_features % g == 0:
+            return with_group_size(scheme, g)
+        g //= 2
+    return str(QuantScheme(s.bits, s.symmetric, "channel", None, s.scale_dtype, s.zero_point_domain, s.packing))
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree whose parameters and buffers are the original tensors
+    (quantizing the copy replaces its modules, never the original's)."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def plan(model: nn.Module, recipe: Recipe) -> dict[str, dict]:
+    """Which modules ``quantize_model`` would replace, with their final schemes.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.models import plan
+        >>> m = torch.nn.Sequential()
+        >>> m.add_module("layers", torch.nn.ModuleList([torch.nn.Sequential()]))
+        >>> m.layers[0].add_module("mlp", torch.nn.Module())
+        >>> m.layers[0].mlp.down_proj = torch.nn.Linear(576, 8)
+        >>> plan(m, "w4a16-g128")
+        {'layers.0.mlp.down_proj': {'kind': 'linear', 'weight': 'int4-asym-g64-f16', 'activation': None, 'asked': 'int4-asym-g128-f16'}}
+    """
+    recipe = Recipe.get(recipe)
+    out: dict[str, dict] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            chosen = recipe.scheme_for(name)
+            if chosen is not None:
+                w, a = chosen
+                out[name] = dict(kind="linear", weight=_fit_group(w, mod.in_features), activation=a, asked=w)
+        elif isinstance(mod, nn.Embedding) and recipe.embedding and re.search(r"(^|\.)embed_tokens$", name):
+            out[name] = dict(kind="embedding", weight=_fit_group(recipe.embedding, mod.embedding_dim),
+                             activation=None, asked=recipe.embedding)
+    return out
+
+
+def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | None = None,
+                   inplace: bool = True, progress: bool = False) -> nn.Module:
+    """Replace the linears (and embedding) a recipe selects by ``QuantLinear`` /
+    ``QuantEmbedding`` with round-to-nearest quantized weights.
+
+    Group sizes that do not divide a module's in_features (SmolLM2's 576 with g128)
+    fall back to the largest power of two >= 32 that does; ``model.lowbit_modules`` records
+    every module's final schemes and ``model.lowbit_recipe`` the recipe.
+
+    Args:
+        recipe: a ``Recipe``, a preset name (``lowbit.recipe.PRESETS``) or a JSON/YAML file.
+        backend: kernel backend of the new modules (None: the fastest for their device).
+        inplace: False quantizes a copy that shares the untouched tensors with ``model``.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> m = torch.nn.Module()
+        >>> m.layers = torch.nn.ModuleList([torch.nn.Module()])
+        >>> m.layers[0].self_attn = torch.nn.Module()
+        >>> m.layers[0].self_attn.q_proj = torch.nn.Linear(64, 64)
+        >>> q = lowbit.quantize_model(m, "w4a16-g64", inplace=False)
+        >>> type(q.layers[0].self_attn.q_proj).__name__, type(m.layers[0].self_attn.q_proj).__name__
+        ('QuantLinear', 'Linear')
+    """
+    recipe = Recipe.get(recipe)
+    if not inplace:
+        model = _shallow_copy(model)
+    todo = plan(model, recipe)
+    if not todo:
+        raise ValueError(f"recipe '{recipe.name}' selects no module of this {type(model).__name__} "
+                         f"(modules={list(recipe.modules)})")
+    items = list(todo.items())
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, desc=f"quantizing ({recipe.name})", unit="module", leave=False)
+    tied = _tied_embedding(model)
+    for name, spec in items:
+        mod = model.get_submodule(name)
+        if spec["kind"] == "linear":
+            new = QuantLinear.from_linear(mod, spec["weight"], spec["activation"], backend)
+        else:
+            new = QuantEmbedding.from_embedding(mod, spec["weight"])
+        _set_module(model, name, new)
+    if tied and hasattr(model, "config") and any(n == "lm_head" or v["kind"] == "embedding" for n, v in todo.items()):
+        # The tied pair now has separate storage (one or both quantized on their own).
+        model.config.tie_word_embeddings = False
+    model.lowbit_recipe = recipe
+    model.lowbit_modules = {**getattr(model, "lowbit_modules", {}), **todo}
+    return model
+
+
+def _tied_embedding(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return (isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight)
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """The host-side baseline: a float model whose linears hold the dequantized weights
+    (``nn.Linear`` again), for checking a quantized model against it.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> m = torch.nn.Module(); m.layers = torch.nn.ModuleList([torch.nn.Module()])
+        >>> m.layers[0].mlp = torch.nn.Module(); m.layers[0].mlp.up_proj = torch.nn.Linear(64, 8)
+        >>> q = lowbit.quantize_model(m, "w8a16", inplace=False)
+        >>> type(lowbit.models.dequantized_copy(q).layers[0].mlp.up_proj).__name__
+        'Linear'
+    """
+    out = _shallow_copy(model)
+    for name, mod in list(out.named_modules()):
+        if isinstance(mod, QuantLinear):
+            w = mod.qweight.dequantize(torch.float32)
+            dtype = mod.bias.dtype if mod.bias is not None else _float_dtype(model)
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
+            lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = mod.bias
+            _set_module(out, name, lin)
+        elif isinstance(mod, QuantEmbedding):
+            emb = nn.Embedding(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, dtype=mod.dtype)
+            emb.weight = nn.Parameter(mod.weight.qtensor().dequantize(mod.dtype), requires_grad=False)
+            _set_module(out, name, emb)
+    for attr in ("lowbit_recipe", "lowbit_modules"):
+        if hasattr(out, attr):
+            delattr(out, attr)
+    return out
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+__all__ = ["quantize_model", "plan", "dequantized_copy"]

@@ -1,0 +1,226 @@
+"""A lean forward pass for Llama-family models, with a static KV cache.
+
+transformers' generic forward costs tens of milliseconds of Python per token on a
+small model (its cache objects, masks, hooks and output classes); at batch 1 that
+overhead, not the matmuls, decides decode speed.  ``Runner`` walks the same modules
+(so quantized ``QuantLinear`` layers run their fast kernels) with only the tensor ops
+a decoder layer needs: RMSNorm, the projections, rotary embedding, a KV cache write,
+``scaled_dot_product_attention`` (grouped-query), the gated MLP.  Its logits are
+checked against transformers' in the tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    ln2: torch.Tensor
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    act: nn.Module
+
+
+@dataclass
+class KVCache:
+    """Static per-layer key/value buffers [kv_heads, capacity, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+
+class Runner:
+    """Batch-1 forward of a transformers Llama/Mistral/Qwen2 causal LM.
+
+    Example::
+
+        >>> import lowbit
+        >>> model, tok = lowbit.load_model()                      # doctest: +SKIP
+        >>> r = lowbit.Runner(model)                              # doctest: +SKIP
+        >>> cache = r.new_cache(64)                               # doctest: +SKIP
+        >>> logits = r.forward(tok("Hi", return_tensors="pt").input_ids[0], cache)  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module):
+        cfg = getattr(model, "config", None)
+        kind = getattr(cfg, "model_type", None)
+        if kind not in SUPPORTED:
+            raise ValueError(f"lowbit's runtime supports model_type in {SUPPORTED}, got {kind!r}")
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ValueError("sliding-window attention is not supported by lowbit's runtime")
+        body = model.model
+        self.model = model
+        self.embed = body.embed_tokens
+        self.norm = body.norm.weight
+        self.lm_head = model.lm_head
+        self.rotary = body.rotary_emb
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.vocab = cfg.vocab_size
+        self.layers = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(layer.input_layernorm.weight, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                      layer.post_attention_layernorm.weight, m.gate_proj, m.up_proj,
+                                      m.down_proj, m.act_fn))
+        self.scaling = getattr(body.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.dtype = self.norm.dtype
+        self.device = self.norm.device
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """Empty KV cache for ``capacity`` tokens (prompt plus generated)."""
+        shape = (self.kv_heads, capacity, self.head_dim)
+        n = len(self.layers)
+        mk = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        return KVCache([mk() for _ in range(n)], [mk() for _ in range(n)])
+
+    def _rope(self, end: int):
+        if self._cos.shape[0] < end:
+            n = max(end, 2 * self._cos.shape[0], 256)
+            x = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(x, torch.arange(n, device=self.device)[None])
+            self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        return self._cos, self._sin
+
+    def _rms(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # as transformers' LlamaRMSNorm: normalize in float32, round, then scale
+        return F.rms_norm(h.float(), (self.hidden,), None, self.eps).to(h.dtype) * w
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """Logits [T, vocab] (``all_logits``) or [1, vocab] (the last position) for the
+        1-D token ids ``ids`` that continue what ``cache`` holds; appends to the cache."""
+        t, pos = ids.shape[0], cache.length
+        if ids.dim() != 1 or t == 0:
+            raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        if pos + t > cache.capacity:
+            raise ValueError(f"the KV cache holds {cache.capacity} tokens; {pos} + {t} do not fit")
+        cos_all, sin_all = self._rope(pos + t)
+        cos, sin = cos_all[pos:pos + t, None], sin_all[pos:pos + t, None]      # [T, 1, hd]
+        half = self.head_dim // 2
+        H, KV, hd = self.heads, self.kv_heads, self.head_dim
+
+        def rope(x):                                                           # [T, heads, hd]
+            rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            return x * cos + rot * sin
+
+        mask = None
+        if t > 1 and pos > 0:  # a chunk after cached tokens: causal with an offset
+            mask = torch.ones(t, pos + t, dtype=torch.bool, device=ids.device).tril(pos)
+        h = self.embed(ids)
+        for i, L in enumerate(self.layers):
+            x = self._rms(h, L.ln1)
+            q = rope(L.q(x).view(t, H, hd)).transpose(0, 1)
+            k = rope(L.k(x).view(t, KV, hd)).transpose(0, 1)
+            kc, vc = cache.keys[i], cache.values[i]
+            kc[:, pos:pos + t] = k
+            vc[:, pos:pos + t] = L.v(x).view(t, KV, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
+                is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
+            h = h + L.o(o[0].transpose(0, 1).reshape(t, H * hd))
+            x = self._rms(h, L.ln2)
+            h = h + L.down(L.act(L.gate(x)) * L.up(x))
+        cache.length = pos + t
+        h = self._rms(h if all_logits else h[-1:], self.norm)
+        return self.lm_head(h)
+
+    @torch.inference_mode()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                 on_token=None) -> "Generation":
+        """Greedy (default) or sampled continuation of the 1-D prompt ``ids``."""
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(0 if seed is None else seed)
+        cache = self.new_cache(ids.numel() + max_new_tokens)
+        out = Generation(prompt_tokens=ids.numel())
+        if max_new_tokens == 0:
+            return out
+        t0 = time.perf_counter()
+        logits = self.forward(ids.to(self.device), cache)
+        out.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens):
+            tok = _pick(logits[-1].float(), do_sample, temperature, top_k, top_p, gen)
+            out.tokens.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in eos or step == max_new_tokens - 1:
+                break
+            logits = self.forward(torch.tensor([tok], device=self.device), cache)
+        out.decode_seconds = time.perf_counter() - t0
+        return out
+
+
+@dataclass
+class Generation:
+    """Generated token ids and timings (prefill: the prompt's forward pass; decode:
+    every later step, one token each)."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first new token comes from the prefill's logits: decode made len - 1 steps
+        steps = len(self.tokens) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else float("nan")
+
+
+def _pick(logits: torch.Tensor, do_sample, temperature, top_k, top_p, gen) -> int:
+    if not do_sample:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p        # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+__all__ = ["Runner", "KVCache", "Generation"]
