@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton's interpreter runs the triton backend's kernels on CPU tensors (tests/test_triton.py;
+# CI has no GPU).  Triton reads the variable when it decorates a kernel and again while one
+# runs, so it is set for the whole session, before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,100 @@
+"""What every Triton kernel file shares: the interpreter flag, exact rounding, dtypes."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once, when the kernels are decorated: triton.jit decides then whether a kernel
+# compiles for the GPU or runs in the interpreter.
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+_INTERPRET = tl.constexpr(INTERPRET)
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+             torch.float64: tl.float64}
+
+
+def dot_dtype(x_dtype: torch.dtype):
+    """Operand type of tl.dot for float activations of ``x_dtype``.
+
+    16-bit activations go to the tensor cores as they are; weight codes (at most 8
+    bits) are exact in bf16/fp16, so the products are exact and only the float32
+    accumulation rounds.  float32 activations use float32 operands (tf32x3 on the
+    GPU, see ``dot_precision``).  The interpreter multiplies bf16 operands as raw
+    uint16 (a Triton interpreter bug), so under it every dot runs in float32, which
+    gives the same products: they are exact in both."""
+    if INTERPRET or x_dtype == torch.float32:
+        return tl.float32
+    return TL_DTYPES[x_dtype]
+
+
+# float32 activations: tf32x3 splits x into two tf32 parts on the tensor cores; codes
+# are exact in tf32, so the only error is the lost tail |x - hi - lo| <= 2^-21 |x|.
+DOT_PRECISION_F32 = "tf32x3"
+
+
+@lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 132, an H100, off the GPU)."""
+    if device.type != "cuda":
+        return 132
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def round_half_even(v):
+    """torch.round (half to even) for |v| < 2^21 in float32 (2^50 in float64): adding
+    and subtracting 1.5 * 2^23 (2^52) leaves the float rounded to an integer by the
+    hardware's round-to-nearest-even.  Larger |v| are clamped to +-2^21 first (callers
+    clamp the result to a code range far inside that).  The interpreter has no rint."""
+    if v.dtype == tl.float64:
+        v = tl.minimum(tl.maximum(v, -1125899906842624.0), 1125899906842624.0)
+        return (v + 6755399441055744.0) - 6755399441055744.0
+    else:
+        v = tl.minimum(tl.maximum(v, -2097152.0), 2097152.0)
+        return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def cast_rn(v, dtype: tl.constexpr):
+    """``v.to(dtype)``, rounding to nearest even as the GPU (and torch) does.  The
+    interpreter truncates float32 -> bfloat16, so there the rounding is done on the
+    bits: add 0x7FFF plus the lowest kept bit, keep the high half."""
+    if _INTERPRET:
+        if dtype == tl.bfloat16:
+            b = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            b = b + 0x7FFF + ((b >> 16) & 1)
+            return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(dtype)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def div_exact(a, b):
+    """a / b correctly rounded (Triton's float32 ``/`` is an approximate division)."""
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def unpack_words(words, BITS: tl.constexpr, PER_WORD: tl.constexpr, SIGNED: tl.constexpr):
+    """[R, W] words -> [R, W * PER_WORD] int32 codes, value j of a word in bits
+    BITS*j .. BITS*j + BITS - 1 (lowbit.scheme's little-endian packing)."""
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    shifts = tl.arange(0, PER_WORD) * BITS
+    v = (words.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    if SIGNED:
+        v = v - ((v >> (BITS - 1)) << BITS)
+    return tl.reshape(v, (R, W * PER_WORD))
