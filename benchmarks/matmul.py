@@ -178,6 +178,9 @@ def main() -> None:
                     gbs = wbytes / t / 1e9
                     print(f"{name:<36}{t * 1e3:>9.3f}{t32 / t:>8.2f}{tbf / t:>8.2f}{best_peer / t:>8.2f}"
                           f"{gbs:>7.1f}{100 * gbs / bw:>9.0f}%")
+    if torch.cuda.is_available():  # GPU rows: lowbit's triton backend (benchmarks/matmul_gpu.py)
+        from matmul_gpu import main as gpu_main
+        gpu_main([])
 
 
 if __name__ == "__main__":
