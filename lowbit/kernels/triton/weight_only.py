@@ -147,7 +147,8 @@ def gemm_block_k_ok(block_k: int, group: int, k: int) -> bool:
 
 def _pruner(ok):
     def prune(configs, named_args, **kwargs):
-        group, k = kwargs["GROUP"], named_args["K"]
+        args = {**named_args, **kwargs}
+        group, k = args["GROUP"], args["K"]
         return [c for c in configs if ok(c.kwargs["BLOCK_K"], group, k)]
     return {"early_config_prune": prune}
 
