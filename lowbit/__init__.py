@@ -10,7 +10,7 @@ Example::
 
 from . import models, nn, ops
 from .kernels import available_backends
-from .models import load_model, quantize_model
+from .models import load_model, load_quantized, quantize_model, save_quantized
 from .ops import dequantize, linear, quantize, quantized_matmul
 from .qtensor import QTensor
 from .recipe import Recipe
@@ -19,4 +19,4 @@ from .scheme import PRESETS, QuantScheme
 
 __version__ = "0.1.0"
 __all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops",
-           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "Runner"]
+           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "save_quantized", "load_quantized", "Runner"]

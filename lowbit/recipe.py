@@ -189,6 +189,9 @@ PRESETS: dict[str, Recipe] = {
         _preset("w4a8-g128", "int4-asym-g128-f16", "int8-asym-token"),
         # requirement C of the mission: int4 affine g64 packed 8 per uint32 on the 7 linears
         _preset("int4-g64", "int4-asym-g64"),
+        # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min): lands
+        # back on its grid, so it measures the pipeline rather than a second rounding
+        _preset("q4_1", "int4-asym-g32-zpfloat-f16"),
         # llama.cpp's 4-bit files keep the output projection at 8 bits
         _preset("w4a16-g128-head8", "int4-asym-g128-f16", lm_head="int8-sym"),
         _preset("w8a16-head8", "int8-sym", lm_head="int8-sym"),

@@ -131,6 +131,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
+    model.lowbit_source = str(p)
     return model, tok
 
 
