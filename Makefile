@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine (each creates or refreshes .venv):
-#   make demo   set up, then quantize the bundled model's weights and print the error table
+#   make demo   set up, then quantize the bundled model, save it, evaluate it against float, generate
 #   make test   set up, then run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -17,8 +17,15 @@ $(STAMP): requirements.txt pyproject.toml setup.py $(wildcard lowbit/csrc/*/*.cp
 
 setup: $(STAMP)
 
+LOWBIT := HF_HUB_OFFLINE=1 $(PY) -m lowbit
+CKPT := build/smollm2-w4a16-g128
+
 demo: $(STAMP)
-	$(PY) -m lowbit demo
+	$(LOWBIT) demo
+	$(LOWBIT) quantize --recipe w4a16-g128 -o $(CKPT) --force
+	$(LOWBIT) info $(CKPT)
+	$(LOWBIT) eval $(CKPT) --compare w8a16 w8a8 q4_1
+	$(LOWBIT) generate $(CKPT) "What is the capital of France?"
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
@@ -26,6 +33,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/ops.py
 	$(PY) benchmarks/matmul.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/generate.py
 
 clean:
 	rm -rf $(VENV) build lowbit/_C*.so *.egg-info

@@ -29,3 +29,35 @@ def test_demo_reports_a_missing_model_clearly(capsys, tmp_path):
 def test_demo_reports_a_bad_scheme_clearly(capsys):
     assert main(["demo", "--limit", "2", "--schemes", "int4-asym-g128"]) == 2
     assert "group_size=128" in capsys.readouterr().err
+
+
+def test_quantize_info_eval_generate_on_the_bundled_model(capsys, tmp_path):
+    import json
+
+    out = tmp_path / "smol-w8"
+    assert main(["quantize", "--recipe", "w8a16", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "210 modules quantized" in text and "210 x weight int8-sym" in text
+    assert main(["quantize", "--recipe", "w8a16", "-o", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["info", str(out)]) == 0
+    assert "210 linears: weight int8-sym" in capsys.readouterr().out
+    assert main(["eval", str(out), "--windows", "1", "--ctx", "64", "--no-speed", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["model"] for r in rows] == ["float", "smol-w8"]  # compared with its float source
+    assert rows[1]["kl_divergence"] > 0 and rows[1]["scored_tokens"] == 63
+    assert main(["generate", str(out), "What is the capital of France?", "-n", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "decode" in captured.err and "tok/s" in captured.err
+
+
+def test_generate_without_a_model_uses_the_bundled_one(capsys):
+    assert main(["generate", "Say hi.", "-n", "3", "--recipe", "w4a16-g64"]) == 0
+    assert "prefill" in capsys.readouterr().err
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    assert main(["info", str(tmp_path)]) == 2
+    assert "not a lowbit checkpoint" in capsys.readouterr().err
+    assert main(["quantize", "--recipe", "nope", "-o", str(tmp_path / "x")]) == 2
+    assert "neither a preset" in capsys.readouterr().err

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from lowbit.recipe import DECODER_LINEARS, PRESETS, Recipe
+
+
+def test_presets_are_valid_and_named_after_their_key():
+    for name, r in PRESETS.items():
+        assert r.name == name and Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("model.layers.0.self_attn.q_proj", ("int4-asym-g64", None)),
+    ("model.layers.29.mlp.down_proj", ("int4-asym-g64", None)),
+    ("model.layers.3.self_attn.rotary_emb", None),
+    ("model.embed_tokens", None),
+    ("lm_head", None),
+])
+def test_default_modules_are_the_seven_decoder_linears(name, expect):
+    assert Recipe(weight="int4-asym-g64").scheme_for(name) == expect
+
+
+def test_overrides_apply_in_order_and_can_keep_a_module_float():
+    r = Recipe(weight="int4-asym-g64", activation="int8-asym-token",
+               overrides=(("down_proj", {"weight": "int8-sym"}), (r"layers\.0\.", {"weight": None}),
+                          ("gate_proj", {"activation": None})))
+    assert r.scheme_for("model.layers.1.mlp.down_proj") == ("int8-sym", "int8-asym-token")
+    assert r.scheme_for("model.layers.0.mlp.down_proj") is None
+    assert r.scheme_for("model.layers.2.mlp.gate_proj") == ("int4-asym-g64", None)
+
+
+def test_lm_head_is_quantized_only_when_asked():
+    assert Recipe(weight="int8-sym", lm_head="int8-sym").scheme_for("lm_head") == ("int8-sym", None)
+    assert PRESETS["w4a16-g128-head8"].scheme_for("lm_head") == ("int8-sym", None)
+
+
+def test_recipe_files_json_and_yaml(tmp_path):
+    d = {"weight": "int4-sym-g32", "activation": None, "overrides": [["up_proj", {"weight": "int8-sym"}]]}
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    (tmp_path / "r.yaml").write_text("weight: int4-sym-g32\noverrides:\n  - [up_proj, {weight: int8-sym}]\n")
+    for f in ("r.json", "r.yaml"):
+        r = Recipe.get(str(tmp_path / f))
+        assert r.weight == "int4-sym-g32" and r.modules == (DECODER_LINEARS,)
+        assert r.scheme_for("model.layers.0.mlp.up_proj") == ("int8-sym", None)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"weight": "int5-sym"}, "recipe weight"),
+    ({"weight": "int4-sym-token"}, "per token"),
+    ({"weight": "int8-sym", "activation": "int4-sym-token"}, "activations are 8-bit"),
+    ({"weight": "int8-sym", "modules": ["("]}, "bad regex"),
+    ({"weight": "int8-sym", "overrides": [["x", {"wieght": "int8-sym"}]]}, "unknown keys"),
+    ({"wieght": "int8-sym"}, "unknown recipe keys"),
+    ({"activation": "int8-sym-token"}, "needs a 'weight'"),
+])
+def test_bad_recipes_are_refused_with_the_field_named(d, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe.from_dict(d)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="w4a16-g128"):
+        Recipe.get("w3a16")
