@@ -206,7 +206,7 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     if recipe:
         lowbit.quantize_model(m, recipe, backend=backend)
     ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
-    eos = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
+    eos = _eos_ids(m, tok)
     printed = ""
     new: list[int] = []
 
@@ -223,6 +223,17 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     _err(f"prompt {g.prompt_tokens} tokens: prefill {g.prefill_tokens_per_s:.0f} tok/s; "
          f"{len(g.tokens)} new tokens: decode {g.decode_tokens_per_s:.1f} tok/s")
     return g
+
+
+def _eos_ids(model, tok) -> list[int]:
+    """Token ids that end a generation: the generation config's, the tokenizer's, and
+    the chat end-of-turn marker when the vocabulary has one."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    ids.append(tok.eos_token_id)
+    vocab = tok.get_vocab()
+    ids += [vocab[t] for t in ("<|im_end|>", "<|eot_id|>", "<|end|>") if t in vocab]
+    return sorted({i for i in ids if isinstance(i, int)})
 
 
 def info_cmd(path: str) -> dict:
