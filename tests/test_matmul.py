@@ -36,8 +36,11 @@ def abs_products(x: torch.Tensor, qt, offset: float = 0.0) -> torch.Tensor:
 
 def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     """Both results are within gamma_K * A of the exact float64 value (A = abs_products),
-    plus: above GEMV_MAX_M rows the cpu backend runs bf16 tiles, rounding the dequantized
-    weight and x to bf16 (u_bf16 * A each); up to GEMV_MAX_M rows, 4-bit weights go
+    plus: above GEMV_MAX_M rows the cpu backend runs a bf16 GEMM (gemm_bf16.cpp) or, where
+    that does not apply, bf16 tiles through torch.mm; both round the dequantized weight
+    and x to bf16 (u_bf16 * A each) and sum float32 products of them (at the float32
+    matmul precision "highest" float32 activations skip the bf16 roundings: a subset of
+    this bound, checked tighter in tests/test_precision.py); up to GEMV_MAX_M rows, 4-bit weights go
     through bf16 dot products on 128 + u (offset 128, +8 for signed codes) and non-bf16
     x is split into two bf16 parts (|x - hi - lo| <= 2^-16 |x|); each output is rounded
     once to x's dtype (u_out * |y| each)."""
@@ -84,6 +87,32 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     x = torch.randn(m, 576).to(dtype)
     y_ref = linear(x, qt, backend="reference")
     err = (linear(x, qt, backend=backend).double() - y_ref.double()).abs()
+    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+
+
+@pytest.fixture
+def bf16_matmul_precision():
+    """float32 activations may take the bf16 paths only below torch's "highest" precision."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g32-zpfloat-f16", "int8-sym",
+                                    "int8-asym-g32", "int4-asym-channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64)])
+def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):
+    # Above GEMV_MAX_M rows (gemm_bf16.cpp where AVX512-BF16 exists): register tiles of
+    # 4 rows x 6 columns with row and column tails (m % 4, n % 6), K = 2304 in two chunks.
+    qt = lowbit.quantize(torch.randn(n, k), scheme)
+    x = torch.randn(m, k).to(dtype)
+    y_ref = linear(x, qt, backend="reference")
+    y = linear(x, qt, backend=backend)
+    assert y.dtype == dtype and y.shape == (m, n)
+    err = (y.double() - y_ref.double()).abs()
     assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
 
 

@@ -7,6 +7,8 @@ codes without zero point (symmetric) or unsigned codes with a zero point.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import _validate, kernels
@@ -83,8 +85,20 @@ def quantized_matmul(input: torch.Tensor, weight: torch.Tensor, scales: torch.Te
         _validate.tensor("out", out, dtypes=[input.dtype])
         _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
     y = library.weight_only_matmul(input, weight, scales, zero_points, bits, group_size,
-                                   kernels.resolve(backend, input.device))
+                                   _resolve(backend, input.device))
     return y if out is None else out.copy_(y)
+
+
+# _weight_parts of the QTensors in use, by id: a decode step calls linear on the same
+# weights again and again, and rebuilding the views costs about 1.5 us a call.  An entry
+# is kept while its QTensor lives and is valid while no in-place write hit the tensors
+# (their version counters; the parts may be copies).
+_PARTS: dict[int, tuple] = {}
+
+
+def _versions(qweight: QTensor):
+    zp = qweight.zero_point
+    return qweight.codes._version, qweight.scale._version, None if zp is None else zp._version
 
 
 def _weight_parts(qweight: QTensor):
@@ -92,6 +106,18 @@ def _weight_parts(qweight: QTensor):
     4-bit codes as u32x8 words."""
     if not isinstance(qweight, QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
+    if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
+        return _build_weight_parts(qweight)  # traced: the graph shows the views
+    key = id(qweight)
+    hit = _PARTS.get(key)
+    if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
+        return hit[2]
+    parts = _build_weight_parts(qweight)
+    _PARTS[key] = (weakref.ref(qweight, lambda _, key=key: _PARTS.pop(key, None)), _versions(qweight), parts)
+    return parts
+
+
+def _build_weight_parts(qweight: QTensor):
     if len(qweight.shape) != 2:
         raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
     s, (n, k) = qweight.scheme, qweight.shape
@@ -109,6 +135,20 @@ def _weight_parts(qweight: QTensor):
         codes = codes.contiguous().view(torch.int32) if k % 8 == 0 else pack_bits(
             unpack_bits(codes, 4, "u8", signed=s.symmetric), 4, "u32")
     return codes, scale.contiguous(), None if zp is None else zp.contiguous(), s.bits, group
+
+
+_DEFAULT_BACKEND: dict[torch.device, str] = {}
+
+
+def _resolve(backend: str | None, device: torch.device) -> str:
+    """kernels.resolve, with the automatic choice per device remembered (it cannot change
+    within a process, and linear runs it on every call)."""
+    if backend is not None:
+        return kernels.resolve(backend, device)
+    b = _DEFAULT_BACKEND.get(device)
+    if b is None:
+        b = _DEFAULT_BACKEND[device] = kernels.resolve(None, device)
+    return b
 
 
 def _as_act_scheme(act_scheme) -> QuantScheme:
@@ -153,7 +193,7 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[out_features]")
-    b = kernels.resolve(backend, x.device)
+    b = _resolve(backend, x.device)
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
             raise ValueError("act_scale / act_zero_point need an act_scheme")

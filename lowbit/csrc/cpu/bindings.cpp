@@ -1,4 +1,4 @@
-// Python bindings of lowbit._C; the kernels live in dequant.cpp and matmul.cpp.
+// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp and gemm_bf16.cpp.
 #include <torch/extension.h>
 
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
@@ -14,6 +14,12 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
 bool gemv_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
+bool gemm_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                              int64_t gemv_max_m, int64_t split_max_m);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 
@@ -25,5 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_gemv", &weight_only_gemv, "x @ dequantize(W).T for small M, W read packed");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
   m.def("weight_only_gemv_bf16", &weight_only_gemv_bf16, "W4A16 for small M with vdpbf16ps");
+  m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
+  m.def("weight_only_gemm_bf16", &weight_only_gemm_bf16, "W4A16/W8A16 for larger M: bf16 panels, vdpbf16ps");
+  m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul, kernel chosen by M; None if none fits");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
 }

@@ -326,3 +326,44 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 #endif
   return y;
 }
+
+// ---- the eager entry of weight-only matmuls --------------------------------------------
+bool gemv_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
+bool gemm_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+
+// One call from Python for a whole weight-only matmul (per-call overhead is what a decode
+// step of a small model spends most of its time on).  x float32/bfloat16/float16 [..., K];
+// scale, zero_point [N, G] of any float (zero_point also integer) dtype.  Picks the kernel
+// by M with the thresholds of lowbit.kernels.cpu and returns [..., N] in x's dtype, or an
+// undefined tensor (None) when no fused kernel covers K and group.
+at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                              int64_t gemv_max_m, int64_t split_max_m) {
+  const int64_t K = x.size(-1), N = codes.size(0);
+  const int64_t M = K ? x.numel() / K : 0;
+  const bool fused = kHaveAvx512 && group % (bits == 4 ? 32 : 16) == 0;
+  const bool small = M <= gemv_max_m && fused;
+  if (!small && !gemm_bf16_supported(K, group)) return at::Tensor();
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  c10::optional<at::Tensor> z;
+  if (zero_point.has_value()) z = zero_point->to(at::kFloat).contiguous();
+  at::Tensor y;
+  if (small) {
+    const bool split = x.scalar_type() != at::kBFloat16;
+    if (bits == 4 && gemv_bf16_supported(K, group) && (!split || M <= split_max_m))
+      y = weight_only_gemv_bf16(x2.to(at::kFloat), c, s, z, group, split);
+    else
+      y = weight_only_gemv(x2.to(at::kFloat), c, s, z, bits, group);
+  } else {
+    y = weight_only_gemm_bf16(x2, c, s, z, bits, group);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.to(x.scalar_type()).view(shape);
+}

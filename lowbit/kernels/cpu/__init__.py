@@ -109,44 +109,65 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
-# Up to this many activation rows the fused AVX-512 kernels (weights read packed) beat
-# dequantizing bf16 tiles for torch.mm; measured on 4096x4096 (Zen 4, 2 threads): the
-# crossover lies between M=8 and M=16.  4-bit weights use bf16 dot products, which split
-# float32/float16 activations into two bf16 parts: that doubles their work, so beyond
-# SPLIT_MAX_M rows the float32-FMA kernel is faster for them (M=1: 0.17 vs 0.24 ms, M=4:
-# 0.87 vs 0.70 ms).
-GEMV_MAX_M = 8
+# Up to this many activation rows the decode kernels (each weight unpacked in registers
+# for every MR rows, gemv_bf16.cpp and matmul.cpp) beat the GEMM of gemm_bf16.cpp (weights
+# unpacked once per call into bf16 panels); measured on Zen 4 (4096x4096, bf16, 1 thread):
+# M=4 0.62 vs 1.18 ms, M=8 1.85 vs 1.49 ms.  4-bit weights use bf16 dot products, which
+# split float32/float16 activations into two bf16 parts: that doubles their work, so
+# beyond SPLIT_MAX_M rows the float32-FMA kernel is faster for them (M=1: 0.17 vs 0.24
+# ms, M=4: 0.87 vs 0.70 ms).
+GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
+
+
+def float32_exact(dtype: torch.dtype) -> bool:
+    """Whether float32 activations must get float32-accurate products: lowbit follows
+    ``torch.set_float32_matmul_precision``.  At torch's default "highest" they do (float32
+    FMAs, float32 tiles); at "high" or "medium" their dot products may run in bfloat16
+    (x split in two bf16 parts at small M, rounded to bf16 at large M), 2-4x faster,
+    as torch's own float32 matmuls may then use bf16/TF32."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def _fused_ok(bits: int, group_size: int) -> bool:
     return _C.has_avx512() and group_size % (32 if bits == 4 else 16) == 0
 
 
+def gemm_bf16_ok(k: int, group_size: int) -> bool:
+    """Whether rows beyond GEMV_MAX_M go through gemm_bf16.cpp (else: bf16 tiles + torch.mm)."""
+    return _C.gemm_bf16_supported(k, group_size)
+
+
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
-    """x @ dequantize(W).T.  Small M: one fused kernel reads the packed weight and
-    accumulates in float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit and wider M
-    with float32 activations: float32 FMAs, matmul.cpp).  Larger M: W is dequantized
-    one L2-sized tile of rows at a time to bfloat16 and each tile goes through torch's
-    bf16 matmul (float32 accumulation) with x rounded to bf16, whatever x's dtype: a float32 matmul is 4-5x
-    slower here, and rounding x and W to bf16 (2^-9 relative each) is far below the
-    4/8-bit weight error.  No full float copy of W is ever made."""
+    """x @ dequantize(W).T, in one call into lowbit._C (it picks the kernel by M).
+    Up to GEMV_MAX_M rows: a fused kernel reads the packed weight and accumulates in
+    float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit, and wider M with float32
+    activations: float32 FMAs, matmul.cpp).  More rows: gemm_bf16.cpp dequantizes panels
+    of W to bf16 (rounded once, as W.to(bfloat16)) and multiplies them with x rounded to
+    bf16 by AVX512-BF16 dot products with float32 accumulation: bf16 torch.matmul's
+    arithmetic; a float32 matmul is 4-5x slower here, and rounding x and W to bf16
+    (2^-9 relative each) is far below the 4/8-bit weight error.  Float32 activations at
+    the float32 matmul precision "highest" (``float32_exact``) stay float32: FMAs, then
+    float32 tiles.  Without the AVX-512 kernels: tiles of W dequantized to bf16 (L2-sized)
+    through torch.mm.  No full float copy of W is ever made."""
     if bits not in (4, 8) or x.dtype == torch.float64:
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+    k = x.shape[-1]
+    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    if not exact or x.numel() <= GEMV_MAX_M * k:
+        # exact: small M only (split_max_m=0 keeps float32 activations on float32 FMAs)
+        y = _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, GEMV_MAX_M,
+                                  0 if exact else SPLIT_MAX_M)
+        if y is not None:
+            return y
+    return _tiles(x, codes, scale, zero_point, bits, group_size, torch.float32 if exact else torch.bfloat16)
+
+
+def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
     zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
     s = scale.to(torch.float32).contiguous()
-    if x2.shape[0] <= GEMV_MAX_M and _fused_ok(bits, group_size):
-        xf = x2.to(torch.float32).contiguous()
-        split = x.dtype != torch.bfloat16
-        if bits == 4 and _C.gemv_bf16_supported(k, group_size) and (not split or x2.shape[0] <= SPLIT_MAX_M):
-            # bf16 dot products; float32/float16 activations split into two bf16 parts
-            y = _C.weight_only_gemv_bf16(xf, codes.contiguous(), s, zp, group_size, split)
-        else:
-            y = _C.weight_only_gemv(xf, codes.contiguous(), s, zp, bits, group_size)
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
-    cdt = torch.bfloat16
     xc = x2.to(cdt).contiguous()
     out_t = torch.empty(n, x2.shape[0], dtype=cdt)
     tile = max(16, TILE_BYTES // max(k * out_t.element_size(), 1))
