@@ -108,6 +108,8 @@ def _weight_parts(qweight: QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
     if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
         return _build_weight_parts(qweight)  # traced: the graph shows the views
+    if qweight.codes.is_inference() or qweight.scale.is_inference():
+        return _build_weight_parts(qweight)  # made under inference_mode: no version counter to check
     key = id(qweight)
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
