@@ -268,6 +268,10 @@ def linear_qta8a_qga4w_qta8o(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor,
                              out_scale: Tensor, out_zero_point: Tensor, bias: Tensor | None,
                              backend: str) -> Tensor:
     k = kernels.module(backend)
+    fused = getattr(k, "linear_qta8a_qga4w_qta8o", None)  # the output requantization fused in
+    if fused is not None:
+        return fused(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size,
+                     out_scale, out_zero_point, bias)
     y = k.linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias)
     return k.requantize_per_token(y, out_scale, out_zero_point)
 
