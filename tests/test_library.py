@@ -43,6 +43,9 @@ def _samples():
             yield "weight_only_matmul", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32, b)
             yield "weight_only_matmul", (torch.randn(1, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64, b)
         yield "int8_mm", (xq, w8.codes, b)
+        for zp, bias, dt in [(None, None, torch.bfloat16), (torch.randint(-9, 9, (3,), dtype=torch.int32),
+                                                            torch.randn(16), torch.float32)]:
+            yield "int8_linear", (xq, zp, w8.codes, torch.rand(3), w8.scale, bias, dt, b)
         x_args = (xq, torch.rand(3), torch.randint(-5, 5, (3,), dtype=torch.int32), w4.codes, w4.scale,
                   w4.zero_point, 32)
         yield "linear_qta8a_qga4w", (*x_args, torch.randn(16), b)
@@ -113,8 +116,7 @@ def test_quantized_linears_compile_fullgraph_and_export_by_name():
     eager = model(x)
     assert torch.equal(torch.compile(model, fullgraph=True)(x), eager)
     code = torch.export.export(model, (x,)).graph_module.code
-    for op in ["lowbit.int8_mm", "lowbit.dequantize_accumulator", "lowbit.weight_only_matmul",
-               "lowbit.linear_qta8a_qga4w"]:
+    for op in ["lowbit.int8_linear", "lowbit.weight_only_matmul", "lowbit.linear_qta8a_qga4w"]:
         assert op in code, op
 
 

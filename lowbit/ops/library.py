@@ -249,6 +249,29 @@ def _(a, b, backend):
     return a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32)
 
 
+@torch.library.custom_op("lowbit::int8_linear", mutates_args=())
+def int8_linear(a: Tensor, a_zero_point: Tensor | None, b: Tensor, row_scale: Tensor, col_scale: Tensor,
+                bias: Tensor | None, out_dtype: torch.dtype, backend: str) -> Tensor:
+    """W8A8: ``dequantize_accumulator(a . b.T - a_zp[m] sum b[n], row_scale, col_scale)``
+    rounded to out_dtype, then ``+ bias`` in out_dtype.  Backends with a fused kernel
+    (triton: the epilogue inside the int8 GEMM) give the same bits."""
+    k = kernels.module(backend)
+    fused = getattr(k, "int8_linear", None)
+    if fused is not None:
+        return fused(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+    acc = k.int8_mm(a, b)
+    if a_zero_point is not None:
+        # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.
+        acc = acc - a_zero_point[:, None] * b.sum(dim=1, dtype=torch.int32)[None, :]
+    y = k.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+@int8_linear.register_fake
+def _(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype, backend):
+    return a.new_empty([a.shape[0], b.shape[0]], dtype=out_dtype)
+
+
 @torch.library.custom_op("lowbit::linear_qta8a_qga4w", mutates_args=())
 def linear_qta8a_qga4w(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor, w_packed: Tensor,
                        w_scales: Tensor, w_zero_points: Tensor | None, group_size: int,
@@ -313,5 +336,5 @@ def _with_eager_fast_path(op):
 
 for _name in ["choose_qparams", "quantize", "dequantize", "pack", "unpack", "quantize_per_token",
               "dequantize_per_token", "fake_quantize", "dequantize_accumulator", "weight_only_matmul",
-              "int8_mm", "linear_qta8a_qga4w", "linear_qta8a_qga4w_qta8o"]:
+              "int8_mm", "int8_linear", "linear_qta8a_qga4w", "linear_qta8a_qga4w_qta8o"]:
     globals()[_name] = _with_eager_fast_path(globals()[_name])

@@ -15,7 +15,6 @@ from .. import _validate, kernels
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
 from . import library
-from .accumulator import dequantize_accumulator
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
 from .quant import quantize
@@ -170,7 +169,8 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
 
     * ``act_scheme=None``: weight-only (W8A16, W4A16; 2/3-bit weights run the reference).
     * 8-bit activations with an int8 symmetric per-channel weight: W8A8, an int8 x int8 ->
-      int32 GEMM and the ``dequantize_accumulator`` epilogue.
+      int32 GEMM and the ``dequantize_accumulator`` epilogue (``lowbit::int8_linear``; fused
+      into the GEMM on the triton backend).
     * 8-bit activations with a 4-bit grouped weight: W4A8, integer accumulation per
       weight group (``linear_qta8a_qga4w``).
 
@@ -213,11 +213,9 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     if bits == 8:
         if not qweight.scheme.symmetric or qweight.scheme.granularity != "channel":
             raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{qweight.scheme}'")
-        acc = library.int8_mm(xq, codes, b)
-        if not s.symmetric or act_scale is not None:
-            # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.
-            acc = acc - xz[:, None] * codes.sum(dim=1, dtype=torch.int32)[None, :]
-        y = dequantize_accumulator(acc, row_scale=xs, col_scale=scales.reshape(n), out_dtype=x.dtype, backend=b)
+        zp = xz if not s.symmetric or act_scale is not None else None
+        y = library.int8_linear(xq, zp, codes, xs, scales.reshape(n), bias, x.dtype, b)
+        return y.reshape(*x.shape[:-1], n)  # bias added in the epilogue
     elif bits == 4:
         if zps is not None and zps.is_floating_point():
             raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{qweight.scheme}'")
