@@ -153,7 +153,7 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     if bits not in (4, 8) or x.dtype == torch.float64:
         return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
     k = x.shape[-1]
-    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    exact = float32_exact(x.dtype)
     if not exact or x.numel() <= GEMV_MAX_M * k:
         # exact: small M only (split_max_m=0 keeps float32 activations on float32 FMAs)
         y = _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, GEMV_MAX_M,
