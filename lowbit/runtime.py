@@ -89,6 +89,7 @@ class Runner:
         self.dtype = self.norm.dtype
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
+        self._decoder = _native_decoder(self)  # None: every step runs the Python path
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated)."""
@@ -127,6 +128,13 @@ class Runner:
             rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
             return x * cos + rot * sin
 
+        if t == 1 and self._decoder is not None and not all_logits:
+            from .kernels import cpu
+
+            split = 0 if cpu.float32_exact(self.dtype) else cpu.SPLIT_MAX_M
+            logits = self._decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos, split)
+            cache.length = pos + 1
+            return logits
         mask = None
         if t > 1 and pos > 0:  # a chunk after cached tokens: causal with an offset
             mask = torch.ones(t, pos + t, dtype=torch.bool, device=ids.device).tril(pos)
@@ -185,6 +193,49 @@ class Runner:
             logits = self.forward(torch.tensor([tok], device=self.device), cache)
         out.decode_seconds = time.perf_counter() - t0
         return out
+
+
+def _native_decoder(r: Runner):
+    """The C++ decode step (lowbit._C.Decoder) for this model, when every projection is a
+    float nn.Linear of the model's dtype or a weight-only QuantLinear the cpu backend
+    runs with a fused kernel, on CPU; else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
+    import os
+
+    from .kernels import cpu, resolve
+    from .nn import QuantLinear
+    from .ops.matmul import _weight_parts
+
+    if os.environ.get("LOWBIT_NATIVE_DECODE", "1") == "0" or not cpu.available() or r.device.type != "cpu":
+        return None
+    if not hasattr(cpu._C, "Decoder") or type(r.layers[0].act).__name__ not in ("SiLU", "SiLUActivation"):
+        return None
+
+    def proj(m):
+        if type(m) is nn.Linear and m.weight.dtype == r.dtype:
+            return cpu._C.DecodeProj(m.weight, None, None, None, m.bias, 0, 0)
+        if not isinstance(m, QuantLinear) or m.act_scheme is not None or resolve(m.backend, r.device) != "cpu":
+            return None
+        codes, scale, zp, bits, group = _weight_parts(m.qweight)
+        probe = torch.zeros(1, m.in_features, dtype=r.dtype)
+        if bits not in (4, 8) or cpu._C.weight_only_matmul(probe, codes, scale, zp, bits, group,
+                                                           cpu.GEMV_MAX_M, 0) is None:
+            return None
+        # scales and zero points in float32 once (the kernel converts them on every call
+        # otherwise; the values are the same)
+        zp = None if zp is None else zp.to(torch.float32).contiguous()
+        return cpu._C.DecodeProj(None, codes, scale.to(torch.float32).contiguous(), zp, m.bias, bits, group)
+
+    d = cpu._C.Decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling, cpu.GEMV_MAX_M)
+    for L in r.layers:
+        ps = [proj(m) for m in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)]
+        if any(p is None for p in ps):
+            return None
+        d.add_layer(L.ln1, L.ln2, *ps)
+    head = proj(r.lm_head)
+    if head is None:
+        return None
+    d.set_head(r.norm, head)
+    return d
 
 
 @dataclass

@@ -273,3 +273,37 @@ def test_evaluate_refuses_bad_arguments(smol, tmp_path):
     (tmp_path / "tiny.txt").write_text("too short")
     with pytest.raises(ValueError, match="fewer than one window"):
         evaluate(model, tok, corpus=tmp_path / "tiny.txt")
+
+
+# -- the C++ decode step ---------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smol_bf16():
+    return lowbit.load_model(dtype=torch.bfloat16)[0]
+
+
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16, prompt_ids, recipe, dtype,
+                                                                 monkeypatch):
+    m = smol[0] if dtype == torch.float32 else smol_bf16
+    if recipe is not None:
+        m = lowbit.quantize_model(m, recipe, inplace=False)
+    native = Runner(m)
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
+    python = Runner(m)
+    assert native._decoder is not None and python._decoder is None
+    caches = [r.new_cache(16) for r in (native, python)]
+    for r, c in zip((native, python), caches):
+        r.forward(prompt_ids, c)
+    for tok in (7, 1234, 42):  # three decode steps: the KV cache written by C++ is read back
+        a = native.forward(torch.tensor([tok]), caches[0])
+        b = python.forward(torch.tensor([tok]), caches[1])
+        assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys, caches[1].keys))
+
+
+def test_native_decode_is_skipped_for_activation_quantized_models(smol):
+    q = lowbit.quantize_model(smol[0], "w8a8", inplace=False)
+    assert Runner(q)._decoder is None

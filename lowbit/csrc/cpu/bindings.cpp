@@ -1,4 +1,5 @@
-// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp and gemm_bf16.cpp.
+// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp and gemm_bf16.cpp,
+// the one-call decode step of lowbit.runtime in decode.cpp.
 #include <torch/extension.h>
 
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
@@ -23,7 +24,10 @@ at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, cons
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 
+void bind_decode(pybind11::module& m);  // decode.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode(m);
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
