@@ -182,7 +182,11 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     else:
         r0 = rows[0]
         print(f"corpus: {r0['corpus']} (sha256 {r0['corpus_sha256']}), {r0['windows']} windows of {ctx} tokens, "
-              f"{r0['scored_tokens']} scored ({protocol} protocol); speed: 512-token prefill, 64-token decode")
+              f"{r0['scored_tokens']} scored ({protocol} protocol)"
+              + ("; speed: 512-token prefill, 64-token decode" if speed else ""))
+        if "greedy_match" in r0:
+            print(f"greedy: leading tokens identical to the float model's {r0['greedy_tokens']} greedy tokens "
+                  "(one near-tie flips the rest, so top-1 and KL are the steadier measures)")
         print(format_table(rows))
     return rows
 
