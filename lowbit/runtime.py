@@ -90,6 +90,10 @@ class Runner:
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
         self._decoder = _native_decoder(self)  # None: every step runs the Python path
+        from .kernels import cpu
+
+        self._attend = (cpu._C.decode_attention if cpu.available() and self.device.type == "cpu"
+                        and hasattr(cpu._C, "decode_attention") else None)
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated)."""
@@ -138,6 +142,9 @@ class Runner:
         mask = None
         if t > 1 and pos > 0:  # a chunk after cached tokens: causal with an offset
             mask = torch.ones(t, pos + t, dtype=torch.bool, device=ids.device).tril(pos)
+        # one new token: a float32 single-query kernel (torch's flash attention costs ~250 us
+        # per call at 512 cached positions for a 1-row query)
+        one = t == 1 and self._attend is not None
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
             x = self._rms(h, L.ln1)
@@ -146,10 +153,13 @@ class Runner:
             kc, vc = cache.keys[i], cache.values[i]
             kc[:, pos:pos + t] = k
             vc[:, pos:pos + t] = L.v(x).view(t, KV, hd).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
-                is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
-            h = h + L.o(o[0].transpose(0, 1).reshape(t, H * hd))
+            if one:
+                o = self._attend(q[:, 0], kc, vc, pos + 1, self.scaling).reshape(1, H * hd)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
+                    is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)[0].transpose(0, 1).reshape(t, H * hd)
+            h = h + L.o(o)
             x = self._rms(h, L.ln2)
             h = h + L.down(L.act(L.gate(x)) * L.up(x))
         cache.length = pos + t

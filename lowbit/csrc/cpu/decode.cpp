@@ -5,12 +5,85 @@
 // Bit-identical to the Python path (tested).
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                               int64_t gemv_max_m, int64_t split_max_m);
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+template <>
+inline float to_f(c10::BFloat16 v) {  // a shift, which the compiler vectorizes
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Attention of one new token over n cached positions, float32 arithmetic: for head h
+// (kv head h / (H / KV)), p = softmax(scale * q_h . K[0:n]) and out_h = p . V[0:n].
+template <typename T>
+void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, int64_t cap, int64_t n,
+            int64_t hd, float scale) {
+  const int64_t group = H / KV;
+#pragma omp parallel for schedule(static) if (n * H * hd > 16384)
+  for (int64_t h = 0; h < H; ++h) {
+    const T* kh = k + (h / group) * cap * hd;
+    const T* vh = v + (h / group) * cap * hd;
+    std::vector<float> qf(hd), p(n), acc(hd, 0.0f);
+    for (int64_t d = 0; d < hd; ++d) qf[d] = to_f(q[h * hd + d]) * scale;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n; ++s) {
+      // 16 independent partial sums (one AVX-512 register), then their sum
+      float part[16] = {0.0f};
+      const T* ks = kh + s * hd;
+      int64_t d = 0;
+      for (; d + 16 <= hd; d += 16)
+        for (int j = 0; j < 16; ++j) part[j] += qf[d + j] * to_f(ks[d + j]);
+      float dot = 0.0f;
+      for (; d < hd; ++d) dot += qf[d] * to_f(ks[d]);
+      for (int j = 0; j < 16; ++j) dot += part[j];
+      p[s] = dot;
+      mx = std::max(mx, dot);
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < n; ++s) sum += (p[s] = std::exp(p[s] - mx));
+    for (int64_t s = 0; s < n; ++s) {
+      const float w = p[s];
+      const T* vs = vh + s * hd;
+      for (int64_t d = 0; d < hd; ++d) acc[d] += w * to_f(vs[d]);
+    }
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[d] / sum);
+  }
+}
+
+}  // namespace
+
+// q: [H, hd]; keys/values: [KV, capacity, hd] caches, the first n positions valid.
+// Returns [H, hd] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t n,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 2 && keys.dim() == 3 && values.sizes() == keys.sizes(), "decode_attention: shapes");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention: caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "decode_attention: dtypes differ");
+  const int64_t H = q.size(0), hd = q.size(1), KV = keys.size(0), cap = keys.size(1);
+  TORCH_CHECK(keys.size(2) == hd && H % KV == 0 && n >= 1 && n <= cap, "decode_attention: sizes");
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({H, hd}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    attend<scalar_t>(qc.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                     out.data_ptr<scalar_t>(), H, KV, cap, n, hd, static_cast<float>(scale));
+  });
+  return out;
+}
 
 namespace {
 
@@ -68,10 +141,8 @@ class Decoder {
       at::Tensor k = rope(proj(L.k, x).view({1, KV, hd})).transpose(0, 1);
       keys[i].slice(1, pos, pos + 1).copy_(k);
       values[i].slice(1, pos, pos + 1).copy_(proj(L.v, x).view({1, KV, hd}).transpose(0, 1));
-      at::Tensor o = at::scaled_dot_product_attention(
-          q.unsqueeze(0), keys[i].slice(1, 0, pos + 1).unsqueeze(0), values[i].slice(1, 0, pos + 1).unsqueeze(0),
-          c10::nullopt, 0.0, false, scaling_, H != KV);
-      h = h + proj(L.o, o.select(0, 0).transpose(0, 1).reshape({1, H * hd}));
+      at::Tensor o = decode_attention(q.select(1, 0), keys[i], values[i], pos + 1, scaling_);
+      h = h + proj(L.o, o.reshape({1, H * hd}));
       x = rms(h, L.ln2);
       h = h + proj(L.down, at::silu(proj(L.gate, x)) * proj(L.up, x));
     }
@@ -95,6 +166,7 @@ class Decoder {
 
 void bind_decode(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("decode_attention", &decode_attention, "attention of one new token over a KV cache, float32 arithmetic");
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,

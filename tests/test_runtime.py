@@ -1,0 +1,50 @@
+"""The runtime's single-query attention kernel against a float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from lowbit.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available() or not hasattr(cpu._C, "decode_attention"),
+                                reason="needs lowbit._C")
+
+
+def gamma(k: int, u: float = 2.0**-24) -> float:
+    return k * u / (1 - k * u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, n", [(9, 3, 1), (9, 3, 37), (8, 8, 600), (4, 1, 129)])
+def test_decode_attention_matches_float64_softmax_attention(dtype, heads, kv_heads, n):
+    hd, cap = 64, 640
+    q = torch.randn(heads, hd).to(dtype)
+    k = torch.randn(kv_heads, cap, hd).to(dtype)
+    v = torch.randn(kv_heads, cap, hd).to(dtype)
+    scale = hd ** -0.5
+    out = cpu._C.decode_attention(q, k, v, n, scale)
+    assert out.dtype == dtype and out.shape == (heads, hd)
+    rep = heads // kv_heads
+    kd, vd = k[:, :n].double().repeat_interleave(rep, 0), v[:, :n].double().repeat_interleave(rep, 0)
+    scores = torch.einsum("hd,hsd->hs", q.double(), kd) * scale
+    want = torch.einsum("hs,hsd->hd", torch.softmax(scores, -1), vd)
+    # float32 on inputs exact in float32: each score is a hd-term dot product (gamma_{hd+1}
+    # of sum|q k| * scale); a score error e changes a weight by a factor exp(+-e) and exp
+    # adds a few units; the weighted sum of n values and the division add gamma_{n+2};
+    # all of it scales max|v| (the output is a convex combination of the rows of V);
+    # then one rounding to dtype.
+    dot_err = gamma(hd + 1) * float((q.double().abs()[:, None] * kd.abs()).sum(-1).max()) * scale
+    tol = (2 * dot_err + 4 * 2.0**-24 + gamma(n + 2)) * 2 * float(vd.abs().max())
+    unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    err = (out.double() - want).abs()
+    assert bool((err <= tol + unit * want.abs()).all()), float(err.max())
+
+
+def test_decode_attention_refuses_bad_sizes():
+    q, kv = torch.randn(9, 64), torch.randn(3, 8, 64)
+    with pytest.raises(RuntimeError, match="sizes"):
+        cpu._C.decode_attention(q, kv, kv, 9, 1.0)  # more positions than the cache holds
+    with pytest.raises(RuntimeError, match="dtypes"):
+        cpu._C.decode_attention(q.double(), kv, kv, 4, 1.0)
+    assert math.isfinite(float(cpu._C.decode_attention(q, kv, kv, 1, 1.0).sum()))
