@@ -18,13 +18,13 @@ $(STAMP): requirements.txt pyproject.toml setup.py $(wildcard lowbit/csrc/*/*.cp
 setup: $(STAMP)
 
 LOWBIT := HF_HUB_OFFLINE=1 $(PY) -m lowbit
-CKPT := build/smollm2-w4a16-g128
+CKPT := build/smollm2-q4_1
 
 demo: $(STAMP)
 	$(LOWBIT) demo
-	$(LOWBIT) quantize --recipe w4a16-g128 -o $(CKPT) --force
+	$(LOWBIT) quantize --recipe q4_1 -o $(CKPT) --force
 	$(LOWBIT) info $(CKPT)
-	$(LOWBIT) eval $(CKPT) --compare w8a16 w8a8 q4_1
+	$(LOWBIT) eval $(CKPT) --compare w8a16 w4a16-g128 w8a8
 	$(LOWBIT) generate $(CKPT) "What is the capital of France?"
 
 test: $(STAMP)

@@ -194,7 +194,7 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
 def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, sample: bool = False,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float | None = 0.9,
                  seed: int | None = None, raw: bool = False, recipe: str | None = None,
-                 dtype: str = "float32", backend: str | None = None):
+                 dtype: str = "bfloat16", backend: str | None = None):
     """Generate text from a checkpoint or a float model (optionally quantized on the fly
     with ``recipe``), streaming tokens; prints prefill and decode tokens/s to stderr.
 
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="generate text (greedy by default) with the fast runtime")
     p.add_argument("model", nargs="?", help="GGUF file, Hugging Face folder or lowbit checkpoint")
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="activation dtype (default bfloat16: the fast kernels; float32 is float32-accurate)")
     p.add_argument("--backend", choices=["reference", "cpu", "triton"])
     p.add_argument("--recipe", help="quantize on the fly with this recipe (float models)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128)
