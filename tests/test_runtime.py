@@ -48,3 +48,20 @@ def test_decode_attention_refuses_bad_sizes():
     with pytest.raises(RuntimeError, match="dtypes"):
         cpu._C.decode_attention(q.double(), kv, kv, 4, 1.0)
     assert math.isfinite(float(cpu._C.decode_attention(q, kv, kv, 1, 1.0).sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [576, 4096, 37])
+def test_rms_norm_rows_matches_float64(dtype, d):
+    x = (torch.randn(3, d) * 4).to(dtype)
+    w = torch.rand(d).to(dtype) + 0.5
+    out = cpu._C.rms_norm_rows(x, w, 1e-5)
+    xd = x.double()
+    normed = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5)
+    # float32: the sum of d squares (gamma_{d+1} relative), the division, sqrt and
+    # reciprocal (a few units) move 1/rms by <= (gamma_{d+1} / 2 + 4u); then the product
+    # is rounded to dtype (unit u_T), multiplied by w and rounded again (u_T each)
+    unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    rel = gamma(d + 1) / 2 + 4 * 2.0**-24 + 2 * unit + unit * unit
+    want = normed.to(dtype).double() * w.double()
+    assert bool(((out.double() - normed * w.double()).abs() <= rel * want.abs() * 1.01 + 1e-30).all())

@@ -64,7 +64,37 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
   }
 }
 
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    float part[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+      for (int j = 0; j < 16; ++j) part[j] += to_f(xr[i + j]) * to_f(xr[i + j]);
+    float ss = 0.0f;
+    for (; i < d; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+    for (int j = 0; j < 16; ++j) ss += part[j];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (i = 0; i < d; ++i)  // as transformers: normalize in float32, round to T, then scale
+      out[r * d + i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(w[i]));
+  }
+}
+
 }  // namespace
+
+// RMSNorm of the rows of x [rows, d] (one pass, float32 arithmetic), for decode steps.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm_rows: shapes");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm_rows: dtypes differ");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_rows", [&] {
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                       x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
 
 // q: [H, hd]; keys/values: [KV, capacity, hd] caches, the first n positions valid.
 // Returns [H, hd] in q's dtype.
@@ -150,9 +180,7 @@ class Decoder {
   }
 
  private:
-  at::Tensor rms(const at::Tensor& h, const at::Tensor& w) const {
-    return at::rms_norm(h.to(at::kFloat), {hidden_}, c10::nullopt, eps_).to(h.scalar_type()) * w;
-  }
+  at::Tensor rms(const at::Tensor& h, const at::Tensor& w) const { return rms_norm_rows(h, w, eps_); }
 
   int64_t heads_, kv_heads_, head_dim_, hidden_;
   double eps_, scaling_;
@@ -167,6 +195,7 @@ class Decoder {
 void bind_decode(pybind11::module& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, "attention of one new token over a KV cache, float32 arithmetic");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of rows, one pass, float32 arithmetic");
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,
