@@ -15,8 +15,9 @@ from .ops import dequantize, linear, quantize, quantized_matmul
 from .qtensor import QTensor
 from .recipe import Recipe
 from .runtime import Runner
+from .evaluate import evaluate  # noqa: E402  (the function; the module stays importable)
 from .scheme import PRESETS, QuantScheme
 
 __version__ = "0.1.0"
 __all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops",
-           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "save_quantized", "load_quantized", "Runner"]
+           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "save_quantized", "load_quantized", "Runner", "evaluate"]
