@@ -26,10 +26,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LOWBIT_CACHE") or Path.home() / ".cache" / "lowbit")
 
 
-def _quiet_transformers():
+def _quiet_transformers(progress: bool = False):
+    """transformers without its warnings, and without its progress bars unless asked
+    (loading a cached folder takes about a second; converting a GGUF file does not)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if progress:
+        transformers.utils.logging.enable_progress_bar()
+    else:
+        transformers.utils.logging.disable_progress_bar()
     return transformers
 
 
@@ -60,11 +66,9 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     entry = _gguf_cache_entry(gguf)
     if (entry / "model.safetensors").is_file():
         return entry
-    transformers = _quiet_transformers()
+    transformers = _quiet_transformers(progress)
     from safetensors.torch import save_model
 
-    if not progress:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                               dtype=torch.float32)
