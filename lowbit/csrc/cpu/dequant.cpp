@@ -11,7 +11,7 @@
 // one setting of (group, rows_per_scale): tensor (K, R), channel (K, R / N),
 // token (K, 1), group (g, 1); int32 accumulators reuse it with group = their group.
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

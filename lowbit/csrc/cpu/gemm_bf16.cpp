@@ -22,7 +22,7 @@
 // vector = 29 of the 32 zmm registers; each 32-value step issues 10 loads for 24 dot
 // products.
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

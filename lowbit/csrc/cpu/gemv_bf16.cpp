@@ -14,7 +14,7 @@
 // 4i + j in lane i, and vdpbf16ps sums lane pairs (2t, 2t+1), i.e. elements 8t + j and
 // 8t + 4 + j, into float lane t.  The activations are laid out once per call to match.
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

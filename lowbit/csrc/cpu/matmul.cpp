@@ -18,7 +18,7 @@
 // x.u and sum u are vpdpbusd dot products (u8 x s8 -> s32); the float scale is
 // applied once per group.
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -328,13 +328,6 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 }
 
 // ---- the eager entry of weight-only matmuls --------------------------------------------
-bool gemv_bf16_supported(int64_t K, int64_t group);
-at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
-bool gemm_bf16_supported(int64_t K, int64_t group);
-at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
-
 // One call from Python for a whole weight-only matmul (per-call overhead is what a decode
 // step of a small model spends most of its time on).  x float32/bfloat16/float16 [..., K];
 // scale, zero_point [N, G] of any float (zero_point also integer) dtype.  Picks the kernel

@@ -1,0 +1,34 @@
+// The entry points of lowbit's CPU kernels, declared once: bindings.cpp exposes them to
+// Python, matmul.cpp and decode.cpp call them from C++.
+#pragma once
+#include <torch/extension.h>
+
+#include <tuple>
+
+// dequant.cpp
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                      int64_t bits, bool is_signed, int64_t K, int64_t group, int64_t rows_per_scale,
+                      at::ScalarType out_dtype);
+at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
+                             at::ScalarType out_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
+                                                                        bool symmetric);
+// matmul.cpp
+bool has_avx512();
+at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                              int64_t gemv_max_m, int64_t split_max_m);
+at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                     const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
+// gemv_bf16.cpp
+bool gemv_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
+// gemm_bf16.cpp
+bool gemm_bf16_supported(int64_t K, int64_t group);
+at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+// decode.cpp
+void bind_decode(pybind11::module& m);
