@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import cpu
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
@@ -78,7 +80,6 @@ class Runner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.vocab = cfg.vocab_size
         self.layers = []
         for layer in body.layers:
             a, m = layer.self_attn, layer.mlp
@@ -90,8 +91,6 @@ class Runner:
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
         self._decoder = _native_decoder(self)  # None: every step runs the Python path
-        from .kernels import cpu
-
         native = cpu.available() and self.device.type == "cpu" and hasattr(cpu._C, "rms_norm_rows")
         self._attend = cpu._C.decode_attention if native else None
         self._rms_row = cpu._C.rms_norm_rows if native else None
@@ -122,9 +121,9 @@ class Runner:
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, vocab] (``all_logits``) or [1, vocab] (the last position) for the
         1-D token ids ``ids`` that continue what ``cache`` holds; appends to the cache."""
-        t, pos = ids.shape[0], cache.length
-        if ids.dim() != 1 or t == 0:
+        if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        t, pos = ids.shape[0], cache.length
         if pos + t > cache.capacity:
             raise ValueError(f"the KV cache holds {cache.capacity} tokens; {pos} + {t} do not fit")
         cos_all, sin_all = self._rope(pos + t)
@@ -137,8 +136,6 @@ class Runner:
             return x * cos + rot * sin
 
         if t == 1 and self._decoder is not None and not all_logits:
-            from .kernels import cpu
-
             split = 0 if cpu.float32_exact(self.dtype) else cpu.SPLIT_MAX_M
             logits = self._decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos, split)
             cache.length = pos + 1
@@ -162,7 +159,8 @@ class Runner:
             else:
                 o = F.scaled_dot_product_attention(
                     q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
-                    is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)[0].transpose(0, 1).reshape(t, H * hd)
+                    is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
+                o = o[0].transpose(0, 1).reshape(t, H * hd)
             h = h + L.o(o)
             x = self._rms(h, L.ln2)
             h = h + L.down(L.act(L.gate(x)) * L.up(x))
@@ -215,7 +213,7 @@ def _native_decoder(r: Runner):
     runs with a fused kernel, on CPU; else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
     import os
 
-    from .kernels import cpu, resolve
+    from .kernels import resolve
     from .nn import QuantLinear
     from .ops.matmul import _weight_parts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ def _fit_group(scheme: str, in_features: int) -> str:
         if in_features % g == 0:
             return with_group_size(scheme, g)
         g //= 2
-    return str(QuantScheme(s.bits, s.symmetric, "channel", None, s.scale_dtype, s.zero_point_domain, s.packing))
+    return str(replace(s, granularity="channel", group_size=None))
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
