@@ -103,10 +103,12 @@ def bf16_matmul_precision():
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g32-zpfloat-f16", "int8-sym",
                                     "int8-asym-g32", "int4-asym-channel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64)])
+@pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64), (20, 200, 1216)])
 def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):
-    # Above GEMV_MAX_M rows (gemm_bf16.cpp where AVX512-BF16 exists): register tiles of
-    # 4 rows x 6 columns with row and column tails (m % 4, n % 6), K = 2304 in two chunks.
+    # Above GEMV_MAX_M rows (gemm_bf16.cpp where AVX512-BF16 exists): panels of 64 columns
+    # (n = 200: three and a tail of 8, and tails below 16 and 64), register tiles of 6 rows
+    # (m % 6 from 1 to 5), K in chunks of at most 1024 (2304: three, 1216: two of 608, ending on
+    # part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).
     qt = lowbit.quantize(torch.randn(n, k), scheme)
     x = torch.randn(m, k).to(dtype)
     y_ref = linear(x, qt, backend="reference")

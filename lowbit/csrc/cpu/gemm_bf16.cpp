@@ -3,24 +3,24 @@
 // accumulation) whose weight panels are dequantized on the fly, so no float copy of the
 // whole weight is ever made.
 //
-// Per thread, for a slice of output columns and a chunk of K (KC values, so a chunk of
-// activations stays in L2 while every panel of the slice reuses it):
-//   1. dequantize NR weight rows of the chunk to bf16, (q - z) * s in float32 as the
-//      reference computes it, then rounded to bf16 (the one rounding of the weight);
-//   2. multiply every MR rows of activations (bf16) with that panel: MR x NR
-//      accumulators, each a vector over 32 consecutive k, summed across lanes at the end.
-// A weight element is unpacked once per call whatever M is; the panel (NR x KC bf16)
-// stays in L1/L2 while all M rows stream past it.
+// Layout (the one oneDNN and BLIS use for bf16): a panel holds NP = 64 output columns of
+// W for a chunk of K, as dwords of two bf16 (k, k + 1), panel[k / 2][column].  One
+// vdpbf16ps multiplies 16 columns of a panel row with one dword of activations (the pair
+// x[m, k], x[m, k + 1] broadcast to every lane), so each accumulator holds 16 outputs and
+// needs no lane sums.  A register tile is MR = 6 rows x 64 columns: 24 accumulators, 4
+// weight vectors and 1 broadcast (29 of the 32 zmm registers); each k pair issues 4 loads
+// and 6 broadcasts for 24 dot products.  bf16 activations are read in place (a pair of
+// bf16 is a dword); others are rounded to bf16 once per call.
 //
-// Order inside a block of 32 values: 4-bit codes are u32x8 words, byte i holding element
-// 2i (low nibble) and 2i + 1 (high nibble); unpacking a 16-byte block gives the even
-// elements in one vector and the odd ones in the other.  Rather than shuffle the weight,
-// the activations are laid out once per call in the same order (evens, then odds, of
-// every 32-block); a dot product does not care about the order of its terms.
-//
-// Register budget: MR x NR = 4 x 6 accumulators + 4 activation vectors + 1 weight
-// vector = 29 of the 32 zmm registers; each 32-value step issues 10 loads for 24 dot
-// products.
+// Per thread, for each panel of its column range and each chunk of K (KC values, so the
+// panel stays in L2):
+//   1. dequantize the chunk of 64 weight rows, (q - z) * s in float32 as the reference
+//      computes it, rounded to bf16 (the one rounding of the weight).  16 rows at a time:
+//      a 16 x 16 transpose of dwords turns 16 rows of packed codes into vectors whose
+//      lane i belongs to row i (4-bit: a dword is 8 values, its byte b the pair
+//      (2b, 2b + 1); 8-bit: a dword is 4 values, two pairs);
+//   2. multiply every MR rows of activations with that panel, adding into y.
+// A weight element is unpacked once per call whatever M is.
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -30,8 +30,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -42,149 +40,168 @@
 namespace {
 
 #ifdef LOWBIT_HAVE_BF16_GEMM
-constexpr int MR = 4;
-constexpr int NR = 6;
-// Activations chunk: KC values of M rows (128 rows x 2048 x 2 bytes = 512 KiB fits the
-// 1 MiB L2 of Zen 4 next to the panel).
-// (Measured on Zen 4: 512 or 1024 with the activations of MR rows reused from L1 across
-// 4 panels was 5-20% slower: the lane sums at the end of every chunk cost more.)
-constexpr int64_t KC_MAX = 2048;
+constexpr int MR = 6;
+constexpr int NV = 4;             // 16-column vectors per panel
+constexpr int NP = 16 * NV;       // panel width
+// Values of K per chunk: the panel is KC_MAX * 128 bytes (128 KiB, in L2).  Measured on
+// Zen 5 with 2 threads (4096x4096, M = 16 and 128, 4- and 8-bit): 1024 is up to 1.5x
+// faster than 256 (the panel in L1, but 4x as many short runs of codes per row, and
+// y read and written again per chunk) and on par with 512.
+constexpr int64_t KC_MAX = 1024;
 
-// Rows [n0, n0 + nr) of W, values [k0, k0 + kc), dequantized to bf16 rows of kc values.
+// r[i] <- dword i of every r[j] (a 16 x 16 transpose of 32-bit elements).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] now holds, in its 128-bit lane L, dword 4L + b of rows 4a..4a+3; gather
+  // lane L of r[b], r[4 + b], r[8 + b], r[12 + b] into r[4L + b].
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// Columns [n0, n0 + 64) of W (rows beyond N repeat row N - 1; their outputs are never
+// stored), values [k0, k0 + kc) with k0, kc multiples of 32, dequantized into
+// panel[(k - k0) / 2][column] pairs of bf16.  st, zt: scale and zero point transposed,
+// [G][Npad] with Npad a multiple of 64.
 template <int BITS, bool SIGNED, bool HAS_ZP>
-void pack_panel(const uint8_t* w, const float* s, const float* z, int64_t K, int64_t G, int64_t group, int64_t n0,
-                int nr, int64_t k0, int64_t kc, uint16_t* buf) {
+void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
+                int64_t n0, int64_t k0, int64_t kc, uint32_t* panel) {
+  constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-  for (int c = 0; c < nr; ++c) {
-    const uint8_t* wr = w + (n0 + c) * row_bytes;
-    const float* sr = s + (n0 + c) * G;
-    const float* zr = HAS_ZP ? z + (n0 + c) * G : nullptr;
-    uint16_t* out = buf + c * kc;
-    for (int64_t k = k0; k < k0 + kc; k += 32) {
-      const int64_t g = k / group;
-      __m512i lo, hi;  // block values 0..15 and 16..31 (4-bit: even and odd elements)
-      if constexpr (BITS == 4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2)));
-        if constexpr (SIGNED) {
-          lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
-          hi = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28);
-        } else {
-          lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF));
-          hi = _mm512_srli_epi32(v, 4);
+  // vpermw index interleaving the two halves of cvtne2ps_pbh(hi, lo): lo0 hi0 lo1 hi1 ...
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i inter = _mm512_load_si512(kInterleave);
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c0 = n0 + 16 * v;
+    const uint8_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = w + std::min<int64_t>(c0 + i, N - 1) * row_bytes;
+    for (int64_t kb = k0; kb < k0 + kc; kb += 16 * VALS) {  // 16 dwords of each row
+      const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / VALS));
+      const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb / VALS * 4);
+      transpose16(r);
+      for (int j = 0; j < dwords; ++j) {
+        const int64_t k = kb + j * VALS;
+        const int64_t g = k / group;
+        const __m512 sv = _mm512_loadu_ps(st + g * Npad + c0);
+        const __m512 zv = HAS_ZP ? _mm512_loadu_ps(zt + g * Npad + c0) : _mm512_setzero_ps();
+        uint32_t* out = panel + (k - k0) / 2 * NP + 16 * v;
+        for (int p = 0; p < VALS / 2; ++p) {  // pair p of the dword: values 2p, 2p + 1
+          __m512i lo, hi;
+          constexpr int W = BITS;  // bits per value
+          if constexpr (SIGNED) {
+            lo = _mm512_srai_epi32(_mm512_slli_epi32(r[j], 32 - W * (2 * p + 1)), 32 - W);
+            hi = _mm512_srai_epi32(_mm512_slli_epi32(r[j], 32 - W * (2 * p + 2)), 32 - W);
+          } else {
+            const __m512i m = _mm512_set1_epi32((1 << W) - 1);
+            lo = _mm512_and_si512(_mm512_srli_epi32(r[j], W * 2 * p), m);
+            hi = _mm512_and_si512(_mm512_srli_epi32(r[j], W * (2 * p + 1)), m);
+          }
+          __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
+          if constexpr (HAS_ZP) {
+            a = _mm512_sub_ps(a, zv);
+            b = _mm512_sub_ps(b, zv);
+          }
+          a = _mm512_mul_ps(a, sv);
+          b = _mm512_mul_ps(b, sv);
+          // vcvtne2ps2bf16 rounds to nearest even, as torch's .to(torch.bfloat16)
+          const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+          _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
         }
-      } else {
-        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
-        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
-        lo = SIGNED ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0);
-        hi = SIGNED ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1);
       }
-      __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
-      if constexpr (HAS_ZP) {
-        const __m512 zv = _mm512_set1_ps(zr[g]);
-        a = _mm512_sub_ps(a, zv);
-        b = _mm512_sub_ps(b, zv);
-      }
-      const __m512 sv = _mm512_set1_ps(sr[g]);
-      a = _mm512_mul_ps(a, sv);
-      b = _mm512_mul_ps(b, sv);
-      // vcvtne2ps2bf16 rounds to nearest even, as torch's .to(torch.bfloat16)
-      _mm512_storeu_si512(out + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
   }
 }
 
-// {sum(a), sum(b), sum(c), sum(d)}: add 256-bit halves, then 128-bit quarters, then lanes.
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), u));
+// Ask for the codes pack_panel(n0, k0, kc) will read: 64 rows, each a short run of
+// bytes far from the next row's, too short for the hardware prefetchers to follow.
+template <int BITS>
+void prefetch_codes(const uint8_t* w, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t kc) {
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t b0 = BITS == 4 ? k0 / 2 : k0, b1 = BITS == 4 ? (k0 + kc) / 2 : k0 + kc;
+  for (int64_t n = n0; n < std::min(n0 + NP, N); ++n)
+    for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + b), _MM_HINT_T1);
 }
 
-// y[r, c] (+)= sum_k a[r, k] b[c, k] over kc values (a multiple of 32).
-template <int R, int C>
-void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kc, float* y, int64_t ldy, bool accumulate) {
-  __m512 acc[R][C];
+// y[r, 0:ncols] (+)= sum over kp pairs of x[r] . panel: R rows (R <= MR) x 64 columns.
+template <int R>
+void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* y, int64_t ldy, int ncols,
+          bool accumulate) {
+  __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; k += 32) {
-    __m512i av[R];
-    for (int r = 0; r < R; ++r) av[r] = _mm512_loadu_si512(a + r * lda + k);
-    for (int c = 0; c < C; ++c) {
-      const __m512i bv = _mm512_loadu_si512(b + c * kc + k);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)av[r], (__m512bh)bv);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < kp; ++q) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + q]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
     }
   }
-  // Lane sums four accumulators at a time (3.5 instructions per sum instead of 8).
-  alignas(16) float sums[(R * C + 3) / 4 * 4];
-  const __m512* flat = &acc[0][0];
-  for (int i = 0; i < R * C; i += 4) {
-    const __m512 zero = _mm512_setzero_ps();
-    _mm_store_ps(sums + i, hsum4(flat[i], i + 1 < R * C ? flat[i + 1] : zero, i + 2 < R * C ? flat[i + 2] : zero,
-                                 i + 3 < R * C ? flat[i + 3] : zero));
+  for (int v = 0; v < NV; ++v) {
+    const int left = ncols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + r * ldy + 16 * v;
+      __m512 s = acc[r][v];
+      if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, out));
+      _mm512_mask_storeu_ps(out, mask, s);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = accumulate ? y[r * ldy + c] + sums[r * C + c] : sums[r * C + c];
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool);
-
-template <int R, int... Cs>
-constexpr std::array<TileFn, NR> tile_row(std::integer_sequence<int, Cs...>) {
-  return {tile<R, Cs + 1>...};
-}
+using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, int, bool);
 template <int... Rs>
-constexpr std::array<std::array<TileFn, NR>, MR> tile_table(std::integer_sequence<int, Rs...>) {
-  return {tile_row<Rs + 1>(std::make_integer_sequence<int, NR>{})...};
+constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
+  return {tile<Rs + 1>...};
 }
 constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// x [M, K] -> bf16 [M, K], each 32-block reordered to (evens, odds) when `deinterleave`.
-template <typename T>
-void prepare(const T* x, uint16_t* xa, int64_t M, int64_t K, bool deinterleave) {
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const T* xm = x + m * K;
-      uint16_t* am = xa + m * K;
-      for (int64_t b = 0; b < K; b += 32)
-        for (int i = 0; i < 32; ++i) {
-          const int64_t src = deinterleave ? b + (i < 16 ? 2 * i : 2 * (i - 16) + 1) : b + i;
-          if constexpr (std::is_same_v<T, c10::BFloat16>)
-            am[b + i] = xm[src].x;
-          else
-            am[b + i] = bf16_bits(static_cast<float>(xm[src]));
-        }
-    }
-  });
-}
-
 template <int BITS, bool SIGNED, bool HAS_ZP>
-void gemm(const uint16_t* xa, const uint8_t* w, const float* s, const float* z, int64_t M, int64_t N, int64_t K,
-          int64_t G, int64_t group, float* y) {
-  const int64_t panels = (N + NR - 1) / NR;
-  // K in equal chunks of at most KC_MAX values (whole 32-blocks): each chunk ends with
-  // lane sums of every accumulator, so fewer, longer chunks waste less.
+void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
+          int64_t Npad, int64_t group, float* y) {
+  const int64_t panels = Npad / NP;
+  // K in equal chunks of at most KC_MAX values (whole 32-blocks)
   const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
+  const int64_t ldx = K / 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint16_t> buf(NR * KC);
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * NR;
-        const int nr = static_cast<int>(std::min<int64_t>(NR, N - n0));
-        pack_panel<BITS, SIGNED, HAS_ZP>(w, s, z, K, G, group, n0, nr, k0, kc, buf.data());
+    std::vector<uint32_t> buf(KC / 2 * NP + 16);
+    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NP;
+      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel);
+        // the codes of the next chunk arrive while this one is multiplied
+        if (k0 + kc < K) prefetch_codes<BITS>(w, N, K, n0, k0 + kc, std::min(KC, K - k0 - kc));
+        else if (p + 1 < p1) prefetch_codes<BITS>(w, N, K, n0 + NP, 0, std::min(KC, K));
         for (int64_t m = 0; m < M; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
-          TILES[mr - 1][nr - 1](xa + m * K + k0, K, buf.data(), kc, y + m * N + n0, N, k0 > 0);
+          TILES[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, y + m * N + n0, N, ncols, k0 > 0);
         }
       }
     }
@@ -217,20 +234,23 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
-  at::Tensor xa = at::empty({M, K}, x.options().dtype(at::kShort));
-  uint16_t* pa = reinterpret_cast<uint16_t*>(xa.data_ptr());
-  const bool de = bits == 4;
-  switch (x.scalar_type()) {
-    case at::kFloat: prepare<float>(x.data_ptr<float>(), pa, M, K, de); break;
-    case at::kBFloat16: prepare<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), pa, M, K, de); break;
-    case at::kHalf: prepare<c10::Half>(x.data_ptr<c10::Half>(), pa, M, K, de); break;
-    default: TORCH_CHECK(false, "lowbit._C.weight_only_gemm_bf16: unsupported x dtype ", x.scalar_type());
-  }
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // round to nearest even, as torch does
+  const int64_t Npad = (N + NP - 1) / NP * NP;
+  // [G][Npad]: lane i of a vector load is column i's value
+  auto transposed = [&](const at::Tensor& t) {
+    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(at::kFloat));
+    out.narrow(1, 0, N).copy_(t.t());
+    return out;
+  };
+  const at::Tensor st = transposed(scale);
+  at::Tensor zt;
+  if (zero_point.has_value()) zt = transposed(*zero_point);
+  const uint32_t* pa = reinterpret_cast<const uint32_t*>(xb.data_ptr());
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scale.data_ptr<float>();
-  const float* z = zero_point.has_value() ? zero_point->data_ptr<float>() : nullptr;
+  const float* s = st.data_ptr<float>();
+  const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
-#define LOWBIT_GEMM(B, S, Z) gemm<B, S, Z>(pa, w, s, z, M, N, K, G, group, py)
+#define LOWBIT_GEMM(B, S, Z) gemm<B, S, Z>(pa, w, s, z, M, N, K, Npad, group, py)
   if (bits == 4) {
     if (z) LOWBIT_GEMM(4, false, true); else LOWBIT_GEMM(4, true, false);
   } else {
