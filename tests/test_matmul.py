@@ -179,6 +179,36 @@ def test_w8a8_static_per_tensor_activation_scale():
     assert torch.equal(y, expected)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_point, bias", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("values", ["random", "extreme"])
+@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100)])
+def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
+    # gemm_int8.cpp: panels of 64 columns (n = 200: a tail of 8), tiles of 6 rows (13 = 6 + 6 + 1),
+    # K in chunks of at most 2048 (4100: three, partial sums through the int32 scratch),
+    # transposes of 64 bytes with a masked tail (584 = 9 * 64 + 8).
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    g = torch.Generator().manual_seed(m * n + k)
+    if values == "extreme":  # |a . b| = 128 * 128 * K: 2^28 of int32's 2^31 at K = 4100
+        a = torch.full((m, k), -128, dtype=torch.int8)
+        b = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    else:
+        a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    row, col = torch.rand(m, generator=g) * 0.01, torch.rand(n, generator=g).to(torch.bfloat16)
+    azp = torch.randint(-128, 128, (m,), generator=g, dtype=torch.int32) if zero_point else None
+    bvec = torch.randn(n, generator=g) if bias else None
+    acc = reference.int8_mm(a, b)
+    if zero_point:
+        acc = acc - azp[:, None] * b.sum(dim=1, dtype=torch.int32)[None, :]
+    expected = reference.dequantize_accumulator_rowcol(acc, row, col, out_dtype)
+    if bias:
+        expected = expected + bvec.to(out_dtype)
+    y = lowbit.ops.library.int8_linear(a, azp, b, row, col, bvec, out_dtype, "cpu")
+    assert torch.equal(y, expected)
+
+
 # -- W4A8: requirement D ---------------------------------------------------------------------
 def _qta8o_case(m, n, k, group, zp_kind, values, seed):
     g = torch.Generator().manual_seed(seed)

@@ -254,11 +254,13 @@ def int8_linear(a: Tensor, a_zero_point: Tensor | None, b: Tensor, row_scale: Te
                 bias: Tensor | None, out_dtype: torch.dtype, backend: str) -> Tensor:
     """W8A8: ``dequantize_accumulator(a . b.T - a_zp[m] sum b[n], row_scale, col_scale)``
     rounded to out_dtype, then ``+ bias`` in out_dtype.  Backends with a fused kernel
-    (triton: the epilogue inside the int8 GEMM) give the same bits."""
+    (triton, cpu: the epilogue inside the int8 GEMM) give the same bits; theirs may
+    return None for shapes it does not cover."""
     k = kernels.module(backend)
     fused = getattr(k, "int8_linear", None)
-    if fused is not None:
-        return fused(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+    y = None if fused is None else fused(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+    if y is not None:
+        return y
     acc = k.int8_mm(a, b)
     if a_zero_point is not None:
         # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.

@@ -1,5 +1,5 @@
-// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp and gemm_bf16.cpp,
-// the one-call decode step of lowbit.runtime in decode.cpp.
+// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
+// gemm_bf16.cpp and gemm_int8.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,5 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
   m.def("weight_only_gemm_bf16", &weight_only_gemm_bf16, "W4A16/W8A16 for larger M: bf16 panels, vdpbf16ps");
   m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul, kernel chosen by M; None if none fits");
+  m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
+  m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
 }

@@ -184,6 +184,17 @@ def int8_mm(a, b):
     return torch._int_mm(a.contiguous(), b.T)
 
 
+def int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
+    """W8A8 in one call (gemm_int8.cpp): vpdpbusd int8 GEMM with exact int32 sums and the
+    dequantize_accumulator epilogue (and bias) fused into its store; the bits of
+    lowbit::int8_linear's composed path (int8_mm, zero-point correction, rowcol epilogue,
+    bias add in out_dtype).  None where it does not apply (K not a multiple of 4, no
+    VNNI): the caller composes it."""
+    if not _C.int8_gemm_supported(a.shape[1]):
+        return None
+    return _C.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+
+
 def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
     """Integer arithmetic inside each weight group, float scaling once per group:
 

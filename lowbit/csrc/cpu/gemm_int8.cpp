@@ -1,0 +1,248 @@
+// W8A8: int8 activations [M, K] times an int8 weight [N, K], exact int32 sums, with the
+// dequantize_accumulator epilogue fused into the store:
+//
+//   y[m, n] = round((float32(acc[m, n] - a_zp[m] * sum_k b[n, k]) * row[m]) * col[n])
+//             (+ bias[n], rounded again: the bits of lowbit::int8_linear's composed path)
+//
+// vpdpbusd multiplies unsigned by signed bytes, four pairs per 32-bit lane (64
+// multiply-adds per instruction, twice vdpbf16ps).  The activations are made unsigned,
+// a + 128 (a byte xor), and 128 * sum_k b[n, k] comes back out per column; sums wrap in
+// int32 but the true value fits (|acc| <= 128 * 128 * K < 2^31 for K < 2^17), so the
+// result is exact, as torch._int_mm's.
+//
+// The layout is gemm_bf16.cpp's: panels of NP = 64 weight rows for a chunk of K, stored
+// as panel[k / 4][column] dwords of four consecutive bytes of one row (a 16 x 16
+// transpose of dwords per 16 rows; no arithmetic), 6 x 64 register tiles of int32
+// accumulators fed by a broadcast dword of activations.  Partial sums of all but the
+// last chunk go to an int32 scratch; the last chunk writes y.
+
+#include "kernels.h"
+#include "transpose.h"
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BF16__)
+#define LOWBIT_HAVE_INT8_GEMM 1
+#endif
+
+namespace {
+
+#ifdef LOWBIT_HAVE_INT8_GEMM
+constexpr int MR = 6;
+constexpr int NV = 4;
+constexpr int NP = 16 * NV;
+// Values of K per chunk: the panel is KC_MAX * 64 bytes (128 KiB, in L2, as gemm_bf16's).
+constexpr int64_t KC_MAX = 2048;
+
+// Rows [n0, n0 + 64) of b (rows beyond N repeat row N - 1, never stored), bytes
+// [k0, k0 + kc) (multiples of 4) into panel[(k - k0) / 4][column]; adds
+// sum_{k in chunk} b[n, k] to colsum[column].
+void pack_panel(const int8_t* b, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t kc, uint32_t* panel,
+                int32_t* colsum) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int v = 0; v < NV; ++v) {
+    const int8_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = b + std::min<int64_t>(n0 + 16 * v + i, N - 1) * K;
+    __m512i sum = _mm512_loadu_si512(colsum + 16 * v);
+    for (int64_t kb = k0; kb < k0 + kc; kb += 64) {  // 16 dwords of each row
+      const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / 4));
+      const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb);
+      transpose16(r);
+      uint32_t* out = panel + (kb - k0) / 4 * NP + 16 * v;
+      for (int j = 0; j < dwords; ++j) {
+        _mm512_storeu_si512(out + j * NP, r[j]);
+        sum = _mm512_dpbusd_epi32(sum, ones, r[j]);
+      }
+    }
+    _mm512_storeu_si512(colsum + 16 * v, sum);
+  }
+}
+
+// What the last chunk's store needs: the epilogue's operands for this panel.
+struct Epilogue {
+  const float* row;      // [M]
+  const int32_t* a_zp;   // [M] or null
+  const float* col;      // [Npad], this panel's at col + n0
+  const float* bias;     // [Npad] (already rounded to the output dtype) or null
+  const int32_t* colsum; // [NP], this panel's sum_k b
+  at::ScalarType out;
+  void* y;               // [M, N] of `out`
+};
+
+// Round 16 floats to T's grid and back (T: float, bf16 or f16).
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+  else if constexpr (std::is_same_v<T, c10::Half>)
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  else return v;
+}
+
+template <typename T>
+inline void store(T* out, __mmask16 mask, __m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  else if constexpr (std::is_same_v<T, c10::Half>)
+    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  else _mm512_mask_storeu_ps(out, mask, v);
+}
+
+// Rows m .. m + rows of y from their int32 sums (NP per row).
+template <typename T>
+__attribute__((noinline)) void finish(const int32_t* sums, int rows, int64_t m, int64_t n0, int64_t N, int ncols,
+                                      const Epilogue& e) {
+  T* y = static_cast<T*>(e.y);
+  for (int v = 0; v < NV; ++v) {
+    const int left = ncols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512i colsum = _mm512_loadu_si512(e.colsum + 16 * v);
+    const __m512 col = _mm512_loadu_ps(e.col + n0 + 16 * v);
+    for (int r = 0; r < rows; ++r) {
+      __m512i a = _mm512_load_si512(sums + r * NP + 16 * v);
+      if (e.a_zp) a = _mm512_sub_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(e.a_zp[m + r]), colsum));
+      __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(e.row[m + r])), col);
+      if (e.bias) f = _mm512_add_ps(round_to<T>(f), _mm512_loadu_ps(e.bias + n0 + 16 * v));
+      store<T>(y + (m + r) * N + n0 + 16 * v, mask, f);
+    }
+  }
+}
+
+// acc += dot(a, b) per 4 bytes.  GCC (12, 13) spills accumulators around its vpdpbusd
+// intrinsic in a loop of 24 (its pattern does not tie the accumulator to the output);
+// the instruction written out keeps them in registers, as vdpbf16ps's intrinsic does.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// R rows x 64 columns over kq dwords of K: acc = sum (a + 128) b - 128 sum b (+ scratch);
+// stored to scratch, or through the epilogue when `last`.
+template <int R>
+void tile(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t kq, const __m512i* comp, int32_t* scratch,
+          int64_t lds, bool first, bool last, int64_t m, int64_t n0, int64_t N, int ncols, const Epilogue& e) {
+  __m512i acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < kq; ++q) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(a[r * lda + q]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = dpbusd(acc[r][v], x, b[v]);
+    }
+  }
+  // The epilogue reads the sums from memory: written in registers straight after the
+  // loop, it made GCC spill accumulators inside the loop.
+  alignas(64) int32_t sums[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      __m512i t = _mm512_sub_epi32(acc[r][v], comp[v]);
+      if (!first) t = _mm512_add_epi32(t, _mm512_loadu_si512(scratch + r * lds + 16 * v));
+      _mm512_storeu_si512(last ? &sums[r][16 * v] : static_cast<void*>(scratch + r * lds + 16 * v), t);
+    }
+  if (!last) return;
+  switch (e.out) {
+    case at::kBFloat16: finish<c10::BFloat16>(&sums[0][0], R, m, n0, N, ncols, e); break;
+    case at::kHalf: finish<c10::Half>(&sums[0][0], R, m, n0, N, ncols, e); break;
+    default: finish<float>(&sums[0][0], R, m, n0, N, ncols, e);
+  }
+}
+
+using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const __m512i*, int32_t*, int64_t, bool,
+                        bool, int64_t, int64_t, int64_t, int, const Epilogue&);
+template <int... Rs>
+constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
+  return {tile<Rs + 1>...};
+}
+constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
+#endif
+
+}  // namespace
+
+bool int8_gemm_supported(int64_t K) {
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  return K % 4 == 0 && K < (int64_t(1) << 17);
+#else
+  (void)K;
+  return false;
+#endif
+}
+
+// a int8 [M, K], a_zero_point int32 [M] or none, b int8 [N, K], row_scale float32 [M],
+// col_scale float32 [N], bias [N] or none; y [M, N] in out_dtype.
+at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
+                       const at::Tensor& row_scale, const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(int8_gemm_supported(K), "lowbit._C.int8_linear: K must be a multiple of 4 below 2^17");
+  TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && b.size(1) == K,
+              "lowbit._C.int8_linear: int8 a [M, K] and b [N, K] expected");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "lowbit._C.int8_linear: unsupported out dtype ", out_dtype);
+  at::Tensor y = at::empty({M, N}, a.options().dtype(out_dtype));
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  if (M == 0 || N == 0) return y;
+  const int64_t Npad = (N + NP - 1) / NP * NP;
+  const at::Tensor au = a.contiguous().view(at::kByte).bitwise_xor(128);  // a + 128 as unsigned bytes
+  const at::Tensor bc = b.contiguous();
+  const at::Tensor row = row_scale.to(at::kFloat).contiguous();
+  const at::Tensor zp = a_zero_point.has_value() ? a_zero_point->to(at::kInt).contiguous() : at::Tensor();
+  auto padded = [&](const at::Tensor& t) {
+    at::Tensor out = at::zeros({Npad}, a.options().dtype(at::kFloat));
+    out.narrow(0, 0, N).copy_(t);
+    return out;
+  };
+  const at::Tensor col = padded(col_scale.to(at::kFloat));
+  const at::Tensor bias_f = bias.has_value() ? padded(bias->to(out_dtype).to(at::kFloat)) : at::Tensor();
+  const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
+  const int64_t KC = (K / 4 + chunks - 1) / chunks * 4;
+  at::Tensor scratch = chunks > 1 ? at::empty({M, Npad}, a.options().dtype(at::kInt)) : at::Tensor();
+  const uint32_t* pa = reinterpret_cast<const uint32_t*>(au.data_ptr());
+  const int8_t* pb = bc.data_ptr<int8_t>();
+  int32_t* ps = scratch.defined() ? scratch.data_ptr<int32_t>() : nullptr;
+  const int64_t lda = K / 4;
+  at::parallel_for(0, Npad / NP, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> buf(KC / 4 * NP + 16);
+    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    alignas(64) int32_t colsum[NP];
+    alignas(64) int32_t chunk_sum[NP];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NP;
+      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+      std::fill(colsum, colsum + NP, 0);
+      const Epilogue e{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr, col.data_ptr<float>(),
+                       bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, colsum, out_dtype, y.data_ptr()};
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        std::fill(chunk_sum, chunk_sum + NP, 0);
+        pack_panel(pb, N, K, n0, k0, kc, panel, chunk_sum);
+        __m512i comp[NV];  // 128 * sum over the chunk
+        for (int v = 0; v < NV; ++v) {
+          const __m512i s = _mm512_loadu_si512(chunk_sum + 16 * v);
+          _mm512_storeu_si512(colsum + 16 * v, _mm512_add_epi32(_mm512_loadu_si512(colsum + 16 * v), s));
+          comp[v] = _mm512_slli_epi32(s, 7);
+        }
+        const bool last = k0 + kc >= K;
+        for (int64_t m = 0; m < M; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+          TILES[mr - 1](pa + m * lda + k0 / 4, lda, panel, kc / 4, comp, ps ? ps + m * Npad + n0 : nullptr, Npad,
+                        k0 == 0, last, m, n0, N, ncols, e);
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
