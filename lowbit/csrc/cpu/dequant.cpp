@@ -221,6 +221,81 @@ inline float round_up_scale(float s) {
   }
 }
 
+#ifdef __AVX512F__
+// 16 values of T (float, bfloat16, float16) as float32, lanes beyond `mask` zero.
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+}
+#endif
+
+// min, max and whether all finite of one row, with the scalar loop's semantics
+// (min(v, lo) keeps lo when v is NaN: minps/maxps with v first do the same).
+template <typename T, typename C>
+void row_range(const T* xr, int64_t D, C& lo, C& hi, bool& finite) {
+  lo = D ? static_cast<C>(xr[0]) : C(0);
+  hi = lo;
+  int64_t d = 0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<C, float>) {
+    __m512 vlo = _mm512_set1_ps(lo), vhi = vlo;
+    __mmask16 bad = 0;
+    for (; d < D; d += 16) {
+      const __mmask16 m = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+      const __m512 v = load16(xr + d, m);
+      vlo = _mm512_mask_min_ps(vlo, m, v, vlo);
+      vhi = _mm512_mask_max_ps(vhi, m, v, vhi);
+      const __m512 z = _mm512_mul_ps(v, _mm512_setzero_ps());  // NaN if v is NaN or Inf
+      bad |= _mm512_mask_cmp_ps_mask(m, z, z, _CMP_UNORD_Q);
+    }
+    lo = _mm512_reduce_min_ps(vlo);
+    hi = _mm512_reduce_max_ps(vhi);
+    finite = bad == 0;
+    return;
+  }
+#endif
+  C poison = 0;
+  for (; d < D; ++d) {
+    const C v = static_cast<C>(xr[d]);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+    poison += v * C(0);  // NaN if any v is NaN or Inf
+  }
+  finite = poison == poison;
+}
+
+// q[d] = clamp(nearbyint(x[d] / s) + zp, qmin, qmax): a true division and ties to even,
+// in vectors for float32 arithmetic.
+template <typename T, typename C, typename Q>
+void row_codes(const T* xr, Q* qr, int64_t D, C s, C zp, int64_t qmin, int64_t qmax) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<C, float>) {
+    const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(zp);
+    const __m512 vmin = _mm512_set1_ps(static_cast<float>(qmin)), vmax = _mm512_set1_ps(static_cast<float>(qmax));
+    for (; d < D; d += 16) {
+      const __mmask16 m = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(xr + d, m), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, vz), vmin), vmax);
+      const __m512i i = _mm512_cvtps_epi32(v);  // integer-valued already
+      if constexpr (std::is_same_v<Q, int8_t>) _mm_mask_storeu_epi8(qr + d, m, _mm512_cvtsepi32_epi8(i));
+      else _mm_mask_storeu_epi8(qr + d, m, _mm512_cvtusepi32_epi8(i));
+    }
+    return;
+  }
+#endif
+  for (; d < D; ++d) {
+    const C v = std::nearbyint(static_cast<C>(xr[d]) / s) + zp;
+    qr[d] = static_cast<Q>(std::min<C>(std::max<C>(v, qmin), qmax));
+  }
+}
+
 template <typename T, typename C, typename Q>
 bool quantize_rows(const T* x, Q* q, T* scale_out, int32_t* zp_out, int64_t N, int64_t D, int64_t bits,
                    bool symmetric) {
@@ -230,14 +305,10 @@ bool quantize_rows(const T* x, Q* q, T* scale_out, int32_t* zp_out, int64_t N, i
   at::parallel_for(0, N, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * D;
-      C lo = D ? static_cast<C>(xr[0]) : C(0), hi = lo, poison = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        const C v = static_cast<C>(xr[d]);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        poison += v * C(0);  // NaN if any v is NaN or Inf
-      }
-      if (poison != poison) finite = false;
+      C lo, hi;
+      bool ok;
+      row_range<T, C>(xr, D, lo, hi, ok);
+      if (!ok) finite = false;
       C s;
       if (symmetric) {
         s = std::max(-lo, hi) / static_cast<C>((qmax - qmin) / 2.0);
@@ -251,11 +322,7 @@ bool quantize_rows(const T* x, Q* q, T* scale_out, int32_t* zp_out, int64_t N, i
       const C zp = symmetric ? C(0) : std::min<C>(std::max<C>(qmin - std::nearbyint(lo / s), qmin), qmax);
       scale_out[r] = static_cast<T>(s);
       zp_out[r] = static_cast<int32_t>(zp);
-      Q* qr = q + r * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const C v = std::nearbyint(static_cast<C>(xr[d]) / s) + zp;
-        qr[d] = static_cast<Q>(std::min<C>(std::max<C>(v, qmin), qmax));
-      }
+      row_codes<T, C, Q>(xr, q + r * D, D, s, zp, qmin, qmax);
     }
   });
   return finite;
