@@ -107,8 +107,8 @@ def bf16_matmul_precision():
 def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):
     # Above GEMV_MAX_M rows (gemm_bf16.cpp where AVX512-BF16 exists): panels of 64 columns
     # (n = 200: three and a tail of 8, and tails below 16 and 64), register tiles of 6 rows
-    # (m % 6 from 1 to 5), K in chunks of at most 1024 (2304: three, 1216: two of 608, ending on
-    # part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).
+    # (m % 6 from 1 to 5), K in chunks of at most 512 (2304: five, 1216: 416 + 416 + 384, ending
+    # on part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).
     qt = lowbit.quantize(torch.randn(n, k), scheme)
     x = torch.randn(m, k).to(dtype)
     y_ref = linear(x, qt, backend="reference")

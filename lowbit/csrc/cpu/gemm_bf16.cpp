@@ -44,19 +44,22 @@ namespace {
 constexpr int MR = 6;
 constexpr int NV = 4;             // 16-column vectors per panel
 constexpr int NP = 16 * NV;       // panel width
-// Values of K per chunk: the panel is KC_MAX * 128 bytes (128 KiB, in L2).  Measured on
-// Zen 5 with 2 threads (4096x4096, M = 16 and 128, 4- and 8-bit): 1024 is up to 1.5x
-// faster than 256 (the panel in L1, but 4x as many short runs of codes per row, and
-// y read and written again per chunk) and on par with 512.
-constexpr int64_t KC_MAX = 1024;
+// Values of K per chunk: the panel is KC_MAX * 128 bytes (64 KiB, in L2).  Measured on
+// Zen 5, 2 threads, weights cold (4096x4096 and 14336x4096, M = 16 and 128, 4- and 8-bit):
+// 256, 512, 1024 and 2048 within the noise of each other (about 10%), 512 ahead by a
+// little; what mattered was prefetching the codes (pack_panel), 1.3-1.9x at M = 16.
+constexpr int64_t KC_MAX = 512;
 
 // Columns [n0, n0 + 64) of W (rows beyond N repeat row N - 1; their outputs are never
 // stored), values [k0, k0 + kc) with k0, kc multiples of 32, dequantized into
 // panel[(k - k0) / 2][column] pairs of bf16.  st, zt: scale and zero point transposed,
-// [G][Npad] with Npad a multiple of 64.
+// [G][Npad] with Npad a multiple of 64.  Each 16 x 64-byte block read also prefetches the
+// same block of the next call's panel (next_n0, next_k0; next_n0 < 0: none): 64 rows read
+// in short runs are too many streams for the hardware prefetchers, and weights read once
+// come from DRAM.
 template <int BITS, bool SIGNED, bool HAS_ZP>
 void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
-                int64_t n0, int64_t k0, int64_t kc, uint32_t* panel) {
+                int64_t n0, int64_t k0, int64_t kc, uint32_t* panel, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
   // vpermw index interleaving the two halves of cvtne2ps_pbh(hi, lo): lo0 hi0 lo1 hi1 ...
@@ -67,9 +70,14 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
     const int64_t c0 = n0 + 16 * v;
     const uint8_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = w + std::min<int64_t>(c0 + i, N - 1) * row_bytes;
+    const uint8_t* next[16];
+    for (int i = 0; i < 16; ++i) next[i] = w + std::min<int64_t>(next_n0 + 16 * v + i, N - 1) * row_bytes;
     for (int64_t kb = k0; kb < k0 + kc; kb += 16 * VALS) {  // 16 dwords of each row
       const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / VALS));
       const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
+      const int64_t ahead = next_k0 + (kb - k0);
+      if (next_n0 >= 0 && ahead < K)
+        for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + ahead / VALS * 4), _MM_HINT_T1);
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb / VALS * 4);
       transpose16(r);
@@ -104,16 +112,6 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
       }
     }
   }
-}
-
-// Ask for the codes pack_panel(n0, k0, kc) will read: 64 rows, each a short run of
-// bytes far from the next row's, too short for the hardware prefetchers to follow.
-template <int BITS>
-void prefetch_codes(const uint8_t* w, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t kc) {
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-  const int64_t b0 = BITS == 4 ? k0 / 2 : k0, b1 = BITS == 4 ? (k0 + kc) / 2 : k0 + kc;
-  for (int64_t n = n0; n < std::min(n0 + NP, N); ++n)
-    for (int64_t b = b0; b < b1; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + b), _MM_HINT_T1);
 }
 
 // y[r, 0:ncols] (+)= sum over kp pairs of x[r] . panel: R rows (R <= MR) x 64 columns.
@@ -167,10 +165,10 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel);
-        // the codes of the next chunk arrive while this one is multiplied
-        if (k0 + kc < K) prefetch_codes<BITS>(w, N, K, n0, k0 + kc, std::min(KC, K - k0 - kc));
-        else if (p + 1 < p1) prefetch_codes<BITS>(w, N, K, n0 + NP, 0, std::min(KC, K));
+        // the codes of the next chunk (or panel) arrive while this one is multiplied
+        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel, next_n0,
+                                         k0 + kc < K ? k0 + kc : 0);
         for (int64_t m = 0; m < M; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
           TILES[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, y + m * N + n0, N, ncols, k0 > 0);

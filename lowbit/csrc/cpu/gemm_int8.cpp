@@ -45,17 +45,23 @@ constexpr int64_t KC_MAX = 2048;
 
 // Rows [n0, n0 + 64) of b (rows beyond N repeat row N - 1, never stored), bytes
 // [k0, k0 + kc) (multiples of 4) into panel[(k - k0) / 4][column]; adds
-// sum_{k in chunk} b[n, k] to colsum[column].
+// sum_{k in chunk} b[n, k] to colsum[column].  Prefetches the next call's block as it goes
+// (gemm_bf16.cpp's pack_panel says why).
 void pack_panel(const int8_t* b, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t kc, uint32_t* panel,
-                int32_t* colsum) {
+                int32_t* colsum, int64_t next_n0, int64_t next_k0) {
   const __m512i ones = _mm512_set1_epi8(1);
   for (int v = 0; v < NV; ++v) {
     const int8_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = b + std::min<int64_t>(n0 + 16 * v + i, N - 1) * K;
+    const int8_t* next[16];
+    for (int i = 0; i < 16; ++i) next[i] = b + std::min<int64_t>(next_n0 + 16 * v + i, N - 1) * K;
     __m512i sum = _mm512_loadu_si512(colsum + 16 * v);
     for (int64_t kb = k0; kb < k0 + kc; kb += 64) {  // 16 dwords of each row
       const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / 4));
       const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
+      const int64_t ahead = next_k0 + (kb - k0);
+      if (next_n0 >= 0 && ahead < K)
+        for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + ahead), _MM_HINT_T1);
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb);
       transpose16(r);
@@ -227,7 +233,8 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         std::fill(chunk_sum, chunk_sum + NP, 0);
-        pack_panel(pb, N, K, n0, k0, kc, panel, chunk_sum);
+        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        pack_panel(pb, N, K, n0, k0, kc, panel, chunk_sum, next_n0, k0 + kc < K ? k0 + kc : 0);
         __m512i comp[NV];  // 128 * sum over the chunk
         for (int v = 0; v < NV; ++v) {
           const __m512i s = _mm512_loadu_si512(chunk_sum + 16 * v);

@@ -30,7 +30,7 @@ namespace {
 
 #ifdef LOWBIT_HAVE_BF16_DOT
 // Rows computed together: each unpacked weight vector is reused by all of them (16 rows
-// measured slower than 4 on Zen 4: the extra accumulators spill).
+// measured slower than 4 on Zen 5: the extra accumulators spill).
 constexpr int MB = 4;
 
 inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch does

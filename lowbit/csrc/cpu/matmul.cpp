@@ -42,7 +42,7 @@ constexpr int MB = 4;  // activation rows computed together (each unpacked weigh
 
 // ---- weight-only, float32 accumulation --------------------------------------------------
 // xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G] group sums of x.
-// (A 16-entry vpermps table of (code - z) * s per group measured 1.9x slower on Zen 4:
+// (A 16-entry vpermps table of (code - z) * s per group measured 1.9x slower on Zen 5:
 // cross-lane permutes of zmm registers are expensive there.)
 template <int R, bool SIGNED, bool HAS_ZP>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,

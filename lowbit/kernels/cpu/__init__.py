@@ -111,7 +111,7 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 TILE_BYTES = 1 << 20
 # Up to this many activation rows the decode kernels (each weight unpacked in registers
 # for every MR rows, gemv_bf16.cpp and matmul.cpp) beat the GEMM of gemm_bf16.cpp (weights
-# unpacked once per call into bf16 panels); measured on Zen 4 (4096x4096, bf16, 1 thread):
+# unpacked once per call into bf16 panels); measured on Zen 5 (4096x4096, bf16, 1 thread):
 # M=4 0.62 vs 1.18 ms, M=8 1.85 vs 1.49 ms.  4-bit weights use bf16 dot products, which
 # split float32/float16 activations into two bf16 parts: that doubles their work, so
 # beyond SPLIT_MAX_M rows the float32-FMA kernel is faster for them (M=1: 0.17 vs 0.24
