@@ -36,11 +36,11 @@ def abs_products(x: torch.Tensor, qt, offset: float = 0.0) -> torch.Tensor:
 
 def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     """Both results are within gamma_K * A of the exact float64 value (A = abs_products),
-    plus: above GEMV_MAX_M rows the cpu backend runs a bf16 GEMM (gemm_bf16.cpp) or, where
+    plus: above cpu.gemv_max_m rows the cpu backend runs a bf16 GEMM (gemm_bf16.cpp) or, where
     that does not apply, bf16 tiles through torch.mm; both round the dequantized weight
     and x to bf16 (u_bf16 * A each) and sum float32 products of them (at the float32
     matmul precision "highest" float32 activations skip the bf16 roundings: a subset of
-    this bound, checked tighter in tests/test_precision.py); up to GEMV_MAX_M rows, 4-bit weights go
+    this bound, checked tighter in tests/test_precision.py); up to gemv_max_m rows, 4-bit weights go
     through bf16 dot products on 128 + u (offset 128, +8 for signed codes) and non-bf16
     x is split into two bf16 parts (|x - hi - lo| <= 2^-16 |x|); each output is rounded
     once to x's dtype (u_out * |y| each)."""
@@ -50,7 +50,8 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     group = s.group_size or k
     # Which path cpu takes (the same predicates as lowbit.kernels.cpu.weight_only_matmul);
     # on a machine without AVX-512 every 4/8-bit call runs bf16 tiles.
-    fused = s.bits in (4, 8) and m <= cpu.GEMV_MAX_M and cpu.available() and cpu._fused_ok(s.bits, group)
+    fused = (s.bits in (4, 8) and cpu.available() and m <= cpu.gemv_max_m(s.bits, x.dtype)
+             and cpu._fused_ok(s.bits, group))
     bf16_tiles = backend == "cpu" and s.bits in (4, 8) and not fused
     bf16_dots = backend == "cpu" and fused and s.bits == 4  # or float32 FMAs: a tighter subset
     a = abs_products(x, qt)
@@ -105,7 +106,7 @@ def bf16_matmul_precision():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64), (20, 200, 1216)])
 def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):
-    # Above GEMV_MAX_M rows (gemm_bf16.cpp where AVX512-BF16 exists): panels of 64 columns
+    # Above cpu.gemv_max_m rows (gemm_bf16.cpp where AVX512-BF16 exists): panels of 64 columns
     # (n = 200: three and a tail of 8, and tails below 16 and 64), register tiles of 6 rows
     # (m % 6 from 1 to 5), K in chunks of at most 512 (2304: five, 1216: 416 + 416 + 384, ending
     # on part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).

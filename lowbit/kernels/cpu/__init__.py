@@ -109,15 +109,26 @@ def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
-# Up to this many activation rows the decode kernels (each weight unpacked in registers
-# for every MR rows, gemv_bf16.cpp and matmul.cpp) beat the GEMM of gemm_bf16.cpp (weights
-# unpacked once per call into bf16 panels); measured on Zen 5 (4096x4096, bf16, 1 thread):
-# M=4 0.62 vs 1.18 ms, M=8 1.85 vs 1.49 ms.  4-bit weights use bf16 dot products, which
-# split float32/float16 activations into two bf16 parts: that doubles their work, so
-# beyond SPLIT_MAX_M rows the float32-FMA kernel is faster for them (M=1: 0.17 vs 0.24
-# ms, M=4: 0.87 vs 0.70 ms).
+# The decode kernels (gemv_bf16.cpp, matmul.cpp: the packed weight unpacked in registers
+# for every 4 rows) against the GEMM (gemm_bf16.cpp: unpacked once per call into bf16
+# panels), 4096x4096, 2 threads, weights cold, Zen 5 (ms):
+#   4-bit, bf16 x:     M=3 0.59 vs 0.82, M=4 0.75 vs 0.79, M=5 0.90 vs 0.83, M=6 1.02 vs 0.84
+#   4-bit, float32 x:  M=2 0.53 vs 1.03, M=3 1.07 vs 1.05 (x split into two bf16 parts up
+#                      to SPLIT_MAX_M rows, float32 FMAs beyond)
+#   8-bit, any x:      M=1 0.57 vs 0.88, M=2 1.10-1.20 vs 0.63-0.84
+# float32 x at the matmul precision "highest" has no bf16 GEMM: float32 FMAs up to
+# GEMV_MAX_M rows (M=4 0.62 vs 1.18 ms for float32 tiles through torch.mm, M=8 1.85 vs 1.49).
 GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
+
+
+def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
+    """Up to how many activation rows a weight-only matmul runs the decode kernels."""
+    if float32_exact(dtype):
+        return GEMV_MAX_M
+    if bits == 8:
+        return 1
+    return 4 if dtype == torch.bfloat16 else SPLIT_MAX_M
 
 
 def float32_exact(dtype: torch.dtype) -> bool:
@@ -134,13 +145,13 @@ def _fused_ok(bits: int, group_size: int) -> bool:
 
 
 def gemm_bf16_ok(k: int, group_size: int) -> bool:
-    """Whether rows beyond GEMV_MAX_M go through gemm_bf16.cpp (else: bf16 tiles + torch.mm)."""
+    """Whether rows beyond ``gemv_max_m`` go through gemm_bf16.cpp (else: bf16 tiles + torch.mm)."""
     return _C.gemm_bf16_supported(k, group_size)
 
 
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     """x @ dequantize(W).T, in one call into lowbit._C (it picks the kernel by M).
-    Up to GEMV_MAX_M rows: a fused kernel reads the packed weight and accumulates in
+    Up to ``gemv_max_m`` rows: a fused kernel reads the packed weight and accumulates in
     float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit, and wider M with float32
     activations: float32 FMAs, matmul.cpp).  More rows: gemm_bf16.cpp dequantizes panels
     of W to bf16 (rounded once, as W.to(bfloat16)) and multiplies them with x rounded to
@@ -156,7 +167,7 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     exact = float32_exact(x.dtype)
     if not exact or x.numel() <= GEMV_MAX_M * k:
         # exact: small M only (split_max_m=0 keeps float32 activations on float32 FMAs)
-        y = _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, GEMV_MAX_M,
+        y = _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, gemv_max_m(bits, x.dtype),
                                   0 if exact else SPLIT_MAX_M)
         if y is not None:
             return y
