@@ -276,6 +276,18 @@ def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(backend, m, n, k, group
         assert bool((distance_to_tie[diff > 0] <= tol[diff > 0]).all())
 
 
+@pytest.mark.parametrize("m, n, k, group", [(37, 200, 2304, 128), (9, 70, 1536, 32), (5, 64, 4096, 64)])
+@pytest.mark.parametrize("zp", ["random", "none"])
+@pytest.mark.parametrize("values", ["random", "extreme"])
+def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp, values):
+    # Beyond 4 rows the cpu backend runs gemm_int8.cpp's panels: 64 columns (200: a tail of 8),
+    # 6-row tiles (37 = 6 * 6 + 1, 9, 5), chunks of whole groups near 1024 values (2304: 1024 +
+    # 1024 + 256), a flush per group.
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    test_w4a8_qta8o_agrees_with_the_reference_up_to_ties("cpu", m, n, k, group, zp, values)
+
+
 def test_w4a8_qta8o_is_the_written_reference():
     args = _qta8o_case(5, 16, 128, 32, "random", "random", seed=1)
     x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args

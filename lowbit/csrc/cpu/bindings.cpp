@@ -17,4 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
+  m.def("w4a8_gemm_panels", &w4a8_gemm_panels, "w4a8_gemm for many rows: gemm_int8.cpp's panels and tiles");
 }

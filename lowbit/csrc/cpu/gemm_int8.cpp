@@ -253,3 +253,173 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
 #endif
   return y;
 }
+
+// ---- W4A8 for many rows: the same panels and tiles, int32 sums per weight group ---------
+//
+//   y[m, n] = sum_g s[n, g] * float32(sum_{k in g} (x[m, k] - xz[m]) (q[n, k] - z[n, g]))
+//
+// with the integer part exact per group:  sum x u - z (sum x - |g| xz) - xz sum u  (u the
+// unsigned code; signed codes are read as u = q + 8 with z = 8).  vpdpbusd takes the
+// codes as its unsigned operand and the activations, as they are, as its signed one.  A
+// dword of packed codes holds 8 values of a row, byte b the pair (2b, 2b + 1): its low
+// nibbles (values 0, 2, 4, 6) make one panel dword and its high nibbles (1, 3, 5, 7) the
+// next, and the activations are laid out once per call in that order (evens, then odds,
+// of every 8).  Each group ends with a flush of the R x 64 sums into float32 y:
+// y += s * float32(int_g), in group order.
+namespace {
+#ifdef LOWBIT_HAVE_INT8_GEMM
+// Codes of rows [n0, n0 + 64), values [k0, k0 + kc) (whole groups) -> panel[(k - k0) / 4]
+// [column]; usum[(k - k0) / group][column] = sum of u over each group.
+void pack_panel_u4(const uint8_t* w, bool is_signed, int64_t N, int64_t K, int64_t group, int64_t n0, int64_t k0,
+                   int64_t kc, uint32_t* panel, int32_t* usum, int64_t next_n0, int64_t next_k0) {
+  const int64_t row_bytes = K / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(is_signed ? 0x08 : 0x00);
+  const __m512i ones = _mm512_set1_epi8(1);
+  std::fill(usum, usum + kc / group * NP, 0);
+  for (int v = 0; v < NV; ++v) {
+    const uint8_t* rows[16];
+    const uint8_t* next[16];
+    for (int i = 0; i < 16; ++i) {
+      rows[i] = w + std::min<int64_t>(n0 + 16 * v + i, N - 1) * row_bytes;
+      next[i] = w + std::min<int64_t>(next_n0 + 16 * v + i, N - 1) * row_bytes;
+    }
+    for (int64_t kb = k0; kb < k0 + kc; kb += 128) {  // 16 dwords (8 values each) of every row
+      const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / 8));
+      const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
+      const int64_t ahead = next_k0 + (kb - k0);
+      if (next_n0 >= 0 && ahead < K)
+        for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + ahead / 2), _MM_HINT_T1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb / 2);
+      transpose16(r);
+      uint32_t* out = panel + (kb - k0) / 4 * NP + 16 * v;
+      for (int j = 0; j < dwords; ++j) {
+        const __m512i even = _mm512_xor_si512(_mm512_and_si512(r[j], nib), flip);
+        const __m512i odd = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi32(r[j], 4), nib), flip);
+        _mm512_storeu_si512(out + (2 * j) * NP, even);
+        _mm512_storeu_si512(out + (2 * j + 1) * NP, odd);
+        int32_t* us = usum + (kb - k0 + 8 * j) / group * NP + 16 * v;
+        __m512i s = _mm512_loadu_si512(us);
+        s = dpbusd(dpbusd(s, even, ones), odd, ones);
+        _mm512_storeu_si512(us, s);
+      }
+    }
+  }
+}
+
+// What a group's flush needs besides the sums.
+struct GroupTerms {
+  const float* st;      // [G][Npad] weight scales
+  const int32_t* zt;    // [G][Npad] weight zero points, or null: 8 (signed codes)
+  const int32_t* xg;    // [M][G]: sum_{k in g} x - |g| xz
+  const int32_t* xz;    // [M]
+  const int32_t* usum;  // this chunk's [groups][NP]
+  int64_t G, Npad;
+};
+
+// R rows x 64 columns over the groups of one chunk (g0: its first group index), each
+// group's exact int32 sum scaled into y (float32 [M, N], ldy = N).
+template <int R>
+void tile_u4(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t groups, int64_t quads, int64_t g0,
+             float* y, int64_t ldy, int64_t m, int64_t n0, int ncols, bool first_chunk, const GroupTerms& t) {
+  alignas(64) int32_t sums[R][NP];
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512i acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
+    const uint32_t* xq = x + gi * quads;
+    const uint32_t* pq = panel + gi * quads * NP;
+    for (int64_t q = 0; q < quads; ++q) {
+      __m512i b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(pq + q * NP + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(xq[r * ldx + q]));
+        for (int v = 0; v < NV; ++v) acc[r][v] = dpbusd(acc[r][v], b[v], a);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_store_si512(&sums[r][16 * v], acc[r][v]);
+    const int64_t g = g0 + gi;
+    for (int v = 0; v < NV; ++v) {
+      const int left = ncols - 16 * v;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 s = _mm512_loadu_ps(t.st + g * t.Npad + n0 + 16 * v);
+      const __m512i z = t.zt ? _mm512_loadu_si512(t.zt + g * t.Npad + n0 + 16 * v) : _mm512_set1_epi32(8);
+      const __m512i us = _mm512_loadu_si512(t.usum + gi * NP + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        __m512i i = _mm512_load_si512(&sums[r][16 * v]);
+        i = _mm512_sub_epi32(i, _mm512_mullo_epi32(z, _mm512_set1_epi32(t.xg[(m + r) * t.G + g])));
+        i = _mm512_sub_epi32(i, _mm512_mullo_epi32(us, _mm512_set1_epi32(t.xz[m + r])));
+        float* out = y + r * ldy + 16 * v;
+        const __m512 prev = first_chunk && gi == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out);
+        _mm512_mask_storeu_ps(out, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), s, prev));
+      }
+    }
+  }
+}
+
+using TileU4Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*, int64_t,
+                          int64_t, int64_t, int, bool, const GroupTerms&);
+template <int... Rs>
+constexpr std::array<TileU4Fn, MR> tile_u4_table(std::integer_sequence<int, Rs...>) {
+  return {tile_u4<Rs + 1>...};
+}
+constexpr auto TILES_U4 = tile_u4_table(std::make_integer_sequence<int, MR>{});
+#endif
+}  // namespace
+
+// x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8] (u32x8); w_scale float32 [N, G];
+// w_zp int32 [N, G] or none (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g,
+// the contract of matmul.cpp's w4a8_gemm (x_scale and bias applied by the caller).
+at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
+  at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  if (M == 0 || N == 0) return y;
+  const int64_t Npad = (N + NP - 1) / NP * NP;
+  // activations in panel order: each 8 values as (0, 2, 4, 6, 1, 3, 5, 7)
+  const at::Tensor xc = x_q.contiguous();
+  const at::Tensor xr = xc.view({M, K / 8, 4, 2}).transpose(2, 3).contiguous();
+  const at::Tensor xz = x_zp.to(at::kInt).contiguous();
+  const at::Tensor xg = (xc.view({M, G, group}).sum(-1, false, at::kInt) - xz.unsqueeze(1) * group).to(at::kInt).contiguous();
+  auto transposed = [&](const at::Tensor& t, at::ScalarType dt) {
+    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(dt));
+    out.narrow(1, 0, N).copy_(t.t());
+    return out;
+  };
+  const at::Tensor st = transposed(w_scale, at::kFloat);
+  const at::Tensor zt = w_zp.has_value() ? transposed(*w_zp, at::kInt) : at::Tensor();
+  // chunks of whole groups, about 1024 values (the panel: 64 KiB)
+  const int64_t KC = std::max<int64_t>(1, 1024 / group) * group;
+  const uint32_t* px = reinterpret_cast<const uint32_t*>(xr.data_ptr());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const bool is_signed = !w_zp.has_value();
+  float* py = y.data_ptr<float>();
+  const int64_t ldx = K / 4;
+  at::parallel_for(0, Npad / NP, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> buf(KC / 4 * NP + 16);
+    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    std::vector<int32_t> usum(KC / group * NP);
+    const GroupTerms terms{st.data_ptr<float>(), zt.defined() ? zt.data_ptr<int32_t>() : nullptr, xg.data_ptr<int32_t>(),
+                           xz.data_ptr<int32_t>(), usum.data(), G, Npad};
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NP;
+      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        pack_panel_u4(w, is_signed, N, K, group, n0, k0, kc, panel, usum.data(), next_n0, k0 + kc < K ? k0 + kc : 0);
+        for (int64_t m = 0; m < M; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+          TILES_U4[mr - 1](px + m * ldx + k0 / 4, ldx, panel, kc / group, group / 4, k0 / group, py + m * N + n0, N, m,
+                           n0, ncols, k0 == 0, terms);
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}

@@ -35,5 +35,7 @@ bool int8_gemm_supported(int64_t K);
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                        const at::Tensor& row_scale, const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
+at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // decode.cpp
 void bind_decode(pybind11::module& m);
