@@ -40,6 +40,7 @@ ROWS = [
     ("w4a16-g64", torch.bfloat16, "w4a16-g64", "Q4_0"),
     ("w4a16-g128-head8", torch.bfloat16, "w4a16-g128-head8", "Q4_0"),
     ("w8a8", torch.bfloat16, "w8a8", "Q8_0"),
+    ("w4a8-g128", torch.bfloat16, "w4a8-g128", "Q4_0"),
 ]
 
 
