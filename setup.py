@@ -20,7 +20,7 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
                                    "lowbit/csrc/cpu/matmul.cpp", "lowbit/csrc/cpu/gemv_bf16.cpp",
                                    "lowbit/csrc/cpu/gemm_bf16.cpp", "lowbit/csrc/cpu/gemm_int8.cpp",
                                    "lowbit/csrc/cpu/decode.cpp"],
-                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/transpose.h"],
+                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])
     ]
     cmdclass = {"build_ext": BuildExtension}

@@ -183,11 +183,12 @@ def test_w8a8_static_per_tensor_activation_scale():
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_point, bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("values", ["random", "extreme"])
-@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100)])
+@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100), (64, 70, 256)])
 def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
     # gemm_int8.cpp: panels of 64 columns (n = 200: a tail of 8), tiles of 6 rows (13 = 6 + 6 + 1),
     # K in chunks of at most 2048 (4100: three, partial sums through the int32 scratch),
-    # transposes of 64 bytes with a masked tail (584 = 9 * 64 + 8).
+    # transposes of 64 bytes with a masked tail (584 = 9 * 64 + 8); with 2 panels for 64 rows
+    # the rows are split between threads too (panels.h).
     if not cpu.available():
         pytest.skip(cpu.load_error())
     g = torch.Generator().manual_seed(m * n + k)
@@ -272,13 +273,14 @@ def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(backend, m, n, k, group
         assert bool((distance_to_tie[diff > 0] <= tol[diff > 0]).all())
 
 
-@pytest.mark.parametrize("m, n, k, group", [(37, 200, 2304, 128), (9, 70, 1536, 32), (5, 64, 4096, 64)])
+@pytest.mark.parametrize("m, n, k, group", [(37, 200, 2304, 128), (9, 70, 1536, 32), (5, 64, 4096, 64),
+                                           (64, 64, 1024, 128)])
 @pytest.mark.parametrize("zp", ["random", "none"])
 @pytest.mark.parametrize("values", ["random", "extreme"])
 def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp, values):
     # Beyond 4 rows the cpu backend runs gemm_int8.cpp's panels: 64 columns (200: a tail of 8),
     # 6-row tiles (37 = 6 * 6 + 1, 9, 5), chunks of whole groups near 1024 values (2304: 1024 +
-    # 1024 + 256), a flush per group.
+    # 1024 + 256), a flush per group; one panel for 64 rows: the rows split between threads.
     if not cpu.available():
         pytest.skip(cpu.load_error())
     test_w4a8_qta8o_agrees_with_the_reference_up_to_ties("cpu", m, n, k, group, zp, values)

@@ -23,7 +23,7 @@
 // A weight element is unpacked once per call whatever M is.
 
 #include "kernels.h"
-#include "transpose.h"
+#include "panels.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -157,20 +157,21 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
   const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
   const int64_t ldx = K / 2;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const PanelWork work(panels, M, MR, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint32_t> buf(KC / 2 * NP + 16);
     uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * NP;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        // the codes of the next chunk (or panel) arrive while this one is multiplied
-        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        // the codes of the next chunk (or item) arrive while this one is multiplied
+        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
         pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel, next_n0,
                                          k0 + kc < K ? k0 + kc : 0);
-        for (int64_t m = 0; m < M; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, y + m * N + n0, N, ncols, k0 > 0);
         }
       }

@@ -17,7 +17,7 @@
 // last chunk go to an int32 scratch; the last chunk writes y.
 
 #include "kernels.h"
-#include "transpose.h"
+#include "panels.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -219,13 +219,14 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
   const int8_t* pb = bc.data_ptr<int8_t>();
   int32_t* ps = scratch.defined() ? scratch.data_ptr<int32_t>() : nullptr;
   const int64_t lda = K / 4;
-  at::parallel_for(0, Npad / NP, 1, [&](int64_t p0, int64_t p1) {
+  const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
+  at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint32_t> buf(KC / 4 * NP + 16);
     uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     alignas(64) int32_t colsum[NP];
     alignas(64) int32_t chunk_sum[NP];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * NP;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       std::fill(colsum, colsum + NP, 0);
       const Epilogue e{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr, col.data_ptr<float>(),
@@ -233,7 +234,7 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         std::fill(chunk_sum, chunk_sum + NP, 0);
-        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
         pack_panel(pb, N, K, n0, k0, kc, panel, chunk_sum, next_n0, k0 + kc < K ? k0 + kc : 0);
         __m512i comp[NV];  // 128 * sum over the chunk
         for (int v = 0; v < NV; ++v) {
@@ -242,8 +243,8 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
           comp[v] = _mm512_slli_epi32(s, 7);
         }
         const bool last = k0 + kc >= K;
-        for (int64_t m = 0; m < M; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES[mr - 1](pa + m * lda + k0 / 4, lda, panel, kc / 4, comp, ps ? ps + m * Npad + n0 : nullptr, Npad,
                         k0 == 0, last, m, n0, N, ncols, e);
         }
@@ -399,21 +400,22 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
   const bool is_signed = !w_zp.has_value();
   float* py = y.data_ptr<float>();
   const int64_t ldx = K / 4;
-  at::parallel_for(0, Npad / NP, 1, [&](int64_t p0, int64_t p1) {
+  const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
+  at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint32_t> buf(KC / 4 * NP + 16);
     uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     std::vector<int32_t> usum(KC / group * NP);
     const GroupTerms terms{st.data_ptr<float>(), zt.defined() ? zt.data_ptr<int32_t>() : nullptr, xg.data_ptr<int32_t>(),
                            xz.data_ptr<int32_t>(), usum.data(), G, Npad};
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * NP;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        const int64_t next_n0 = k0 + kc < K ? n0 : p + 1 < p1 ? n0 + NP : -1;
+        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
         pack_panel_u4(w, is_signed, N, K, group, n0, k0, kc, panel, usum.data(), next_n0, k0 + kc < K ? k0 + kc : 0);
-        for (int64_t m = 0; m < M; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m));
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES_U4[mr - 1](px + m * ldx + k0 / 4, ldx, panel, kc / group, group / 4, k0 / group, py + m * N + n0, N, m,
                            n0, ncols, k0 == 0, terms);
         }

@@ -1,7 +1,27 @@
-// A 16 x 16 transpose of 32-bit elements, shared by the GEMMs that lay 16 rows of a
-// weight out as the 16 lanes of a vector (gemm_bf16.cpp, gemm_int8.cpp).
+// What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp) share: how their work is split
+// between threads, and the 16 x 16 transpose that lays 16 rows of a weight out as the
+// 16 lanes of a vector.
 #pragma once
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+// Work items of a panel GEMM: every panel of 64 weight rows times `parts` ranges of
+// activation rows.  With at least 4 panels per thread, parts = 1 (each panel packed
+// once).  Fewer panels (the 135M model's 192- and 576-wide projections: 3 and 9) would
+// leave threads idle, so the rows are split too and each part packs its panels itself.
+struct PanelWork {
+  int64_t parts, rows;  // rows per part: a multiple of the tile height
+  PanelWork(int64_t panels, int64_t M, int64_t tile_rows, int64_t threads) {
+    const int64_t want = panels >= 4 * threads ? 1 : (4 * threads + panels - 1) / panels;
+    const int64_t tiles = (M + tile_rows - 1) / tile_rows;
+    parts = std::max<int64_t>(1, std::min(want, tiles / 4));  // at least 4 tiles per part
+    rows = (tiles + parts - 1) / parts * tile_rows;
+    parts = (M + rows - 1) / rows;
+  }
+  int64_t items(int64_t panels) const { return panels * parts; }
+};
 
 #if defined(__AVX512F__)
 // r[i] <- dword i of every r[j] (a 16 x 16 transpose of 32-bit elements).
