@@ -209,13 +209,14 @@ class Runner:
 
 def _native_decoder(r: Runner):
     """The C++ decode step (lowbit._C.Decoder) for this model, when every projection is a
-    float nn.Linear of the model's dtype or a weight-only QuantLinear the cpu backend
-    runs with a fused kernel, on CPU; else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
+    float nn.Linear of the model's dtype or a QuantLinear the cpu backend runs with a
+    fused kernel (weight-only, or W8A8 / W4A8 with 8-bit per-token activations), on CPU;
+    else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
     import os
 
     from .kernels import resolve
     from .nn import QuantLinear
-    from .ops.matmul import _weight_parts
+    from .ops.matmul import _as_act_scheme, _weight_parts
 
     if os.environ.get("LOWBIT_NATIVE_DECODE", "1") == "0" or not cpu.available() or r.device.type != "cpu":
         return None
@@ -225,9 +226,11 @@ def _native_decoder(r: Runner):
     def proj(m):
         if type(m) is nn.Linear and m.weight.dtype == r.dtype:
             return cpu._C.DecodeProj(m.weight, None, None, None, m.bias, 0, 0)
-        if not isinstance(m, QuantLinear) or m.act_scheme is not None or resolve(m.backend, r.device) != "cpu":
+        if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu":
             return None
         codes, scale, zp, bits, group = _weight_parts(m.qweight)
+        if m.act_scheme is not None:
+            return act_proj(m, codes, scale, zp, bits, group)
         probe = torch.zeros(1, m.in_features, dtype=r.dtype)
         if bits not in (4, 8) or cpu._C.weight_only_matmul(probe, codes, scale, zp, bits, group,
                                                            cpu.GEMV_MAX_M, 0) is None:
@@ -236,6 +239,22 @@ def _native_decoder(r: Runner):
         # otherwise; the values are the same)
         zp = None if zp is None else zp.to(torch.float32).contiguous()
         return cpu._C.DecodeProj(None, codes, scale.to(torch.float32).contiguous(), zp, m.bias, bits, group)
+
+    def act_proj(m, codes, scale, zp, bits, group):
+        # 8-bit per-token activations: W8A8 (int8 symmetric per-channel weight) or W4A8 with
+        # the fused kernel, as lowbit.linear runs them for one row; anything else: None
+        s = _as_act_scheme(m.act_scheme)
+        if s.granularity != "token" or s.bits != 8:
+            return None
+        act = 1 if s.symmetric else 2
+        w = m.qweight.scheme
+        if bits == 8 and w.symmetric and w.granularity == "channel":
+            return cpu._C.DecodeProj(None, codes, scale.reshape(-1).to(torch.float32).contiguous(), None, m.bias,
+                                     8, m.in_features, act)
+        if bits == 4 and cpu._fused_ok(4, group) and (zp is None or not zp.is_floating_point()):
+            zp = None if zp is None else zp.to(torch.int32).contiguous()
+            return cpu._C.DecodeProj(None, codes, scale.to(torch.float32).contiguous(), zp, m.bias, 4, group, act)
+        return None
 
     d = cpu._C.Decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling, cpu.GEMV_MAX_M)
     for L in r.layers:

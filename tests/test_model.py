@@ -283,11 +283,13 @@ def smol_bf16():
 
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
-@pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16"])
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16", "w8a8", "w4a8-g128", "w8a8-asym"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16, prompt_ids, recipe, dtype,
                                                                  monkeypatch):
     m = smol[0] if dtype == torch.float32 else smol_bf16
+    if recipe == "w8a8-asym":  # asymmetric activations: the zero-point correction of W8A8
+        recipe = lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
     native = Runner(m)
@@ -304,6 +306,6 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
     assert all(torch.equal(x, y) for x, y in zip(caches[0].keys, caches[1].keys))
 
 
-def test_native_decode_is_skipped_for_activation_quantized_models(smol):
-    q = lowbit.quantize_model(smol[0], "w8a8", inplace=False)
+def test_native_decode_is_skipped_for_activations_it_does_not_cover(smol):
+    q = lowbit.quantize_model(smol[0], lowbit.Recipe(weight="int8-sym", activation="int8-sym-tensor"), inplace=False)
     assert Runner(q)._decoder is None

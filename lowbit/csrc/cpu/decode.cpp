@@ -111,18 +111,46 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 namespace {
 
-// A projection: a float nn.Linear (weight, bias) or a weight-only quantized one
-// (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group; bias added after).
+// A projection: a float nn.Linear (weight, bias), a weight-only quantized one
+// (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group; bias added after),
+// or one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8
+// codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
+// points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
+// quantization, unsigned codes shifted to int8, then torch._int_mm and the row x column
+// epilogue (W8A8) or w4a8_gemm and the row scale (W4A8), the bias added in x's dtype.
 struct Proj {
   at::Tensor weight, codes, scale;
   c10::optional<at::Tensor> zero_point, bias;
-  int64_t bits = 0, group = 0;
+  int64_t bits = 0, group = 0, act = 0;
 
   at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_m, int64_t split_max_m) const {
     if (!codes.defined()) return at::linear(x, weight, bias);
-    at::Tensor y = weight_only_matmul(x, codes, scale, zero_point, bits, group, gemv_max_m, split_max_m);
+    at::Tensor y = act ? int8_activations(x) : weight_only_matmul(x, codes, scale, zero_point, bits, group, gemv_max_m,
+                                                                  split_max_m);
     TORCH_CHECK(y.defined(), "lowbit decode: no kernel for this projection");
     return bias ? y + bias->to(y.scalar_type()) : y;
+  }
+
+  at::Tensor int8_activations(const at::Tensor& x) const {
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    auto [q, s, z, finite] = quantize_per_token(x2, 8, act == 1);
+    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
+    if (q.scalar_type() == at::kByte) {  // unsigned codes: shift by 128 to int8, exactly
+      q = (q.to(at::kShort) - 128).to(at::kChar);
+      z = z - 128;
+    }
+    at::Tensor y;
+    if (bits == 8) {
+      at::Tensor acc = at::_int_mm(q, codes.t());
+      if (act == 2) acc = acc - z.unsqueeze(1) * codes.sum(1, false, at::kInt).unsqueeze(0);
+      y = dequantize_rowcol(acc, s.to(at::kFloat).contiguous(), scale, x.scalar_type());
+    } else {
+      y = (w4a8_gemm(q, z.to(at::kInt).contiguous(), codes, scale, zero_point, group) * s.to(at::kFloat).unsqueeze(1))
+              .to(x.scalar_type());
+    }
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = codes.size(0);
+    return y.view(shape);
   }
 };
 
@@ -193,7 +221,7 @@ void bind_decode(pybind11::module& m) {
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,
-                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group, int64_t act) {
              Proj p;
              if (weight) p.weight = *weight;
              if (codes) p.codes = *codes;
@@ -202,10 +230,11 @@ void bind_decode(pybind11::module& m) {
              p.bias = bias;
              p.bits = bits;
              p.group = group;
+             p.act = act;
              return p;
            }),
            py::arg("weight"), py::arg("codes"), py::arg("scale"), py::arg("zero_point"), py::arg("bias"),
-           py::arg("bits"), py::arg("group"));
+           py::arg("bits"), py::arg("group"), py::arg("act") = 0);
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
