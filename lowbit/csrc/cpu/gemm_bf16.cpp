@@ -41,9 +41,6 @@
 namespace {
 
 #ifdef LOWBIT_HAVE_BF16_GEMM
-constexpr int MR = 6;
-constexpr int NV = 4;             // 16-column vectors per panel
-constexpr int NP = 16 * NV;       // panel width
 // Values of K per chunk: the panel is KC_MAX * 128 bytes (64 KiB, in L2).  Measured on
 // Zen 5, 2 threads, weights cold (4096x4096 and 14336x4096, M = 16 and 128, 4- and 8-bit):
 // 256, 512, 1024 and 2048 within the noise of each other (about 10%), 512 ahead by a
@@ -119,16 +116,8 @@ template <int R>
 void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* y, int64_t ldy, int ncols,
           bool accumulate) {
   __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < kp; ++q) {
-    __m512i b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + q]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
-    }
-  }
+  panel_dots<R>(acc, x, ldx, panel, kp,
+                [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
   for (int v = 0; v < NV; ++v) {
     const int left = ncols - 16 * v;
     if (left <= 0) break;
@@ -159,8 +148,8 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
   const int64_t ldx = K / 2;
   const PanelWork work(panels, M, MR, at::get_num_threads());
   at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint32_t> buf(KC / 2 * NP + 16);
-    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    PanelBuffer buf(KC / 2 * NP);
+    uint32_t* panel = buf.data;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));

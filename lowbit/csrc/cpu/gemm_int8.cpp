@@ -37,9 +37,6 @@
 namespace {
 
 #ifdef LOWBIT_HAVE_INT8_GEMM
-constexpr int MR = 6;
-constexpr int NV = 4;
-constexpr int NP = 16 * NV;
 // Values of K per chunk: the panel is KC_MAX * 64 bytes (128 KiB, in L2, as gemm_bf16's).
 constexpr int64_t KC_MAX = 2048;
 
@@ -138,19 +135,9 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 template <int R>
 void tile(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t kq, const __m512i* comp, int32_t* scratch,
           int64_t lds, bool first, bool last, int64_t m, int64_t n0, int64_t N, int ncols, const Epilogue& e) {
-  __m512i acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < kq; ++q) {
-    __m512i b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_set1_epi32(static_cast<int>(a[r * lda + q]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = dpbusd(acc[r][v], x, b[v]);
-    }
-  }
-  // The epilogue reads the sums from memory: written in registers straight after the
-  // loop, it made GCC spill accumulators inside the loop.
+  __m512i acc[R][NV];  // activations (+128) unsigned, weights signed
+  panel_dots<R>(acc, a, lda, panel, kq, [](__m512i c, __m512i x, __m512i b) { return dpbusd(c, x, b); });
+  // the sums reach the epilogue (one function per output dtype) through memory
   alignas(64) int32_t sums[R][NP];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) {
@@ -221,8 +208,8 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
   const int64_t lda = K / 4;
   const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
   at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint32_t> buf(KC / 4 * NP + 16);
-    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    PanelBuffer buf(KC / 4 * NP);
+    uint32_t* panel = buf.data;
     alignas(64) int32_t colsum[NP];
     alignas(64) int32_t chunk_sum[NP];
     for (int64_t i = i0; i < i1; ++i) {
@@ -325,19 +312,9 @@ void tile_u4(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t grou
              float* y, int64_t ldy, int64_t m, int64_t n0, int ncols, bool first_chunk, const GroupTerms& t) {
   alignas(64) int32_t sums[R][NP];
   for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512i acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
-    const uint32_t* xq = x + gi * quads;
-    const uint32_t* pq = panel + gi * quads * NP;
-    for (int64_t q = 0; q < quads; ++q) {
-      __m512i b[NV];
-      for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(pq + q * NP + 16 * v);
-      for (int r = 0; r < R; ++r) {
-        const __m512i a = _mm512_set1_epi32(static_cast<int>(xq[r * ldx + q]));
-        for (int v = 0; v < NV; ++v) acc[r][v] = dpbusd(acc[r][v], b[v], a);
-      }
-    }
+    __m512i acc[R][NV];  // codes unsigned, activations signed
+    panel_dots<R>(acc, x + gi * quads, ldx, panel + gi * quads * NP, quads,
+                  [](__m512i c, __m512i xv, __m512i b) { return dpbusd(c, b, xv); });
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) _mm512_store_si512(&sums[r][16 * v], acc[r][v]);
     const int64_t g = g0 + gi;
@@ -402,8 +379,8 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
   const int64_t ldx = K / 4;
   const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
   at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint32_t> buf(KC / 4 * NP + 16);
-    uint32_t* panel = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    PanelBuffer buf(KC / 4 * NP);
+    uint32_t* panel = buf.data;
     std::vector<int32_t> usum(KC / group * NP);
     const GroupTerms terms{st.data_ptr<float>(), zt.defined() ? zt.data_ptr<int32_t>() : nullptr, xg.data_ptr<int32_t>(),
                            xz.data_ptr<int32_t>(), usum.data(), G, Npad};

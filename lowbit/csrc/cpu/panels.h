@@ -1,13 +1,29 @@
-// What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp) share: how their work is split
-// between threads, and the 16 x 16 transpose that lays 16 rows of a weight out as the
-// 16 lanes of a vector.
+// What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp) share: the panel layout and its
+// register tile, how their work is split between threads, and the 16 x 16 transpose that
+// lays 16 rows of a weight out as the 16 lanes of a vector.
 #pragma once
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
-// Work items of a panel GEMM: every panel of 64 weight rows times `parts` ranges of
+// A panel holds NP = 64 output columns (weight rows) as dwords, panel[k-step][column]; a
+// register tile is MR rows of activations x those 64 columns (NV vectors of 16).
+constexpr int MR = 6;
+constexpr int NV = 4;
+constexpr int NP = 16 * NV;
+
+// A thread's panel: `dwords` dwords, 64-byte aligned.
+struct PanelBuffer {
+  std::vector<uint32_t> storage;
+  uint32_t* data;
+  explicit PanelBuffer(int64_t dwords)
+      : storage(dwords + 16),
+        data(reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63))) {}
+};
+
+// Work items of a panel GEMM: every panel of NP weight rows times `parts` ranges of
 // activation rows.  With at least 4 panels per thread, parts = 1 (each panel packed
 // once).  Fewer panels (the 135M model's 192- and 576-wide projections: 3 and 9) would
 // leave threads idle, so the rows are split too and each part packs its panels itself.
@@ -24,6 +40,24 @@ struct PanelWork {
 };
 
 #if defined(__AVX512F__)
+// The tile's inner loop: acc[r][v] = sum over q < steps of dot(acc, the dword x[r * ldx + q]
+// broadcast to every lane, columns 16v..16v+15 of panel row q), from zero.  Per step: NV
+// loads and R broadcasts for R * NV dot products.
+template <int R, typename Acc, typename Dot>
+inline void panel_dots(Acc (&acc)[R][NV], const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t steps,
+                       Dot dot) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc{};
+  for (int64_t q = 0; q < steps; ++q) {
+    __m512i b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * ldx + q]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], a, b[v]);
+    }
+  }
+}
+
 // r[i] <- dword i of every r[j] (a 16 x 16 transpose of 32-bit elements).
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
