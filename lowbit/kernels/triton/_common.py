@@ -49,6 +49,22 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column indices of this program's BLOCK_M x BLOCK_N output tile, programs in
+    grouped order (Triton tutorial 03): GROUP_M row blocks run next to each other and
+    share each weight tile in L2."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def round_half_even(v):
     """torch.round (half to even) for |v| < 2^21 in float32 (2^50 in float64): adding
     and subtracting 1.5 * 2^23 (2^52) leaves the float rounded to an integer by the

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_rn, div_exact, round_half_even, unpack_words
+from ._common import INTERPRET, cast_rn, div_exact, round_half_even, tile_rows_cols, unpack_words
 
 
 @triton.jit
@@ -31,16 +31,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, y_ptr, row_ptr, col_ptr, azp_ptr, bsum_ptr, 
                       stride_am, stride_bn, stride_ym, EPILOGUE: tl.constexpr, HAS_AZP: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n  # grouped ordering for L2 reuse (Triton tutorial 03)
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -74,16 +65,7 @@ def _w4a8_kernel(x_ptr, xs_ptr, xz_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, os_ptr, o
                  HAS_BIAS: tl.constexpr, REQUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """BLOCK_K divides GROUP: a group is GROUP // BLOCK_K int8 dots into one int32 sum."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     xz = tl.load(xz_ptr + rm, mask=m_mask, other=0)

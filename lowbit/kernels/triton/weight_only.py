@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import DOT_PRECISION_F32, INTERPRET, cast_rn, dot_dtype, num_sms, unpack_words
+from ._common import (DOT_PRECISION_F32, INTERPRET, cast_rn, dot_dtype, num_sms, tile_rows_cols,
+                      unpack_words)
 
 
 @triton.jit
@@ -85,17 +86,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """y = x @ dequantize(W).T for a BLOCK_M x BLOCK_N tile; each K tile lies inside one
     group (GROUP a multiple of BLOCK_K, or per channel), M_BUCKET only keys the autotuner."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering (Triton tutorial 03): GROUP_M row blocks share each weight tile in L2.
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
