@@ -22,7 +22,7 @@ from lowbit.ops import (dequantize_accumulator, dequantize_per_token, linear, li
                         quantize_per_token, quantized_matmul)
 
 from .conftest import gen  # noqa: E402
-from .test_matmul import (QTA8O_CASES, UNIT, _exact_and_tie_tolerance, _qta8o_case,  # noqa: E402
+from .test_matmul import (QTA8O_CASES, UNIT, _assert_ties_only, _qta8o_case,  # noqa: E402
                           abs_products, gamma)
 
 pytestmark = pytest.mark.skipif(not tb.INTERPRET, reason="TRITON_INTERPRET is off: these tests run the kernels "
@@ -158,18 +158,6 @@ def test_int8_mm_is_the_exact_int32_product(values, m, n, k):
 
 
 # -- W4A8: requirement D -------------------------------------------------------------------------
-def _assert_ties_only(args, ref, fast):
-    """At most 1 LSB apart, and only where the exact value sits within the reference's
-    own rounding error of a .5 tie (the rule of tests/test_matmul.py)."""
-    assert ref.dtype == fast.dtype == torch.int8
-    diff = (ref.int() - fast.int()).abs()
-    assert int(diff.max()) <= 1
-    if bool((diff > 0).any()):
-        exact, tol = _exact_and_tie_tolerance(args)
-        distance_to_tie = ((exact - exact.floor()) - 0.5).abs()
-        assert bool((distance_to_tie[diff > 0] <= tol[diff > 0]).all())
-
-
 # The cases of tests/test_matmul.py, fewer at large K (the interpreter runs a K loop in
 # Python): K = 16384 keeps int32 headroom (extreme values) at g128, with and without zero points.
 TRITON_QTA8O_CASES = [c for c in QTA8O_CASES if c[2] <= 512 or (c[2] == 4096 and c[3] != 64 and c[4] != "zero")
