@@ -63,19 +63,23 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
             + 2 * UNIT[x.dtype] * y_ref.double().abs().reshape(a.shape) + 1e-30)
 
 
+def assert_weight_only_close(qt, x, backend):
+    """linear(x, qt) on `backend`: x's dtype, shape [m, n], within weight_only_tolerance of
+    the reference backend."""
+    y_ref = linear(x, qt, backend="reference")
+    y = linear(x, qt, backend=backend)
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], qt.shape[0])
+    err = (y.double() - y_ref.double()).abs()
+    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme", WEIGHT_SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 6, 16, 33])
 def test_weight_only_linear_matches_the_reference(backend, scheme, dtype, m):
     n, k = 48, 256
-    qt = lowbit.quantize(torch.randn(n, k), scheme)
-    x = torch.randn(m, k).to(dtype)
-    y_ref = linear(x, qt, backend="reference")
-    y = linear(x, qt, backend=backend)
-    assert y.dtype == dtype and y.shape == (m, n)
-    err = (y.double() - y_ref.double()).abs()
-    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+    assert_weight_only_close(lowbit.quantize(torch.randn(n, k), scheme), torch.randn(m, k).to(dtype), backend)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -84,11 +88,7 @@ def test_weight_only_linear_matches_the_reference(backend, scheme, dtype, m):
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m):
     # K = 576 = 4 * 128 + 64: the 4-bit decode kernel ends on a 64-value tail block.
-    qt = lowbit.quantize(torch.randn(40, 576), scheme)
-    x = torch.randn(m, 576).to(dtype)
-    y_ref = linear(x, qt, backend="reference")
-    err = (linear(x, qt, backend=backend).double() - y_ref.double()).abs()
-    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+    assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
 @pytest.fixture
@@ -110,13 +110,7 @@ def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, back
     # (n = 200: three and a tail of 8, and tails below 16 and 64), register tiles of 6 rows
     # (m % 6 from 1 to 5), K in chunks of at most 512 (2304: five, 1216: 416 + 416 + 384, ending
     # on part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).
-    qt = lowbit.quantize(torch.randn(n, k), scheme)
-    x = torch.randn(m, k).to(dtype)
-    y_ref = linear(x, qt, backend="reference")
-    y = linear(x, qt, backend=backend)
-    assert y.dtype == dtype and y.shape == (m, n)
-    err = (y.double() - y_ref.double()).abs()
-    assert bool((err <= weight_only_tolerance(x, qt, y_ref, backend)).all()), float(err.max())
+    assert_weight_only_close(lowbit.quantize(torch.randn(n, k), scheme), torch.randn(m, k).to(dtype), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
