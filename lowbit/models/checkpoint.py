@@ -28,13 +28,12 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..qtensor import QTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
-from .load import CHECKPOINT_CONFIG, _quiet_transformers
+from .load import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, _quiet_transformers
 from .quantize import _float_dtype, _set_module
 
 FORMAT = "lowbit"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -206,7 +205,7 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
 
     folder = Path(path)
     meta = read_metadata(folder)
-    saved_dtype = _DTYPES.get(meta["dtype"])
+    saved_dtype = FLOAT_DTYPES_BY_NAME.get(meta["dtype"])
     if saved_dtype is None:
         raise CheckpointError(f"{folder / CHECKPOINT_CONFIG}: unknown dtype {meta['dtype']!r}")
     dtype = dtype or saved_dtype

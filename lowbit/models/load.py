@@ -19,6 +19,8 @@ import torch
 from .gguf_file import bundled_model_path
 
 CHECKPOINT_CONFIG = "lowbit.json"
+# the float dtypes a model loads in, by the names checkpoints and the CLI use
+FLOAT_DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def cache_dir() -> Path:
@@ -122,8 +124,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         >>> model.config.num_hidden_layers            # doctest: +SKIP
         30
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if dtype not in FLOAT_DTYPES_BY_NAME.values():
+        raise TypeError(f"dtype must be one of {list(FLOAT_DTYPES_BY_NAME.values())}, got {dtype}")
     p = resolve_model_path(path)
     if p.is_dir() and (p / CHECKPOINT_CONFIG).is_file():
         from .checkpoint import load_quantized
