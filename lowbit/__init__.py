@@ -1,5 +1,8 @@
 """lowbit: low-bit quantized LLM inference.
 
+The names below are imported on first use (``import lowbit`` alone loads neither torch's
+kernels nor lowbit's C++ extension, so ``lowbit --help`` starts fast).
+
 Example::
 
     >>> import torch, lowbit
@@ -8,16 +11,37 @@ Example::
     torch.Size([64, 128])
 """
 
-from . import models, nn, ops
-from .kernels import available_backends
-from .models import load_model, load_quantized, quantize_model, save_quantized
-from .ops import dequantize, linear, quantize, quantized_matmul
-from .qtensor import QTensor
-from .recipe import Recipe
-from .runtime import Runner
-from .evaluate import evaluate  # noqa: E402  (the function; the module stays importable)
-from .scheme import PRESETS, QuantScheme
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["QuantScheme", "PRESETS", "QTensor", "quantize", "dequantize", "quantized_matmul", "linear", "ops",
-           "available_backends", "nn", "models", "Recipe", "load_model", "quantize_model", "save_quantized", "load_quantized", "Runner", "evaluate"]
+
+# public name -> the module that defines it (a name equal to its module is the module)
+_EXPORTS = {
+    "QuantScheme": "scheme", "SCHEME_PRESETS": "scheme",
+    "QTensor": "qtensor",
+    "quantize": "ops", "dequantize": "ops", "quantized_matmul": "ops", "linear": "ops",
+    "available_backends": "kernels",
+    "Recipe": "recipe", "RECIPE_PRESETS": "recipe",
+    "load_model": "models", "quantize_model": "models", "save_quantized": "models", "load_quantized": "models",
+    "Runner": "runtime",
+    "evaluate": "evaluate",
+}
+_MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime")
+
+__all__ = sorted(_EXPORTS) + list(_MODULES)
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

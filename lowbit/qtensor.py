@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from . import _validate
 from .scheme import QuantScheme
 
 
@@ -35,7 +36,7 @@ class QTensor:
         >>> qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
         >>> qt.codes.shape, qt.scale.shape, qt.nbytes
         (torch.Size([16, 8]), torch.Size([16, 2]), 672)
-        >>> qt.dequantize(torch.bfloat16).shape
+        >>> lowbit.dequantize(qt, torch.bfloat16).shape
         torch.Size([16, 64])
     """
 
@@ -48,10 +49,6 @@ class QTensor:
     def __post_init__(self) -> None:
         # Metadata only (works on fake tensors too): a mismatch here would make a kernel
         # read past the end of a buffer, so it is refused when the QTensor is built.
-        from . import _validate
-        from .kernels.reference import scale_shape
-        from .ops.library import packed_last_dim
-
         s, shape = self.scheme, torch.Size(self.shape)
         object.__setattr__(self, "shape", shape)
         if not isinstance(s, QuantScheme):
@@ -59,9 +56,8 @@ class QTensor:
         if len(shape) == 0:
             raise ValueError("shape must have at least 1 dim")
         _validate.tensor("codes", self.codes, dtypes=[s.code_dtype])
-        _validate.shape("codes", self.codes, [*shape[:-1], packed_last_dim(shape[-1], s)],
-                        f"{tuple(shape)} packed as '{s}'")
-        expected = scale_shape(shape, s.granularity, s.group_size)
+        _validate.shape("codes", self.codes, s.packed_shape(shape), f"{tuple(shape)} packed as '{s}'")
+        expected = s.scale_shape(shape)
         _validate.tensor("scale", self.scale, dtypes=[s.scale_dtype])
         _validate.shape("scale", self.scale, expected, f"granularity of '{s}'")
         if s.symmetric and self.zero_point is not None:
@@ -72,12 +68,6 @@ class QTensor:
             _validate.tensor("zero_point", self.zero_point, dtypes=[s.zero_point_dtype])
             _validate.shape("zero_point", self.zero_point, expected, "same as scale")
         _validate.same_device("codes", self.codes, scale=self.scale, zero_point=self.zero_point)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32, backend: str | None = None) -> torch.Tensor:
-        """Float tensor of ``self.shape``: ``(q - zero_point) * scale`` rounded once to dtype."""
-        from .ops.quant import dequantize
-
-        return dequantize(self, dtype, backend=backend)
 
     @property
     def nbytes(self) -> int:

@@ -121,7 +121,7 @@ class Recipe:
 
     @classmethod
     def get(cls, name_or_path: "str | Recipe") -> "Recipe":
-        """A preset by name (``PRESETS``), or a recipe from a .json / .yaml file.
+        """A preset by name (``RECIPE_PRESETS``), or a recipe from a .json / .yaml file.
 
         Example::
 
@@ -130,8 +130,8 @@ class Recipe:
         """
         if isinstance(name_or_path, Recipe):
             return name_or_path
-        if name_or_path in PRESETS:
-            return PRESETS[name_or_path]
+        if name_or_path in RECIPE_PRESETS:
+            return RECIPE_PRESETS[name_or_path]
         if os.path.isfile(name_or_path):
             with open(name_or_path, encoding="utf-8") as f:
                 text = f.read()
@@ -142,7 +142,7 @@ class Recipe:
             else:
                 data = json.loads(text)
             return cls.from_dict(data)
-        raise ValueError(f"recipe {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+        raise ValueError(f"recipe {name_or_path!r} is neither a preset ({', '.join(RECIPE_PRESETS)}) nor a file")
 
 
 def _weight_scheme(s: str, label: str) -> QuantScheme:
@@ -178,7 +178,7 @@ def _preset(name: str, weight: str, activation: str | None = None, **kw) -> Reci
 
 # Group sizes that do not divide a module's in_features (SmolLM2's 576 with g128) fall
 # back to the largest power of two >= 32 that does (see lowbit.models.quantize_model).
-PRESETS: dict[str, Recipe] = {
+RECIPE_PRESETS: dict[str, Recipe] = {
     r.name: r
     for r in [
         _preset("w8a16", "int8-sym"),
@@ -204,4 +204,4 @@ def with_group_size(scheme: str, group_size: int) -> str:
     return str(replace(QuantScheme.parse(scheme), group_size=group_size))
 
 
-__all__ = ["Recipe", "PRESETS", "DECODER_LINEARS", "with_group_size"]
+__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size"]

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -149,31 +149,78 @@ class QuantScheme:
     # -- derived facts, used by every operator -------------------------------------
     @property
     def qmin(self) -> int:
-        return -(1 << (self.bits - 1)) if self.symmetric else 0
+        return code_range(self.bits, self.symmetric)[0]
 
     @property
     def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1 if self.symmetric else (1 << self.bits) - 1
-
-    @property
-    def has_zero_point(self) -> bool:
-        return not self.symmetric
+        return code_range(self.bits, self.symmetric)[1]
 
     @property
     def is_packed(self) -> bool:
         return self.bits < 8
 
     @property
+    def word_bits(self) -> int:
+        """Bits of one storage word of the codes: 8 for 8-bit codes, else the packing's."""
+        return word_bits(self.packing) if self.is_packed else 8
+
+    @property
     def code_dtype(self) -> torch.dtype:
         """dtype of the stored codes: int8/uint8 for 8 bits, the packing word below."""
         if not self.is_packed:
             return torch.int8 if self.symmetric else torch.uint8
-        return torch.int32 if self.packing == "u32" else torch.uint8
+        return word_dtype(self.packing)
 
     @property
     def pack_unit(self) -> int:
         """Values per whole number of packing words (the last dim must be a multiple)."""
         return pack_unit(self.bits, self.packing) if self.is_packed else 1
+
+    def packed_shape(self, shape) -> list[int]:
+        """Shape of the stored codes of a tensor of logical ``shape`` (last dim packed)."""
+        shape = list(shape)
+        return shape[:-1] + [packed_length(shape[-1], self.bits, self.packing) if self.is_packed else shape[-1]]
+
+    def scale_shape(self, shape) -> list[int]:
+        """Shape of the scale (and zero point) of a tensor of logical ``shape``.
+
+        Example::
+
+            >>> QuantScheme.parse("int4-asym-g64").scale_shape([32, 256])
+            [32, 4]
+        """
+        shape = list(shape)
+        if self.granularity == "tensor":
+            return [1]
+        if self.granularity == "channel":
+            return shape[:1]
+        if self.granularity == "token":
+            return shape[:-1]
+        return shape[:-1] + [shape[-1] // self.group_size]
+
+    def scale_map(self, shape) -> tuple[int, int]:
+        """``(rows_per_scale, group)`` of a tensor of logical ``shape`` viewed as [rows, K]:
+        element (r, k) uses ``scale.flat[(r // rows_per_scale) * (K // group) + k // group]``
+        (the form the fast dequantize kernels take)."""
+        shape = list(shape)
+        k = shape[-1] if shape else 1
+        rows = math.prod(shape) // k if k else 0
+        if self.granularity == "tensor":
+            return max(rows, 1), k
+        if self.granularity == "channel":
+            return (max(rows // shape[0], 1) if shape[0] else 1), k
+        return 1, self.group_size if self.granularity == "group" else k
+
+    def block_len(self, shape) -> int:
+        """Elements that share one scale in a tensor of logical ``shape``."""
+        shape = list(shape)
+        if self.granularity == "tensor":
+            return math.prod(shape)
+        if self.granularity == "channel":
+            return math.prod(shape[1:])
+        if self.granularity == "token":
+            return shape[-1] if shape else 1
+        return self.group_size
 
     @property
     def zero_point_dtype(self) -> torch.dtype | None:
@@ -202,7 +249,7 @@ class QuantScheme:
 
     @classmethod
     def parse(cls, text: str) -> "QuantScheme":
-        """Parse the string form, or a preset name (see ``PRESETS``).
+        """Parse the string form, or a preset name (see ``SCHEME_PRESETS``).
 
         Example::
 
@@ -213,14 +260,14 @@ class QuantScheme:
         """
         if not isinstance(text, str):
             raise TypeError(f"QuantScheme.parse(text) needs a str, got {type(text).__name__}")
-        if text in PRESETS:
-            return PRESETS[text]
+        if text in SCHEME_PRESETS:
+            return SCHEME_PRESETS[text]
         parts = text.strip().lower().split("-")
         m = re.fullmatch(r"int(\d+)", parts[0])
         if not m or len(parts) < 2 or parts[1] not in ("sym", "asym"):
             raise ValueError(
                 f"cannot parse scheme {text!r}: expected 'int<bits>-<sym|asym>[-g<N>|-channel|"
-                f"-token|-tensor][-zpfloat][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(PRESETS)}"
+                f"-token|-tensor][-zpfloat][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(SCHEME_PRESETS)}"
             )
         kw: dict = {"bits": int(m.group(1)), "symmetric": parts[1] == "sym"}
         for p in parts[2:]:
@@ -238,18 +285,34 @@ class QuantScheme:
                 raise ValueError(f"cannot parse scheme {text!r}: unknown part {p!r}")
         return cls(**kw)
 
-    def with_(self, **changes) -> "QuantScheme":
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+
+# -- the rules behind the properties, for callers that hold bits and a packing only --------
+def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """(qmin, qmax): signed ``[-2^(b-1), 2^(b-1) - 1]`` or unsigned ``[0, 2^b - 1]``."""
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
+
+
+def word_bits(packing: str) -> int:
+    """Bits of one packing word: 32 for "u32", 8 for "u8"."""
+    return 32 if packing == "u32" else 8
+
+
+def word_dtype(packing: str) -> torch.dtype:
+    """dtype of one packing word: int32 for "u32", uint8 for "u8"."""
+    return torch.int32 if packing == "u32" else torch.uint8
 
 
 def pack_unit(bits: int, packing: str) -> int:
     """Number of values that exactly fill a whole number of words (8 for int4 in u32)."""
-    word = 32 if packing == "u32" else 8
-    return math.lcm(bits, word) // bits
+    return math.lcm(bits, word_bits(packing)) // bits
 
 
-PRESETS: dict[str, QuantScheme] = {
+def packed_length(k: int, bits: int, packing: str) -> int:
+    """Words that hold ``k`` packed ``bits``-bit codes (k a multiple of ``pack_unit``)."""
+    return k * bits // word_bits(packing)
+
+
+SCHEME_PRESETS: dict[str, QuantScheme] = {
     # weights
     "w8": QuantScheme(8, True, "channel"),
     "w4-g32": QuantScheme(4, True, "group", 32),

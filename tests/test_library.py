@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lowbit
+from lowbit.kernels import use_backend
 from lowbit.ops import dequantize_accumulator, dequantize_per_token, quantize_per_token
 
 from .conftest import BACKENDS
@@ -18,46 +19,44 @@ def _samples():
         scale, zp = ops.choose_qparams(x, s)
         zp = None if "-sym" in s else zp
         yield "choose_qparams", (x, s)
-        for b in BACKENDS:
-            codes = ops.quantize(x, scale, zp, s, b)
-            yield "quantize", (x, scale, zp, s, b)
-            yield "dequantize", (codes, scale, zp, s, [4, 64], torch.bfloat16, b)
+        codes = ops.quantize(x, scale, zp, s)
+        yield "quantize", (x, scale, zp, s)
+        yield "dequantize", (codes, scale, zp, s, [4, 64], torch.bfloat16)
     q = torch.randint(-8, 8, (3, 16), dtype=torch.int8)
-    for b in BACKENDS:
-        yield "pack", (q, 4, "u32", b)
-        yield "unpack", (ops.pack(q, 4, "u8", b), 4, "u8", True, b)
-        yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32),
-                                         torch.rand(2), 32, None, None, torch.bfloat16, b)
-        yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32), None, 0,
-                                         torch.rand(3), torch.rand(64), torch.float16, b)
-        qt, st, zt = quantize_per_token(torch.randn(3, 16, dtype=torch.float64))
-        yield "dequantize_per_token", (qt, st.requires_grad_(), zt, b)
-    for b in BACKENDS:
-        yield "quantize_per_token", (torch.randn(3, 16), 8, False, b)
-        yield "quantize_per_token", (torch.randn(3, 16, dtype=torch.bfloat16), 4, True, b)
+    yield "pack", (q, 4, "u32")
+    yield "unpack", (ops.pack(q, 4, "u8"), 4, "u8", True)
+    yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32),
+                                     torch.rand(2), 32, None, None, torch.bfloat16)
+    yield "dequantize_accumulator", (torch.randint(-99, 99, (3, 64), dtype=torch.int32), None, 0,
+                                     torch.rand(3), torch.rand(64), torch.float16)
+    qt, st, zt = quantize_per_token(torch.randn(3, 16, dtype=torch.float64))
+    yield "dequantize_per_token", (qt, st.requires_grad_(), zt)
+    yield "quantize_per_token", (torch.randn(3, 16), 8, False)
+    yield "quantize_per_token", (torch.randn(3, 16, dtype=torch.bfloat16), 4, True)
     w4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
     w8 = lowbit.quantize(torch.randn(16, 64), "int8-sym")
     xq = torch.randint(-128, 128, (3, 64), dtype=torch.int8)
-    for b in BACKENDS:
-        for dt in (torch.float32, torch.bfloat16):
-            yield "weight_only_matmul", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32, b)
-            yield "weight_only_matmul", (torch.randn(1, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64, b)
-        yield "int8_mm", (xq, w8.codes, b)
-        for zp, bias, dt in [(None, None, torch.bfloat16), (torch.randint(-9, 9, (3,), dtype=torch.int32),
-                                                            torch.randn(16), torch.float32)]:
-            yield "int8_linear", (xq, zp, w8.codes, torch.rand(3), w8.scale, bias, dt, b)
-        x_args = (xq, torch.rand(3), torch.randint(-5, 5, (3,), dtype=torch.int32), w4.codes, w4.scale,
-                  w4.zero_point, 32)
-        yield "linear_qta8a_qga4w", (*x_args, torch.randn(16), b)
-        yield "linear_qta8a_qga4w_qta8o", (*x_args, torch.rand(3) + 0.5, torch.zeros(3, dtype=torch.int32), None, b)
+    for dt in (torch.float32, torch.bfloat16):
+        yield "weight_only_matmul", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32)
+        yield "weight_only_matmul", (torch.randn(1, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64)
+    yield "int8_mm", (xq, w8.codes)
+    for zp, bias, dt in [(None, None, torch.bfloat16), (torch.randint(-9, 9, (3,), dtype=torch.int32),
+                                                        torch.randn(16), torch.float32)]:
+        yield "int8_linear", (xq, zp, w8.codes, torch.rand(3), w8.scale, bias, dt)
+    x_args = (xq, torch.rand(3), torch.randint(-5, 5, (3,), dtype=torch.int32), w4.codes, w4.scale,
+              w4.zero_point, 32)
+    yield "linear_qta8a_qga4w", (*x_args, torch.randn(16))
+    yield "linear_qta8a_qga4w_qta8o", (*x_args, torch.rand(3) + 0.5, torch.zeros(3, dtype=torch.int32), None)
     xs = torch.randn(4, 64, requires_grad=True)
     yield "fake_quantize", (xs, *ops.choose_qparams(xs.detach(), "int4-asym-g32"), "int4-asym-g32")
     yield "fake_quantize", (xs, torch.rand(4) + 0.1, None, "int8-sym")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name, args", list(_samples()), ids=lambda v: v if isinstance(v, str) else "")
-def test_opcheck(name, args):
-    torch.library.opcheck(getattr(ops, name).default, args)
+def test_opcheck(name, args, backend):
+    with use_backend(backend):
+        torch.library.opcheck(getattr(ops, name).default, args)
 
 
 def test_every_registered_op_has_an_opcheck_sample():
@@ -118,6 +117,8 @@ def test_quantized_linears_compile_fullgraph_and_export_by_name():
     code = torch.export.export(model, (x,)).graph_module.code
     for op in ["lowbit.int8_linear", "lowbit.weight_only_matmul", "lowbit.linear_qta8a_qga4w"]:
         assert op in code, op
+    calls = [line for line in code.splitlines() if "torch.ops.lowbit." in line]
+    assert calls and not any("'cpu'" in c or "'reference'" in c for c in calls)  # what, not where
 
 
 def test_export_shows_lowbit_ops_by_name():

@@ -29,7 +29,7 @@ def abs_products(x: torch.Tensor, qt, offset: float = 0.0) -> torch.Tensor:
     s = qt.scheme
     q = (reference.unpack(qt.codes, s.bits, s.packing, s.symmetric) if s.is_packed else qt.codes).double()
     z = qt.zero_point.double().abs() if qt.zero_point is not None else torch.zeros_like(qt.scale.double())
-    wq = reference.to_blocks(q.abs(), s.granularity, s.group_size) + z.reshape(-1, 1) + offset
+    wq = reference.to_blocks(q.abs(), s) + z.reshape(-1, 1) + offset
     w = (wq * qt.scale.double().reshape(-1, 1).abs()).reshape(qt.shape)
     return x.double().abs().reshape(-1, x.shape[-1]) @ w.T
 
@@ -119,7 +119,7 @@ def test_reference_weight_only_is_the_float_linear_of_the_dequantized_weight(bac
     x = torch.randn(2, 5, 128)
     bias = torch.randn(32)
     y = linear(x, qt, bias, backend=backend)
-    expected = torch.nn.functional.linear(x.double(), qt.dequantize(torch.float64), bias.double())
+    expected = torch.nn.functional.linear(x.double(), lowbit.dequantize(qt, torch.float64), bias.double())
     tol = weight_only_tolerance(x, qt, expected, backend) + 4 * U32 * bias.double().abs()
     assert y.shape == (2, 5, 32)
     assert bool(((y.double() - expected).abs().reshape(tol.shape) <= tol).all())

@@ -28,7 +28,7 @@ def test_highest_precision_gives_float32_accurate_products(precision, backend, s
     qt = lowbit.quantize(torch.randn(n, k), scheme)
     x = torch.randn(m, k)
     y = linear(x, qt, backend=backend)
-    exact = x.double() @ qt.dequantize(torch.float64).T
+    exact = x.double() @ lowbit.dequantize(qt, torch.float64).T
     # float32 everywhere: no more than 2K + 16 roundings of unit 2^-24 per output (the
     # bound of tests/test_matmul.py without its bf16 input-rounding term), then one
     # rounding of the result

@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from lowbit.recipe import DECODER_LINEARS, PRESETS, Recipe
+from lowbit.recipe import DECODER_LINEARS, RECIPE_PRESETS, Recipe
 
 
 def test_presets_are_valid_and_named_after_their_key():
-    for name, r in PRESETS.items():
+    for name, r in RECIPE_PRESETS.items():
         assert r.name == name and Recipe.from_dict(r.to_dict()) == r
 
 
@@ -32,7 +32,7 @@ def test_overrides_apply_in_order_and_can_keep_a_module_float():
 
 def test_lm_head_is_quantized_only_when_asked():
     assert Recipe(weight="int8-sym", lm_head="int8-sym").scheme_for("lm_head") == ("int8-sym", None)
-    assert PRESETS["w4a16-g128-head8"].scheme_for("lm_head") == ("int8-sym", None)
+    assert RECIPE_PRESETS["w4a16-g128-head8"].scheme_for("lm_head") == ("int8-sym", None)
 
 
 def test_recipe_files_json_and_yaml(tmp_path):

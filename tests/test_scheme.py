@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowbit import PRESETS, QuantScheme
+from lowbit import SCHEME_PRESETS, QuantScheme
 
 
 @st.composite
@@ -25,7 +25,7 @@ def test_string_form_round_trips(s):
 
 
 def test_presets_are_valid_and_round_trip():
-    for name, s in PRESETS.items():
+    for name, s in SCHEME_PRESETS.items():
         assert QuantScheme.parse(name) == s
         assert QuantScheme.parse(str(s)) == s
 

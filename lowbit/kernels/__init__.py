@@ -1,20 +1,31 @@
-"""Implementations behind the operators: ``reference`` (plain PyTorch, the ground
-truth) and fast backends (``cpu``: a C++ extension built at install time; ``triton``:
-Triton kernels for CUDA tensors, an optional dependency imported on first use).  A
-fast backend implements what it can and hands everything else to the reference.
+"""Implementations behind the operators, one ``Backend`` each (``interface.py``):
+``reference`` (plain PyTorch, the ground truth; ``Backend`` itself), ``cpu`` (a C++
+extension built at install time) and ``triton`` (Triton kernels for CUDA tensors, an
+optional dependency imported on first use).  A fast backend implements what it can and
+hands everything else to the reference.
 
-Kernels import nothing above this package."""
+Which backend runs is not part of an op's arguments (graphs stay device-neutral): the
+``lowbit::*`` ops run ``for_device(device)``, the fastest backend available for the
+tensors' device, unless a ``use_backend(name)`` block chooses another one.
+
+Kernels import nothing above this package.
+"""
 
 from __future__ import annotations
 
-from types import ModuleType
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
-from . import cpu, reference
+from . import cpu
 from . import triton as triton_kernels
+from .interface import Backend, Plan
 
 BACKENDS = ("reference", "cpu", "triton")
+REFERENCE = Backend()
+_CHOSEN: ContextVar[str | None] = ContextVar("lowbit_backend", default=None)
+_DEFAULT: dict[str, str] = {}
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -37,8 +48,17 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return backends
 
 
-def resolve(backend: str | None, device: torch.device) -> str:
-    """The backend to use: the fastest available one when ``backend`` is None."""
+def resolve(backend: str | None, device: torch.device | str) -> str:
+    """The backend to use on ``device``: the fastest available one when ``backend`` is
+    None; a named one is checked to be able to run there.
+
+    Example::
+
+        >>> from lowbit.kernels import resolve
+        >>> resolve("reference", "cpu")
+        'reference'
+    """
+    device = torch.device(device)
     if backend is None:
         return available_backends(device)[-1]
     if backend not in BACKENDS:
@@ -55,7 +75,56 @@ def resolve(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def module(backend: str) -> ModuleType:
-    if backend == "triton":
-        return triton_kernels.module()
-    return cpu if backend == "cpu" else reference
+def get_backend(name: str) -> Backend:
+    """The ``Backend`` object of a backend name (``BACKENDS``).
+
+    Example::
+
+        >>> from lowbit.kernels import get_backend
+        >>> get_backend("reference").name
+        'reference'
+    """
+    if name == "cpu":
+        return cpu.BACKEND
+    if name == "triton":
+        return triton_kernels.load_backend()
+    if name == "reference":
+        return REFERENCE
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+@contextmanager
+def use_backend(name: str | None, device: torch.device | str = "cpu"):
+    """Run the ``lowbit::*`` ops inside the block on backend ``name`` (checked against
+    ``device``); None keeps the automatic choice.  The public functions' ``backend=``
+    argument is this block around one call.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> from lowbit.kernels import use_backend
+        >>> with use_backend("reference"):
+        ...     qt = lowbit.quantize(torch.ones(2, 8), "int8-sym")
+        >>> qt.codes.tolist()[0][:3]
+        [127, 127, 127]
+    """
+    token = _CHOSEN.set(None if name is None else resolve(name, device))
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
+def for_device(device_type: str) -> Backend:
+    """The backend the ops run on tensors of ``device_type`` ("cpu", "cuda", ...): the
+    one ``use_backend`` chose, else the fastest available there."""
+    name = _CHOSEN.get()
+    if name is None:
+        name = _DEFAULT.get(device_type)
+        if name is None:
+            name = _DEFAULT[device_type] = available_backends(device_type)[-1]
+    return get_backend(name)
+
+
+__all__ = ["BACKENDS", "Backend", "Plan", "available_backends", "resolve", "get_backend", "use_backend",
+           "for_device"]

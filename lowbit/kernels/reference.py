@@ -2,7 +2,8 @@
 
 These are the ground truth every fast kernel is tested against.  They take plain
 arguments (no validation: the public operators in ``lowbit.ops`` validate first)
-and follow the conventions of ``lowbit.scheme`` to the letter.
+and follow the conventions of ``lowbit.scheme`` to the letter; every scheme fact
+(code range, block shape, packing word) comes from the ``QuantScheme`` itself.
 """
 
 from __future__ import annotations
@@ -11,58 +12,26 @@ import math
 
 import torch
 
+from ..scheme import QuantScheme, code_range, pack_unit, word_bits
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
-    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
-
-
-# -- blocks: every granularity as rows of a 2-D view that share one scale ----------
-def to_blocks(x: torch.Tensor, granularity: str, group_size: int | None) -> torch.Tensor:
+def to_blocks(x: torch.Tensor, s: QuantScheme) -> torch.Tensor:
     """View ``x`` as [num_blocks, block_len]; row i uses scale.reshape(-1)[i]."""
-    block_len = {
-        "tensor": x.numel(),
-        "channel": math.prod(x.shape[1:]),
-        "token": x.shape[-1] if x.dim() else 1,
-        "group": group_size,
-    }[granularity]
-    return x.reshape(math.prod(scale_shape(x.shape, granularity, group_size)), block_len)
-
-
-def scale_shape(shape: torch.Size | list[int], granularity: str, group_size: int | None) -> list[int]:
-    shape = list(shape)
-    if granularity == "tensor":
-        return [1]
-    if granularity == "channel":
-        return shape[:1]
-    if granularity == "token":
-        return shape[:-1]
-    return shape[:-1] + [shape[-1] // group_size]
+    return x.reshape(math.prod(s.scale_shape(x.shape)), s.block_len(x.shape))
 
 
 # -- choose_qparams ---------------------------------------------------------------
-def choose_qparams(
-    x: torch.Tensor,
-    bits: int,
-    symmetric: bool,
-    granularity: str,
-    group_size: int | None,
-    scale_dtype: torch.dtype,
-    zero_point_domain: str,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    qmin, qmax = qrange(bits, symmetric)
-    shape = scale_shape(x.shape, granularity, group_size)
-    if x.numel() == 0:  # empty blocks: scale 1, zero point 0, as for an all-zero block
-        ones = torch.ones(shape, dtype=scale_dtype, device=x.device)
-        if symmetric:
-            return ones, None
-        zp_dtype = torch.int32 if zero_point_domain == "int" else scale_dtype
-        return ones, torch.zeros(shape, dtype=zp_dtype, device=x.device)
-    xb = to_blocks(x, granularity, group_size).to(compute_dtype(x.dtype))
+def block_qparams(xb: torch.Tensor, bits: int, symmetric: bool, zero_point_domain: str,
+                  scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale [B] and zero point [B] (int32, or scale_dtype for the "float" domain; None
+    when symmetric) of the non-empty blocks ``xb`` [B, block_len]."""
+    qmin, qmax = code_range(bits, symmetric)
+    xb = xb.to(compute_dtype(xb.dtype))
     lo, hi = xb.amin(dim=1), xb.amax(dim=1)
     if symmetric:
         scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
@@ -75,13 +44,24 @@ def choose_qparams(
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block
     scale = round_up_to(scale, scale_dtype)
     if symmetric:
-        return scale.reshape(shape), None
+        return scale, None
     s = scale.to(lo.dtype)
     if zero_point_domain == "int":
-        zp = (qmin - torch.round(lo / s)).clamp(qmin, qmax).to(torch.int32)
-    else:
-        zp = (qmin - lo / s).to(scale_dtype)
-    return scale.reshape(shape), zp.reshape(shape)
+        return scale, (qmin - torch.round(lo / s)).clamp(qmin, qmax).to(torch.int32)
+    return scale, (qmin - lo / s).to(scale_dtype)
+
+
+def choose_qparams(x: torch.Tensor, s: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point of ``x`` under ``s``, shaped ``s.scale_shape(x.shape)``."""
+    shape = s.scale_shape(x.shape)
+    if x.numel() == 0:  # empty blocks: scale 1, zero point 0, as for an all-zero block
+        ones = torch.ones(shape, dtype=s.scale_dtype, device=x.device)
+        if s.symmetric:
+            return ones, None
+        zp_dtype = torch.int32 if s.zero_point_domain == "int" else s.scale_dtype
+        return ones, torch.zeros(shape, dtype=zp_dtype, device=x.device)
+    scale, zp = block_qparams(to_blocks(x, s), s.bits, s.symmetric, s.zero_point_domain, s.scale_dtype)
+    return scale.reshape(shape), None if zp is None else zp.reshape(shape)
 
 
 def round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -92,60 +72,40 @@ def round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- quantize / dequantize on unpacked codes ---------------------------------------
-def quantize(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    bits: int,
-    symmetric: bool,
-    granularity: str,
-    group_size: int | None,
-    zero_point_domain: str,
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+             s: QuantScheme) -> torch.Tensor:
     """Unpacked codes of x: int8 for symmetric, uint8 for asymmetric, shape of x."""
-    qmin, qmax = qrange(bits, symmetric)
-    q = rounded_codes(x, scale, zero_point, granularity, group_size, zero_point_domain)
-    return q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8).reshape(x.shape)
+    q = rounded_codes(x, scale, zero_point, s)
+    return q.clamp(s.qmin, s.qmax).to(torch.int8 if s.symmetric else torch.uint8).reshape(x.shape)
 
 
-def rounded_codes(x, scale, zero_point, granularity, group_size, zero_point_domain) -> torch.Tensor:
+def rounded_codes(x, scale, zero_point, s: QuantScheme) -> torch.Tensor:
     """The codes before clamping, as floats in blocks [num_blocks, block_len]."""
     cdt = compute_dtype(x.dtype)
-    xb = to_blocks(x, granularity, group_size).to(cdt)
-    s = scale.reshape(-1, 1).to(cdt)
+    xb = to_blocks(x, s).to(cdt)
+    sc = scale.reshape(-1, 1).to(cdt)
     if zero_point is None:
-        return torch.round(xb / s)
-    if zero_point_domain == "int":
-        return torch.round(xb / s) + zero_point.reshape(-1, 1).to(cdt)
-    return torch.round(xb / s + zero_point.reshape(-1, 1).to(cdt))
+        return torch.round(xb / sc)
+    if s.zero_point_domain == "int":
+        return torch.round(xb / sc) + zero_point.reshape(-1, 1).to(cdt)
+    return torch.round(xb / sc + zero_point.reshape(-1, 1).to(cdt))
 
 
-def dequantize(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    granularity: str,
-    group_size: int | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, s: QuantScheme,
+               out_dtype: torch.dtype) -> torch.Tensor:
     """(q - zero_point) * scale in float32 (float64 for float64 output), rounded once."""
     cdt = compute_dtype(out_dtype)
-    qb = to_blocks(q, granularity, group_size).to(cdt)
+    qb = to_blocks(q, s).to(cdt)
     if zero_point is not None:
         qb = qb - zero_point.reshape(-1, 1).to(cdt)
     return (qb * scale.reshape(-1, 1).to(cdt)).to(out_dtype).reshape(q.shape)
 
 
 # -- bit packing ------------------------------------------------------------------
-def _word_bits(packing: str) -> int:
-    return 32 if packing == "u32" else 8
-
-
 def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
     """Pack the low ``bits`` of each code along the last dim as a little-endian bit
     stream into int32 words ("u32") or uint8 bytes ("u8")."""
-    word = _word_bits(packing)
-    unit = math.lcm(bits, word) // bits  # values that fill whole words
+    word, unit = word_bits(packing), pack_unit(bits, packing)  # unit: values that fill whole words
     lead, k = q.shape[:-1], q.shape[-1]
     v = (q.to(torch.int64) & ((1 << bits) - 1)).reshape(*lead, k // unit, unit)
     stream = (v[..., None] >> torch.arange(bits, device=q.device)) & 1  # [..., k/unit, unit, bits]
@@ -160,8 +120,7 @@ def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch.Tensor:
     """Inverse of ``pack``: int8 codes (sign-extended) if signed, else uint8."""
-    word = _word_bits(packing)
-    unit = math.lcm(bits, word) // bits
+    word, unit = word_bits(packing), pack_unit(bits, packing)
     lead = packed.shape[:-1]
     w = packed.to(torch.int64) & ((1 << word) - 1)
     k = packed.shape[-1] * word // bits
@@ -174,17 +133,43 @@ def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch
     return v.to(torch.uint8)
 
 
-# -- requirement B: per-token quantization ------------------------------------------
+# -- what the operators call: quantize-and-pack, unpack-and-dequantize -------------
+def quantize_packed(x, scale, zero_point, s: QuantScheme) -> torch.Tensor:
+    q = quantize(x, scale, zero_point, s)
+    return pack(q, s.bits, s.packing) if s.is_packed else q
+
+
+def dequantize_packed(codes, scale, zero_point, s: QuantScheme, shape, out_dtype) -> torch.Tensor:
+    q = unpack(codes, s.bits, s.packing, s.symmetric) if s.is_packed else codes
+    return dequantize(q.reshape(shape), scale, zero_point, s, out_dtype)
+
+
+# -- per-token quantization with a strict interface ----------------------------------
 def quantize_per_token(x, bits, symmetric):
-    """(codes, scale in x's dtype, int32 zero point (0 when symmetric)) of each row."""
-    scale, zp = choose_qparams(x, bits, symmetric, "token", None, x.dtype, "int")
-    q = quantize(x, scale, zp, bits, symmetric, "token", None, "int")
-    if zp is None:
-        zp = torch.zeros(scale.shape, dtype=torch.int32, device=x.device)
-    return q, scale, zp, True  # the caller checked that x is finite
+    """(codes, scale in x's dtype, int32 zero point (0 when symmetric)) of each row of
+    x [N, D], and True (the caller checked that x is finite).  The rows are the blocks
+    of ``choose_qparams`` with an "int" zero point; the scale keeps x's dtype."""
+    qmin, qmax = code_range(bits, symmetric)
+    n = x.shape[0]
+    if x.numel() == 0:
+        scale = torch.ones(n, dtype=x.dtype, device=x.device)
+        zp = torch.zeros(n, dtype=torch.int32, device=x.device)
+    else:
+        scale, zp = block_qparams(x, bits, symmetric, "int", x.dtype)
+        zp = torch.zeros(n, dtype=torch.int32, device=x.device) if zp is None else zp
+    cdt = compute_dtype(x.dtype)
+    q = torch.round(x.to(cdt) / scale.to(cdt)[:, None]) + zp.to(cdt)[:, None]
+    return q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8), scale, zp, True
 
 
-# -- requirement A: int32 accumulators -> float ---------------------------------------
+def dequantize_per_token(q, scale, zero_point):
+    """(q[n, d] - zero_point[n]) * scale[n] in float32 (float64 for a float64 scale),
+    rounded once to scale's dtype."""
+    cdt = compute_dtype(scale.dtype)
+    return ((q.to(cdt) - zero_point.to(cdt)[:, None]) * scale.to(cdt)[:, None]).to(scale.dtype)
+
+
+# -- int32 accumulator dequantization (the W8A8 epilogue) -----------------------------
 def dequantize_accumulator_grouped(
     acc: torch.Tensor, scale: torch.Tensor, group_size: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -201,25 +186,15 @@ def dequantize_accumulator_rowcol(
     return (y * col_scale.to(torch.float32)).to(out_dtype)
 
 
-# -- what the operators call: quantize-and-pack, unpack-and-dequantize -------------
-def quantize_packed(x, scale, zero_point, bits, symmetric, granularity, group_size,
-                    zero_point_domain, packing) -> torch.Tensor:
-    q = quantize(x, scale, zero_point, bits, symmetric, granularity, group_size, zero_point_domain)
-    return pack(q, bits, packing) if bits < 8 else q
-
-
-def dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity, group_size,
-                      packing, shape, out_dtype) -> torch.Tensor:
-    q = unpack(codes, bits, packing, symmetric) if bits < 8 else codes
-    return dequantize(q.reshape(shape), scale, zero_point, granularity, group_size, out_dtype)
-
-
 # -- matmuls -------------------------------------------------------------------------
 def dequantize_weight(codes, scale, zero_point, bits, group_size, k, out_dtype=torch.float32):
     """Float [N, K] weight from codes [N, K] (8 bit) or packed int32 [N, K*bits/32],
     scale/zero_point [N, K // group_size]; signed codes iff zero_point is None."""
     q = codes if bits == 8 else unpack(codes, bits, "u32", zero_point is None)
-    return dequantize(q.reshape(-1, k), scale, zero_point, "group", group_size, out_dtype)
+    q = q.reshape(-1, k).to(compute_dtype(out_dtype))
+    if zero_point is not None:
+        q = q - zero_point.to(q.dtype).repeat_interleave(group_size, dim=1)
+    return (q * scale.to(q.dtype).repeat_interleave(group_size, dim=1)).to(out_dtype)
 
 
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
@@ -234,7 +209,7 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
-    """Requirement D before output quantization: dequantize the int8 per-token input
+    """The W4A8 linear before output quantization: dequantize the int8 per-token input
     and the int4 per-group weight, float32 linear (+ bias)."""
     k = x_q.shape[-1]
     x = (x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]) * x_scale.to(torch.float32)[:, None]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..nn import QuantEmbedding, QuantLinear
+from ..ops import dequantize
 from ..recipe import Recipe, with_group_size
 from ..scheme import QuantScheme
 
@@ -79,7 +80,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
     every module's final schemes and ``model.lowbit_recipe`` the recipe.
 
     Args:
-        recipe: a ``Recipe``, a preset name (``lowbit.recipe.PRESETS``) or a JSON/YAML file.
+        recipe: a ``Recipe``, a preset name (``lowbit.recipe.RECIPE_PRESETS``) or a JSON/YAML file.
         backend: kernel backend of the new modules (None: the fastest for their device).
         inplace: False quantizes a copy that shares the untouched tensors with ``model``.
 
@@ -145,7 +146,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     out = _shallow_copy(model)
     for name, mod in list(out.named_modules()):
         if isinstance(mod, QuantLinear):
-            w = mod.qweight.dequantize(torch.float32)
+            w = dequantize(mod.qweight, torch.float32)
             dtype = mod.bias.dtype if mod.bias is not None else _float_dtype(model)
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
             lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)

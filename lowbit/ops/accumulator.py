@@ -1,4 +1,4 @@
-"""int32 GEMM accumulators -> float (requirement A, the W8A8 epilogue).
+"""int32 GEMM accumulators -> float (the W8A8 epilogue).
 
 Grouped form: ``out = float32(acc) * float32(scale[group])`` rounded once, where
 ``scale = scale_activation * scale_weight`` is given per group of ``group_size``
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _validate, kernels
+from .. import _validate
 from . import library
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,5 +76,5 @@ def dequantize_accumulator(acc: torch.Tensor, scale: torch.Tensor | None = None,
         _validate.shape("col_scale", col_scale, (n,), "one per column of acc")
         _validate.same_device("acc", acc, row_scale=row_scale, col_scale=col_scale)
         gs = 0
-    return library.dequantize_accumulator(acc, scale, gs, row_scale, col_scale, out_dtype,
-                                          kernels.resolve(backend, acc.device))
+    return library.call(library.dequantize_accumulator, backend, acc.device, acc, scale, gs, row_scale,
+                        col_scale, out_dtype)

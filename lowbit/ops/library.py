@@ -1,10 +1,14 @@
-"""The ``torch.library`` custom ops of namespace ``lowbit``.
+"""The ``torch.library`` operators of namespace ``lowbit``.
 
 Each op receives arguments the public functions already validated (metadata: shapes,
-dtypes, devices), checks what only the values can tell (NaN/Inf, scale overflow),
-then runs the chosen backend.  Schemes travel as their string form, so the ops show
-up readably in ``torch.export`` graphs: ``lowbit.quantize(x, s, z, 'int4-asym-g64', 'cpu')``.
-Each op has a fake (meta) implementation for torch.compile and torch.export.
+dtypes, devices), checks what only the values can tell (NaN/Inf, scale overflow), then
+runs a ``Backend`` method.  Registration is torch.library's own, per device: the
+reference is the default kernel (any device), the "CPU" and "CUDA" kernels run
+``kernels.for_device`` (the fastest backend there, or the one a ``use_backend`` block
+chose), and a fake kernel serves torch.compile and torch.export.  No op takes a backend
+argument, so an exported graph says what is computed, not where:
+``lowbit.dequantize(codes, scale, zp, 'int4-asym-g64', [4096, 4096], torch.bfloat16)``.
+Schemes travel as their string form.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from torch import Tensor
 
 from .. import _validate, kernels
 from ..kernels import reference as ref
-from ..scheme import QuantScheme
+from ..scheme import QuantScheme, code_range, packed_length, word_bits, word_dtype
+
+_LIB = torch.library.Library("lowbit", "DEF")  # noqa: TOR901 (a library that lives as long as lowbit)
 
 
 @lru_cache(maxsize=None)
@@ -24,8 +30,22 @@ def scheme_of(text: str) -> QuantScheme:
     return QuantScheme.parse(text)
 
 
-def packed_last_dim(k, s: QuantScheme):
-    return k * s.bits // (32 if s.packing == "u32" else 8) if s.is_packed else k
+def _define(schema: str, fake, *, devices: bool = True):
+    """Define ``lowbit::<schema>``; the decorated ``impl(backend, *args)`` runs with the
+    reference backend by default and, when ``devices``, with the device's backend on CPU
+    and CUDA tensors.  Returns the op (``torch.ops.lowbit.<name>.default``)."""
+    name = schema.split("(")[0]
+    _LIB.define(schema)
+    torch.library.register_fake(f"lowbit::{name}", fake, lib=_LIB)
+
+    def register(impl):
+        _LIB.impl(name, lambda *args: impl(kernels.REFERENCE, *args), "CompositeExplicitAutograd")
+        if devices:
+            _LIB.impl(name, lambda *args: impl(kernels.for_device("cpu"), *args), "CPU")
+            _LIB.impl(name, lambda *args: impl(kernels.for_device("cuda"), *args), "CUDA")
+        return getattr(torch.ops.lowbit, name).default
+
+    return register
 
 
 def _no_zero_point(x: Tensor) -> Tensor:
@@ -41,124 +61,91 @@ def _check_scale(scale: Tensor, dtype: torch.dtype) -> None:
 
 
 # -- choose_qparams -----------------------------------------------------------------
-@torch.library.custom_op("lowbit::choose_qparams", mutates_args=())
-def choose_qparams(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
+def _choose_qparams_fake(x, scheme):
+    s = scheme_of(scheme)
+    shape = s.scale_shape(x.shape)
+    scale = x.new_empty(shape, dtype=s.scale_dtype)
+    return scale, (_no_zero_point(x) if s.symmetric else x.new_empty(shape, dtype=s.zero_point_dtype))
+
+
+@_define("choose_qparams(Tensor x, str scheme) -> (Tensor, Tensor)", _choose_qparams_fake)
+def choose_qparams(backend, x, scheme):
     s = scheme_of(scheme)
     _validate.finite("x", x)
-    scale, zp = ref.choose_qparams(
-        x, s.bits, s.symmetric, s.granularity, s.group_size, s.scale_dtype, s.zero_point_domain
-    )
+    scale, zp = backend.choose_qparams(x, s)
     _check_scale(scale, s.scale_dtype)
     return scale, (_no_zero_point(x) if zp is None else zp.to(s.zero_point_dtype))
 
 
-@choose_qparams.register_fake
-def _(x, scheme):
-    s = scheme_of(scheme)
-    shape = ref.scale_shape(x.shape, s.granularity, s.group_size)
-    scale = x.new_empty(shape, dtype=s.scale_dtype)
-    if s.symmetric:
-        return scale, _no_zero_point(x)
-    return scale, x.new_empty(shape, dtype=s.zero_point_dtype)
-
-
 # -- quantize / dequantize ------------------------------------------------------------
-@torch.library.custom_op("lowbit::quantize", mutates_args=())
-def quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: str, backend: str) -> Tensor:
+def _quantize_fake(x, scale, zero_point, scheme):
     s = scheme_of(scheme)
+    return x.new_empty(s.packed_shape(x.shape), dtype=s.code_dtype)
+
+
+@_define("quantize(Tensor x, Tensor scale, Tensor? zero_point, str scheme) -> Tensor", _quantize_fake)
+def quantize(backend, x, scale, zero_point, scheme):
     _validate.finite("x", x)
-    return kernels.module(backend).quantize_packed(
-        x, scale, zero_point, s.bits, s.symmetric, s.granularity, s.group_size,
-        s.zero_point_domain, s.packing,
-    )
+    return backend.quantize(x, scale, zero_point, scheme_of(scheme))
 
 
-@quantize.register_fake
-def _(x, scale, zero_point, scheme, backend):
-    s = scheme_of(scheme)
-    return x.new_empty([*x.shape[:-1], packed_last_dim(x.shape[-1], s)], dtype=s.code_dtype)
-
-
-@torch.library.custom_op("lowbit::dequantize", mutates_args=())
-def dequantize(codes: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: str,
-               shape: list[int], out_dtype: torch.dtype, backend: str) -> Tensor:
-    s = scheme_of(scheme)
-    return kernels.module(backend).dequantize_packed(
-        codes, scale, zero_point, s.bits, s.symmetric, s.granularity, s.group_size,
-        s.packing, shape, out_dtype,
-    )
-
-
-@dequantize.register_fake
-def _(codes, scale, zero_point, scheme, shape, out_dtype, backend):
-    return codes.new_empty(shape, dtype=out_dtype)
+@_define("dequantize(Tensor codes, Tensor scale, Tensor? zero_point, str scheme, SymInt[] shape, "
+         "ScalarType out_dtype) -> Tensor",
+         lambda codes, scale, zero_point, scheme, shape, out_dtype: codes.new_empty(shape, dtype=out_dtype))
+def dequantize(backend, codes, scale, zero_point, scheme, shape, out_dtype):
+    return backend.dequantize(codes, scale, zero_point, scheme_of(scheme), shape, out_dtype)
 
 
 # -- bit packing ------------------------------------------------------------------------
-@torch.library.custom_op("lowbit::pack", mutates_args=())
-def pack(q: Tensor, bits: int, packing: str, backend: str) -> Tensor:
+@_define("pack(Tensor q, int bits, str packing) -> Tensor",
+         lambda q, bits, packing: q.new_empty([*q.shape[:-1], packed_length(q.shape[-1], bits, packing)],
+                                              dtype=word_dtype(packing)))
+def pack(backend, q, bits, packing):
     if q.numel():
         lo, hi = int(q.min()), int(q.max())
-        if lo < -(1 << (bits - 1)) or hi >= 1 << bits or (lo < 0 and hi >= 1 << (bits - 1)):
+        smin, smax = code_range(bits, True)
+        if lo < smin or hi > code_range(bits, False)[1] or (lo < 0 and hi > smax):
             raise ValueError(
                 f"q holds values in [{lo}, {hi}]; {bits}-bit codes must be signed "
-                f"[{-(1 << (bits - 1))}, {(1 << (bits - 1)) - 1}] or unsigned [0, {(1 << bits) - 1}]"
+                f"[{smin}, {smax}] or unsigned [0, {code_range(bits, False)[1]}]"
             )
-    return kernels.module(backend).pack(q, bits, packing)
+    return backend.pack(q, bits, packing)
 
 
-@pack.register_fake
-def _(q, bits, packing, backend):
-    word = 32 if packing == "u32" else 8
-    return q.new_empty([*q.shape[:-1], q.shape[-1] * bits // word],
-                       dtype=torch.int32 if packing == "u32" else torch.uint8)
+@_define("unpack(Tensor packed, int bits, str packing, bool signed) -> Tensor",
+         lambda packed, bits, packing, signed: packed.new_empty(
+             [*packed.shape[:-1], packed.shape[-1] * word_bits(packing) // bits],
+             dtype=torch.int8 if signed else torch.uint8))
+def unpack(backend, packed, bits, packing, signed):
+    return backend.unpack(packed, bits, packing, signed)
 
 
-@torch.library.custom_op("lowbit::unpack", mutates_args=())
-def unpack(packed: Tensor, bits: int, packing: str, signed: bool, backend: str) -> Tensor:
-    return kernels.module(backend).unpack(packed, bits, packing, signed)
-
-
-@unpack.register_fake
-def _(packed, bits, packing, signed, backend):
-    word = 32 if packing == "u32" else 8
-    return packed.new_empty([*packed.shape[:-1], packed.shape[-1] * word // bits],
-                            dtype=torch.int8 if signed else torch.uint8)
-
-
-# -- requirement B: per-token quantize / dequantize ----------------------------------------
-@torch.library.custom_op("lowbit::quantize_per_token", mutates_args=())
-def quantize_per_token(x: Tensor, bits: int, symmetric: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    if backend == "reference":
-        _validate.finite("x", x)
-    q, scale, zp, finite = kernels.module(backend).quantize_per_token(x, bits, symmetric)
-    if not finite:  # the fast kernel checks while it reads; name the first bad value
-        _validate.finite("x", x)
-    return q, scale, zp
-
-
-@quantize_per_token.register_fake
-def _(x, bits, symmetric, backend):
+# -- per-token quantize / dequantize --------------------------------------------------------
+def _quantize_per_token_fake(x, bits, symmetric):
     n = x.shape[0]
     return (x.new_empty(x.shape, dtype=torch.int8 if symmetric else torch.uint8),
             x.new_empty([n]), x.new_empty([n], dtype=torch.int32))
 
 
-@torch.library.custom_op("lowbit::dequantize_per_token", mutates_args=())
-def dequantize_per_token(q: Tensor, scale: Tensor, zero_point: Tensor, backend: str) -> Tensor:
-    return kernels.module(backend).dequantize_packed(
-        q, scale, zero_point, 8, q.dtype == torch.int8, "token", None, "u32", list(q.shape),
-        scale.dtype,
-    )
+@_define("quantize_per_token(Tensor x, int bits, bool symmetric) -> (Tensor, Tensor, Tensor)",
+         _quantize_per_token_fake)
+def quantize_per_token(backend, x, bits, symmetric):
+    if backend.name == "reference":
+        _validate.finite("x", x)
+    q, scale, zp, finite = backend.quantize_per_token(x, bits, symmetric)
+    if not finite:  # the fast kernel checks while it reads; name the first bad value
+        _validate.finite("x", x)
+    return q, scale, zp
 
 
-@dequantize_per_token.register_fake
-def _(q, scale, zero_point, backend):
-    return q.new_empty(q.shape, dtype=scale.dtype)
+@_define("dequantize_per_token(Tensor q, Tensor scale, Tensor zero_point) -> Tensor",
+         lambda q, scale, zero_point: q.new_empty(q.shape, dtype=scale.dtype))
+def dequantize_per_token(backend, q, scale, zero_point):
+    return backend.dequantize_per_token(q, scale, zero_point)
 
 
 def _dequantize_per_token_setup(ctx, inputs, output):
-    q, scale, zero_point, _ = inputs
+    q, scale, zero_point = inputs
     ctx.save_for_backward(q, zero_point)
     ctx.scale_dtype = scale.dtype
 
@@ -169,27 +156,20 @@ def _dequantize_per_token_backward(ctx, grad):
     cdt = ref.compute_dtype(ctx.scale_dtype)
     centered = q.to(cdt) - zero_point.to(cdt)[:, None]
     grad_scale = (grad.to(cdt) * centered).sum(dim=1).to(ctx.scale_dtype)
-    return None, grad_scale, None, None
+    return None, grad_scale, None
 
 
-dequantize_per_token.register_autograd(
-    _dequantize_per_token_backward, setup_context=_dequantize_per_token_setup
-)
+torch.library.register_autograd("lowbit::dequantize_per_token", _dequantize_per_token_backward,
+                                setup_context=_dequantize_per_token_setup, lib=_LIB)
 
 
 # -- straight-through fake quantization for quantization-aware training --------------------
-@torch.library.custom_op("lowbit::fake_quantize", mutates_args=())
-def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor | None, scheme: str) -> Tensor:
+@_define("fake_quantize(Tensor x, Tensor scale, Tensor? zero_point, str scheme) -> Tensor",
+         lambda x, scale, zero_point, scheme: torch.empty_like(x), devices=False)
+def fake_quantize(backend, x, scale, zero_point, scheme):
     s = scheme_of(scheme)
     _validate.finite("x", x)
-    q = ref.quantize(x, scale, zero_point, s.bits, s.symmetric, s.granularity, s.group_size,
-                     s.zero_point_domain)
-    return ref.dequantize(q, scale, zero_point, s.granularity, s.group_size, x.dtype)
-
-
-@fake_quantize.register_fake
-def _(x, scale, zero_point, scheme):
-    return torch.empty_like(x)
+    return ref.dequantize(ref.quantize(x, scale, zero_point, s), scale, zero_point, s, x.dtype)
 
 
 def _fake_quantize_setup(ctx, inputs, output):
@@ -203,140 +183,73 @@ def _fake_quantize_backward(ctx, grad):
     # rounded code lies in [qmin, qmax], 0 where quantize clamps it.
     x, scale, zero_point = ctx.saved_tensors
     s = scheme_of(ctx.scheme)
-    q = ref.rounded_codes(x, scale, zero_point, s.granularity, s.group_size, s.zero_point_domain)
+    q = ref.rounded_codes(x, scale, zero_point, s)
     inside = ((q >= s.qmin) & (q <= s.qmax)).reshape(x.shape)
     return grad * inside, None, None, None
 
 
-fake_quantize.register_autograd(_fake_quantize_backward, setup_context=_fake_quantize_setup)
+torch.library.register_autograd("lowbit::fake_quantize", _fake_quantize_backward,
+                                setup_context=_fake_quantize_setup, lib=_LIB)
 
 
-# -- requirement A: int32 accumulators -> float --------------------------------------------
-@torch.library.custom_op("lowbit::dequantize_accumulator", mutates_args=())
-def dequantize_accumulator(acc: Tensor, scale: Tensor | None, group_size: int,
-                           row_scale: Tensor | None, col_scale: Tensor | None,
-                           out_dtype: torch.dtype, backend: str) -> Tensor:
-    k = kernels.module(backend)
+# -- int32 accumulators -> float (the W8A8 epilogue) -----------------------------------------
+@_define("dequantize_accumulator(Tensor acc, Tensor? scale, int group_size, Tensor? row_scale, "
+         "Tensor? col_scale, ScalarType out_dtype) -> Tensor",
+         lambda acc, scale, group_size, row_scale, col_scale, out_dtype: acc.new_empty(acc.shape, dtype=out_dtype))
+def dequantize_accumulator(backend, acc, scale, group_size, row_scale, col_scale, out_dtype):
     if scale is not None:
-        return k.dequantize_accumulator_grouped(acc, scale, group_size, out_dtype)
-    return k.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
-
-
-@dequantize_accumulator.register_fake
-def _(acc, scale, group_size, row_scale, col_scale, out_dtype, backend):
-    return acc.new_empty(acc.shape, dtype=out_dtype)
+        return backend.dequantize_accumulator_grouped(acc, scale, group_size, out_dtype)
+    return backend.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
 
 
 # -- matmuls -------------------------------------------------------------------------------
-@torch.library.custom_op("lowbit::weight_only_matmul", mutates_args=())
-def weight_only_matmul(x: Tensor, codes: Tensor, scale: Tensor, zero_point: Tensor | None, bits: int,
-                       group_size: int, backend: str) -> Tensor:
-    return kernels.module(backend).weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+@_define("weight_only_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, "
+         "int group_size) -> Tensor",
+         lambda x, codes, scale, zero_point, bits, group_size: x.new_empty([*x.shape[:-1], codes.shape[0]]))
+def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size):
+    return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
 
 
-@weight_only_matmul.register_fake
-def _(x, codes, scale, zero_point, bits, group_size, backend):
-    return x.new_empty([*x.shape[:-1], codes.shape[0]])
+@_define("int8_mm(Tensor a, Tensor b) -> Tensor",
+         lambda a, b: a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32))
+def int8_mm(backend, a, b):
+    return backend.int8_mm(a, b)
 
 
-@torch.library.custom_op("lowbit::int8_mm", mutates_args=())
-def int8_mm(a: Tensor, b: Tensor, backend: str) -> Tensor:
-    return kernels.module(backend).int8_mm(a, b)
-
-
-@int8_mm.register_fake
-def _(a, b, backend):
-    return a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32)
-
-
-@torch.library.custom_op("lowbit::int8_linear", mutates_args=())
-def int8_linear(a: Tensor, a_zero_point: Tensor | None, b: Tensor, row_scale: Tensor, col_scale: Tensor,
-                bias: Tensor | None, out_dtype: torch.dtype, backend: str) -> Tensor:
+@_define("int8_linear(Tensor a, Tensor? a_zero_point, Tensor b, Tensor row_scale, Tensor col_scale, "
+         "Tensor? bias, ScalarType out_dtype) -> Tensor",
+         lambda a, a_zero_point, b, row_scale, col_scale, bias, out_dtype:
+             a.new_empty([a.shape[0], b.shape[0]], dtype=out_dtype))
+def int8_linear(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
     """W8A8: ``dequantize_accumulator(a . b.T - a_zp[m] sum b[n], row_scale, col_scale)``
-    rounded to out_dtype, then ``+ bias`` in out_dtype.  Backends with a fused kernel
-    (triton, cpu: the epilogue inside the int8 GEMM) give the same bits; theirs may
-    return None for shapes it does not cover."""
-    k = kernels.module(backend)
-    fused = getattr(k, "int8_linear", None)
-    y = None if fused is None else fused(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
-    if y is not None:
-        return y
-    acc = k.int8_mm(a, b)
-    if a_zero_point is not None:
-        # (q_x - z_x) . q_w = q_x . q_w - z_x * sum(q_w): exact in int32 for K < 2^16.
-        acc = acc - a_zero_point[:, None] * b.sum(dim=1, dtype=torch.int32)[None, :]
-    y = k.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
-    return y if bias is None else y + bias.to(out_dtype)
+    rounded to out_dtype, then ``+ bias`` in out_dtype (``Backend.int8_linear``)."""
+    return backend.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
 
 
-@int8_linear.register_fake
-def _(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype, backend):
-    return a.new_empty([a.shape[0], b.shape[0]], dtype=out_dtype)
+@_define("linear_qta8a_qga4w(Tensor x_q, Tensor x_scale, Tensor x_zero_point, Tensor w_codes, "
+         "Tensor w_scale, Tensor? w_zero_point, int group_size, Tensor? bias) -> Tensor",
+         lambda x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias:
+             x_q.new_empty([x_q.shape[0], w_codes.shape[0]], dtype=torch.float32))
+def linear_qta8a_qga4w(backend, x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias):
+    return backend.linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size,
+                                      bias)
 
 
-@torch.library.custom_op("lowbit::linear_qta8a_qga4w", mutates_args=())
-def linear_qta8a_qga4w(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor, w_packed: Tensor,
-                       w_scales: Tensor, w_zero_points: Tensor | None, group_size: int,
-                       bias: Tensor | None, backend: str) -> Tensor:
-    return kernels.module(backend).linear_qta8a_qga4w(
-        x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias)
+@_define("linear_qta8a_qga4w_qta8o(Tensor x_q, Tensor x_scale, Tensor x_zero_point, Tensor w_codes, "
+         "Tensor w_scale, Tensor? w_zero_point, int group_size, Tensor out_scale, Tensor out_zero_point, "
+         "Tensor? bias) -> Tensor",
+         lambda x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, out_scale,
+         out_zero_point, bias: x_q.new_empty([x_q.shape[0], w_codes.shape[0]], dtype=torch.int8))
+def linear_qta8a_qga4w_qta8o(backend, x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size,
+                             out_scale, out_zero_point, bias):
+    return backend.linear_qta8a_qga4w_qta8o(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point,
+                                            group_size, out_scale, out_zero_point, bias)
 
 
-@linear_qta8a_qga4w.register_fake
-def _(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias, backend):
-    return x_q.new_empty([x_q.shape[0], w_packed.shape[0]], dtype=torch.float32)
-
-
-@torch.library.custom_op("lowbit::linear_qta8a_qga4w_qta8o", mutates_args=())
-def linear_qta8a_qga4w_qta8o(x_q: Tensor, x_scale: Tensor, x_zero_point: Tensor, w_packed: Tensor,
-                             w_scales: Tensor, w_zero_points: Tensor | None, group_size: int,
-                             out_scale: Tensor, out_zero_point: Tensor, bias: Tensor | None,
-                             backend: str) -> Tensor:
-    k = kernels.module(backend)
-    fused = getattr(k, "linear_qta8a_qga4w_qta8o", None)  # the output requantization fused in
-    if fused is not None:
-        return fused(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size,
-                     out_scale, out_zero_point, bias)
-    y = k.linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias)
-    return k.requantize_per_token(y, out_scale, out_zero_point)
-
-
-@linear_qta8a_qga4w_qta8o.register_fake
-def _(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, out_scale,
-      out_zero_point, bias, backend):
-    return x_q.new_empty([x_q.shape[0], w_packed.shape[0]], dtype=torch.int8)
-
-
-# -- eager fast path -------------------------------------------------------------------------
-# Calling a custom op from Python costs ~30 us of dispatch machinery (autograd wrapper,
-# redispatch, dynamo-disable), more than a decode-sized kernel.  In plain eager calls the
-# public functions therefore run the op's own implementation directly; whenever anything
-# traces (torch.compile, torch.export, fake tensors, dispatch modes) or autograd needs the
-# op's backward, the registered op runs, so graphs still show lowbit ops by name.
-def _plain(args) -> bool:
-    if torch._C._len_torch_dispatch_stack():
-        return False
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, Tensor) and (type(a) is not Tensor or (grad and a.requires_grad)):
-            return False
-    return True
-
-
-def _with_eager_fast_path(op):
-    impl = op._init_fn
-
-    def call(*args):
-        if torch.compiler.is_compiling() or not _plain(args):
-            return op(*args)
-        return impl(*args)
-
-    call.__name__ = call.__qualname__ = op._name.split("::")[-1]
-    call.op = op
-    return call
-
-
-for _name in ["choose_qparams", "quantize", "dequantize", "pack", "unpack", "quantize_per_token",
-              "dequantize_per_token", "fake_quantize", "dequantize_accumulator", "weight_only_matmul",
-              "int8_mm", "int8_linear", "linear_qta8a_qga4w", "linear_qta8a_qga4w_qta8o"]:
-    globals()[_name] = _with_eager_fast_path(globals()[_name])
+def call(op, backend: str | None, device: torch.device, *args):
+    """Run ``op(*args)``: on the automatic backend when ``backend`` is None, else inside a
+    ``kernels.use_backend(backend)`` block (which checks it can run on ``device``)."""
+    if backend is None:
+        return op(*args)
+    with kernels.use_backend(backend, device):
+        return op(*args)

@@ -11,22 +11,23 @@ import weakref
 
 import torch
 
-from .. import _validate, kernels
+from .. import _validate
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
 from . import library
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
-from .quant import quantize
+from .quant import dequantize, quantize
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
 
 
-def _check_weight(k: int, weight, scales, zero_points, bits, group_size,
-                  names=("weight", "scales", "zero_points")):
+def _check_weight(k: int, codes, scale, zero_point, bits, group_size,
+                  names=("codes", "scale", "zero_point")):
     """Validate a weight triple against the activations' K; return N."""
     wname, sname, zname = names
+    weight, scales, zero_points = codes, scale, zero_point
     if isinstance(bits, bool) or bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
@@ -52,18 +53,18 @@ def _check_weight(k: int, weight, scales, zero_points, bits, group_size,
     return n
 
 
-def quantized_matmul(input: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                     zero_points: torch.Tensor | None = None, *, bits: int, group_size: int,
+def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                     zero_point: torch.Tensor | None = None, *, bits: int, group_size: int,
                      out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
-    """``input @ dequantize(weight).T`` in input's dtype, without a float copy of the weight.
+    """``input @ dequantize(W).T`` in input's dtype, without a float copy of the weight W.
 
     Args:
-        input: float [..., K].
-        weight: bits=8: int8 [N, K] (symmetric) or uint8 [N, K] (with zero_points);
-            bits=4: int32 [N, K/8], "u32x8"-packed codes.
-        scales: [N, K / group_size] (group_size = K: per channel).
-        zero_points: None (symmetric, signed codes), integer (unsigned codes) or float
-            (the scheme's "float" zero-point domain), same shape as scales.
+        input: float [..., K] (float32, float64, float16 or bfloat16).
+        codes: the weight's codes; bits=8: int8 [N, K] (symmetric) or uint8 [N, K] (with
+            zero_point); bits=4: int32 [N, K/8], "u32x8"-packed.
+        scale: [N, K / group_size] (group_size = K: per channel), float32/float16/bfloat16.
+        zero_point: None (symmetric, signed codes), integer (unsigned codes) or float
+            (the scheme's "float" zero-point domain), same shape as scale.
         out: optional [..., N] tensor of input's dtype to write the result into.
 
     Example::
@@ -74,21 +75,21 @@ def quantized_matmul(input: torch.Tensor, weight: torch.Tensor, scales: torch.Te
         >>> qt = lowbit.quantize(w, "int4-sym-g32")
         >>> x = torch.randn(2, 64)
         >>> y = lowbit.quantized_matmul(x, qt.codes, qt.scale, bits=4, group_size=32)
-        >>> torch.allclose(y, x @ qt.dequantize().T, rtol=1e-4, atol=1e-4)
+        >>> torch.allclose(y, x @ lowbit.dequantize(qt).T, rtol=1e-4, atol=1e-4)
         True
     """
     _validate.tensor("input", input, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
-    n = _check_weight(input.shape[-1], weight, scales, zero_points, bits, group_size)
-    _validate.same_device("input", input, weight=weight, out=out)
+    n = _check_weight(input.shape[-1], codes, scale, zero_point, bits, group_size)
+    _validate.same_device("input", input, codes=codes, out=out)
     if out is not None:
         _validate.tensor("out", out, dtypes=[input.dtype])
         _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
-    y = library.weight_only_matmul(input, weight, scales, zero_points, bits, group_size,
-                                   _resolve(backend, input.device))
+    y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
+                     group_size)
     return y if out is None else out.copy_(y)
 
 
-# _weight_parts of the QTensors in use, by id: a decode step calls linear on the same
+# weight_parts of the QTensors in use, by id: a decode step calls linear on the same
 # weights again and again, and rebuilding the views costs about 1.5 us a call.  An entry
 # is kept while its QTensor lives and is valid while no in-place write hit the tensors
 # (their version counters; the parts may be copies).
@@ -100,25 +101,25 @@ def _versions(qweight: QTensor):
     return qweight.codes._version, qweight.scale._version, None if zp is None else zp._version
 
 
-def _weight_parts(qweight: QTensor):
-    """(codes, scales [N, G], zero_points, bits, group_size) of a 2-D weight QTensor,
+def weight_parts(qweight: QTensor):
+    """The matmul form of a 2-D weight: (codes, scales [N, G], zero_points, bits, group_size) of a 2-D weight QTensor,
     4-bit codes as u32x8 words."""
     if not isinstance(qweight, QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
     if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
-        return _build_weight_parts(qweight)  # traced: the graph shows the views
+        return _buildweight_parts(qweight)  # traced: the graph shows the views
     if qweight.codes.is_inference() or qweight.scale.is_inference():
-        return _build_weight_parts(qweight)  # made under inference_mode: no version counter to check
+        return _buildweight_parts(qweight)  # made under inference_mode: no version counter to check
     key = id(qweight)
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
         return hit[2]
-    parts = _build_weight_parts(qweight)
+    parts = _buildweight_parts(qweight)
     _PARTS[key] = (weakref.ref(qweight, lambda _, key=key: _PARTS.pop(key, None)), _versions(qweight), parts)
     return parts
 
 
-def _build_weight_parts(qweight: QTensor):
+def _buildweight_parts(qweight: QTensor):
     if len(qweight.shape) != 2:
         raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
     s, (n, k) = qweight.scheme, qweight.shape
@@ -138,21 +139,7 @@ def _build_weight_parts(qweight: QTensor):
     return codes, scale.contiguous(), None if zp is None else zp.contiguous(), s.bits, group
 
 
-_DEFAULT_BACKEND: dict[torch.device, str] = {}
-
-
-def _resolve(backend: str | None, device: torch.device) -> str:
-    """kernels.resolve, with the automatic choice per device remembered (it cannot change
-    within a process, and linear runs it on every call)."""
-    if backend is not None:
-        return kernels.resolve(backend, device)
-    b = _DEFAULT_BACKEND.get(device)
-    if b is None:
-        b = _DEFAULT_BACKEND[device] = kernels.resolve(None, device)
-    return b
-
-
-def _as_act_scheme(act_scheme) -> QuantScheme:
+def as_act_scheme(act_scheme) -> QuantScheme:
     s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(act_scheme)
     if s.bits != 8 or s.granularity not in ("token", "tensor"):
         raise ValueError(
@@ -187,7 +174,7 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         torch.bfloat16
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
-    codes, scales, zps, bits, group = _weight_parts(qweight)
+    codes, scales, zps, bits, group = weight_parts(qweight)
     n, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match qweight in_features={k}")
@@ -195,31 +182,32 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[out_features]")
-    b = _resolve(backend, x.device)
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
             raise ValueError("act_scale / act_zero_point need an act_scheme")
         if bits in (4, 8):
-            y = library.weight_only_matmul(x, codes, scales, zps, bits, group, b)
+            y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group)
         else:
-            y = torch.nn.functional.linear(x, qweight.dequantize(x.dtype, backend=b))
+            y = torch.nn.functional.linear(x, dequantize(qweight, x.dtype, backend=backend))
         return y if bias is None else y + bias.to(y.dtype)
 
-    s = _as_act_scheme(act_scheme)
+    s = as_act_scheme(act_scheme)
     if x.dtype == torch.float64:
         raise TypeError("x must be float32, float16 or bfloat16 for 8-bit activations, got torch.float64")
     x2 = x.reshape(-1, k)
-    xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, b)
+    xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)
     if bits == 8:
         if not qweight.scheme.symmetric or qweight.scheme.granularity != "channel":
             raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{qweight.scheme}'")
         zp = xz if not s.symmetric or act_scale is not None else None
-        y = library.int8_linear(xq, zp, codes, xs, scales.reshape(n), bias, x.dtype, b)
+        y = library.call(library.int8_linear, backend, x.device, xq, zp, codes, xs, scales.reshape(n), bias,
+                         x.dtype)
         return y.reshape(*x.shape[:-1], n)  # bias added in the epilogue
     elif bits == 4:
         if zps is not None and zps.is_floating_point():
             raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{qweight.scheme}'")
-        y = library.linear_qta8a_qga4w(xq, xs.to(torch.float32), xz, codes, scales, zps, group, None, b).to(x.dtype)
+        y = library.call(library.linear_qta8a_qga4w, backend, x.device, xq, xs.to(torch.float32), xz, codes,
+                         scales, zps, group, None).to(x.dtype)
     else:
         raise ValueError(f"8-bit activations need an 8- or 4-bit weight, got '{qweight.scheme}'")
     y = y.reshape(*x.shape[:-1], n)
@@ -234,7 +222,7 @@ def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend
     if act_scale is not None and s.granularity != "tensor":
         raise ValueError(f"a calibrated act_scale needs a per-tensor act_scheme, got '{s}'")
     if s.granularity == "token":
-        q, scale, zp = quantize_per_token(x2, 8, s.symmetric)
+        q, scale, zp = quantize_per_token(x2, 8, s.symmetric, backend=backend)
     else:  # per tensor: calibrated (act_scale given) or chosen from x2
         qt = quantize(x2, s, act_scale, act_zero_point, backend=backend)
         q, scale = qt.codes, qt.scale.expand(m)
@@ -247,16 +235,18 @@ def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend
 
 
 def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor,
-                             w_packed: torch.Tensor, w_scales: torch.Tensor,
-                             w_zero_points: torch.Tensor | None, group_size: int,
+                             w_codes: torch.Tensor, w_scale: torch.Tensor,
+                             w_zero_point: torch.Tensor | None, group_size: int,
                              out_scale: torch.Tensor, out_zero_point: torch.Tensor,
                              bias: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
-    """Integer W4A8 linear with int8 output (requirement D).
+    """Integer W4A8 linear with int8 output: per-token affine 8-bit activations (qta8a),
+    per-group affine 4-bit weights (qga4w), per-token affine 8-bit output (qta8o).
 
     ``x = (x_q - x_zero_point[m]) * x_scale[m]`` (int8 [M, K], per token);
-    ``W = (w_q - w_zero_points[n, g]) * w_scales[n, g]`` (4-bit u32x8 [N, K/8], per group);
+    ``W = (w_q - w_zero_point[n, g]) * w_scale[n, g]`` (4-bit u32x8 codes [N, K/8], per group;
+    ``w_zero_point`` None for signed codes);
     ``out = clamp(round((x @ W.T + bias) / out_scale[m]) + out_zero_point[m], -128, 127)``.
-    The fast path accumulates in int32 inside each weight group and scales once per group.
+    The fast paths accumulate in int32 inside each weight group and scale once per group.
 
     Example::
 
@@ -276,15 +266,14 @@ def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_po
                             ("out_scale", out_scale, SCALE_DTYPES), ("out_zero_point", out_zero_point, [torch.int32])]:
         _validate.tensor(name, t, dtypes=dtypes, ndim=1)
         _validate.shape(name, t, (m,), "one per token (row of x_q)")
-    if w_zero_points is not None and w_zero_points.is_floating_point():
-        raise TypeError(f"w_zero_points must be integer (int domain), got {w_zero_points.dtype}")
-    n = _check_weight(k, w_packed, w_scales, w_zero_points, 4, group_size,
-                      names=("w_packed", "w_scales", "w_zero_points"))
+    if w_zero_point is not None and w_zero_point.is_floating_point():
+        raise TypeError(f"w_zero_point must be integer (int domain), got {w_zero_point.dtype}")
+    n = _check_weight(k, w_codes, w_scale, w_zero_point, 4, group_size,
+                      names=("w_codes", "w_scale", "w_zero_point"))
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[N]")
-    _validate.same_device("x_q", x_q, x_scale=x_scale, x_zero_point=x_zero_point, w_packed=w_packed,
+    _validate.same_device("x_q", x_q, x_scale=x_scale, x_zero_point=x_zero_point, w_codes=w_codes,
                           out_scale=out_scale, out_zero_point=out_zero_point, bias=bias)
-    return library.linear_qta8a_qga4w_qta8o(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points,
-                                            group_size, out_scale, out_zero_point, bias,
-                                            kernels.resolve(backend, x_q.device))
+    return library.call(library.linear_qta8a_qga4w_qta8o, backend, x_q.device, x_q, x_scale, x_zero_point,
+                        w_codes, w_scale, w_zero_point, group_size, out_scale, out_zero_point, bias)

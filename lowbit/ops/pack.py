@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import _validate, kernels
+from .. import _validate
 from . import library
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -49,7 +49,7 @@ def pack_bits(q: torch.Tensor, bits: int, packing: str = "u32", *, backend: str 
             f"q.shape[-1]={q.shape[-1]} must be a multiple of {unit} to pack {bits}-bit codes "
             f"into {packing} words"
         )
-    return library.pack(q, bits, packing, kernels.resolve(backend, q.device))
+    return library.call(library.pack, backend, q.device, q, bits, packing)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, packing: str = "u32", *, signed: bool,
@@ -74,7 +74,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, packing: str = "u32", *, signed
             f"packed.shape[-1]={packed.shape[-1]} must be a multiple of {words}: {bits}-bit codes "
             f"fill whole groups of {words} {packing} words"
         )
-    return library.unpack(packed, bits, packing, signed, kernels.resolve(backend, packed.device))
+    return library.call(library.unpack, backend, packed.device, packed, bits, packing, signed)
 
 
 def _int4_packing(layout) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _validate, kernels
+from .. import _validate
 from . import library
 
 
@@ -37,7 +37,7 @@ def quantize_per_token(x: torch.Tensor, bits: int = 8, symmetric: bool = False, 
         raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
-    return library.quantize_per_token(x, bits, symmetric, kernels.resolve(backend, x.device))
+    return library.call(library.quantize_per_token, backend, x.device, x, bits, symmetric)
 
 
 def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
@@ -70,4 +70,4 @@ def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, zero_point: torch
             f"out_dtype={out_dtype} differs from scale.dtype={scale.dtype}; the scale must be "
             "given in the output type (pass scale.to(out_dtype))"
         )
-    return library.dequantize_per_token(q, scale, zero_point, kernels.resolve(backend, q.device))
+    return library.call(library.dequantize_per_token, backend, q.device, q, scale, zero_point)

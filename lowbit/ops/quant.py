@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _validate, kernels
-from ..kernels.reference import scale_shape
+from .. import _validate
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
 from . import library
@@ -38,7 +37,7 @@ def _check_input(x, s: QuantScheme, name: str = "x", packed: bool = True) -> Non
 
 
 def _check_qparams(x, s: QuantScheme, scale, zero_point) -> None:
-    expected = scale_shape(x.shape, s.granularity, s.group_size)
+    expected = s.scale_shape(x.shape)
     _validate.tensor("scale", scale, dtypes=[s.scale_dtype])
     _validate.shape("scale", scale, expected, f"granularity {s.granularity!r} of {tuple(x.shape)}")
     if s.symmetric:
@@ -91,8 +90,7 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | N
         scale, zero_point = choose_qparams(x, s)
     else:
         _check_qparams(x, s, scale, zero_point)
-    b = kernels.resolve(backend, x.device)
-    codes = library.quantize(x, scale, zero_point, str(s), b)
+    codes = library.call(library.quantize, backend, x.device, x, scale, zero_point, str(s))
     return QTensor(codes, scale, zero_point, s, x.shape)
 
 
@@ -110,8 +108,8 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, backend: str 
     if not isinstance(qt, QTensor):
         raise TypeError(f"qt must be a lowbit.QTensor, got {type(qt).__name__}")
     _validate.float_dtype("dtype", dtype)
-    b = kernels.resolve(backend, qt.codes.device)
-    return library.dequantize(qt.codes, qt.scale, qt.zero_point, str(qt.scheme), list(qt.shape), dtype, b)
+    return library.call(library.dequantize, backend, qt.codes.device, qt.codes, qt.scale, qt.zero_point,
+                        str(qt.scheme), list(qt.shape), dtype)
 
 
 def fake_quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | None = None,

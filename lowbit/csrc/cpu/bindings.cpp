@@ -8,12 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
-  m.def("weight_only_gemv", &weight_only_gemv, "x @ dequantize(W).T for small M, W read packed");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
-  m.def("weight_only_gemv_bf16", &weight_only_gemv_bf16, "W4A16 for small M with vdpbf16ps");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
-  m.def("weight_only_gemm_bf16", &weight_only_gemm_bf16, "W4A16/W8A16 for larger M: bf16 panels, vdpbf16ps");
-  m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul, kernel chosen by M; None if none fits");
+  m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");
+  m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul with the kernel the plan chose (an index)");
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");

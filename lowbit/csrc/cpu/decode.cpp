@@ -112,7 +112,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 namespace {
 
 // A projection: a float nn.Linear (weight, bias), a weight-only quantized one
-// (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group; bias added after),
+// (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group, and the
+// weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; bias added after),
 // or one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8
 // codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
 // points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
@@ -121,13 +122,11 @@ namespace {
 struct Proj {
   at::Tensor weight, codes, scale;
   c10::optional<at::Tensor> zero_point, bias;
-  int64_t bits = 0, group = 0, act = 0;
+  int64_t bits = 0, group = 0, act = 0, kernel = 0;
 
-  at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_m, int64_t split_max_m) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (!codes.defined()) return at::linear(x, weight, bias);
-    at::Tensor y = act ? int8_activations(x) : weight_only_matmul(x, codes, scale, zero_point, bits, group, gemv_max_m,
-                                                                  split_max_m);
-    TORCH_CHECK(y.defined(), "lowbit decode: no kernel for this projection");
+    at::Tensor y = act ? int8_activations(x) : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel);
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
 
@@ -161,10 +160,8 @@ struct Layer {
 
 class Decoder {
  public:
-  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double eps, double scaling,
-          int64_t gemv_max_m)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), eps_(eps),
-        scaling_(scaling), gemv_max_m_(gemv_max_m) {}
+  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double eps, double scaling)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), eps_(eps), scaling_(scaling) {}
 
   void add_layer(at::Tensor ln1, at::Tensor ln2, Proj q, Proj k, Proj v, Proj o, Proj gate, Proj up,
                  Proj down) {
@@ -178,14 +175,14 @@ class Decoder {
 
   // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos.
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
-                  std::vector<at::Tensor> values, int64_t pos, int64_t split_max_m) const {
+                  std::vector<at::Tensor> values, int64_t pos) const {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
     const int64_t H = heads_, KV = kv_heads_, hd = head_dim_, half = hd / 2;
     auto rope = [&](const at::Tensor& x) {
       at::Tensor rot = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
       return x * cos + rot * sin;
     };
-    auto proj = [&](const Proj& p, const at::Tensor& x) { return p(x, gemv_max_m_, split_max_m); };
+    auto proj = [&](const Proj& p, const at::Tensor& x) { return p(x); };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       at::Tensor x = rms(h, L.ln1);
@@ -206,7 +203,6 @@ class Decoder {
 
   int64_t heads_, kv_heads_, head_dim_, hidden_;
   double eps_, scaling_;
-  int64_t gemv_max_m_;
   std::vector<Layer> layers_;
   at::Tensor norm_;
   Proj lm_head_;
@@ -221,7 +217,7 @@ void bind_decode(pybind11::module& m) {
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,
-                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group, int64_t act) {
+                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group, int64_t act, int64_t kernel) {
              Proj p;
              if (weight) p.weight = *weight;
              if (codes) p.codes = *codes;
@@ -231,12 +227,13 @@ void bind_decode(pybind11::module& m) {
              p.bits = bits;
              p.group = group;
              p.act = act;
+             p.kernel = kernel;
              return p;
            }),
            py::arg("weight"), py::arg("codes"), py::arg("scale"), py::arg("zero_point"), py::arg("bias"),
-           py::arg("bits"), py::arg("group"), py::arg("act") = 0);
+           py::arg("bits"), py::arg("group"), py::arg("act") = 0, py::arg("kernel") = 0);
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("set_head", &Decoder::set_head)
       .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>());

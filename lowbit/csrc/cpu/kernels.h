@@ -3,7 +3,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
+#include <vector>
 
 // dequant.cpp
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
@@ -17,9 +19,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
 bool has_avx512();
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+// The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
+// which lowbit.kernels.cpu's plan returns).
+enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3 };
+std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t gemv_max_m, int64_t split_max_m);
+                              int64_t kernel);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemv_bf16.cpp

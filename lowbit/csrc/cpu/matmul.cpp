@@ -37,7 +37,6 @@ constexpr bool kHaveAvx512 = false;
 #endif
 
 constexpr int MB = 4;  // activation rows computed together (each unpacked weight reused MB times)
-constexpr int64_t W4A8_ROWS_MAX_M = 4;  // w4a8_gemm: more rows go to w4a8_gemm_panels
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 
@@ -289,11 +288,6 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
               "lowbit._C.w4a8_gemm: contiguous inputs expected");
   TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
-  // Beyond a few rows, gemm_int8.cpp's panels (codes unpacked once per call, not once per
-  // 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
-  // M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
-  if (M > W4A8_ROWS_MAX_M && int8_gemm_supported(K))
-    return w4a8_gemm_panels(x_q, x_zp, codes, w_scale, w_zp, group);
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
@@ -336,31 +330,41 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 // ---- the eager entry of weight-only matmuls --------------------------------------------
 // One call from Python for a whole weight-only matmul (per-call overhead is what a decode
 // step of a small model spends most of its time on).  x float32/bfloat16/float16 [..., K];
-// scale, zero_point [N, G] of any float (zero_point also integer) dtype.  Picks the kernel
-// by M with the thresholds of lowbit.kernels.cpu and returns [..., N] in x's dtype, or an
-// undefined tensor (None) when no fused kernel covers K and group.
+// scale, zero_point [N, G] of any float (zero_point also integer) dtype.  Runs the kernel
+// lowbit.kernels.cpu's plan chose (WeightOnlyKernel) and returns [..., N] in x's dtype.
+
+const char* const kWeightOnlyKernels[] = {"gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16"};
+
+std::vector<std::string> weight_only_kernels() {
+  return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
+}
+
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t gemv_max_m, int64_t split_max_m) {
+                              int64_t kernel) {
   const int64_t K = x.size(-1), N = codes.size(0);
   const int64_t M = K ? x.numel() / K : 0;
-  const bool fused = kHaveAvx512 && group % (bits == 4 ? 32 : 16) == 0;
-  const bool small = M <= gemv_max_m && fused;
-  if (!small && !gemm_bf16_supported(K, group)) return at::Tensor();
   const at::Tensor x2 = x.reshape({M, K}).contiguous();
   const at::Tensor c = codes.contiguous();
   const at::Tensor s = scale.to(at::kFloat).contiguous();
   c10::optional<at::Tensor> z;
   if (zero_point.has_value()) z = zero_point->to(at::kFloat).contiguous();
   at::Tensor y;
-  if (small) {
-    const bool split = x.scalar_type() != at::kBFloat16;
-    if (bits == 4 && gemv_bf16_supported(K, group) && (!split || M <= split_max_m))
-      y = weight_only_gemv_bf16(x2.to(at::kFloat), c, s, z, group, split);
-    else
+  switch (static_cast<WeightOnlyKernel>(kernel)) {
+    case WeightOnlyKernel::kGemvF32:
       y = weight_only_gemv(x2.to(at::kFloat), c, s, z, bits, group);
-  } else {
-    y = weight_only_gemm_bf16(x2, c, s, z, bits, group);
+      break;
+    case WeightOnlyKernel::kGemvBf16:
+    case WeightOnlyKernel::kGemvBf16Split:
+      TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
+      y = weight_only_gemv_bf16(x2.to(at::kFloat), c, s, z, group,
+                                static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split);
+      break;
+    case WeightOnlyKernel::kGemmBf16:
+      y = weight_only_gemm_bf16(x2, c, s, z, bits, group);
+      break;
+    default:
+      TORCH_CHECK(false, "lowbit._C.weight_only_matmul: unknown kernel ", kernel);
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;

@@ -1,15 +1,22 @@
-"""Fast CPU kernels: the C++ extension ``lowbit._C`` (built at install time with
-torch's cpp_extension; OpenMP threads, AVX-512 through the compiler) plus packing in
-word-wide integer torch ops.  Configurations they do not cover (3-bit codes) go to
-the reference implementation, which is also what runs when the extension is absent."""
+"""The ``"cpu"`` backend: the C++ extension ``lowbit._C`` (built at install time with
+torch's cpp_extension; OpenMP threads, AVX-512 through the compiler where the machine
+has it) plus packing in word-wide integer torch ops.  Configurations its kernels do not
+cover (3-bit codes, float64 matmuls) go to the reference implementation.
+
+Which kernel runs for a matmul is decided in one place, ``CpuBackend.plan``; the C++
+entry points run exactly the kernel they are asked for.
+"""
 
 from __future__ import annotations
 
-import math
+from functools import lru_cache
 
 import torch
 
+from ...scheme import QuantScheme
+from .. import packing as word_packing
 from .. import reference
+from ..interface import Backend, Plan
 
 try:  # built by setup.py; absent when installed with LOWBIT_NO_EXT=1 or without a compiler
     from lowbit import _C  # type: ignore[attr-defined]
@@ -28,84 +35,7 @@ def load_error() -> str | None:
     return _LOAD_ERROR
 
 
-choose_qparams = reference.choose_qparams
-
-
-def _rows_per_scale(shape, granularity: str, rows: int) -> int:
-    if granularity == "tensor":
-        return max(rows, 1)
-    if granularity == "channel":
-        return max(rows // shape[0], 1) if shape[0] else 1
-    return 1
-
-
-def dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity, group_size,
-                      packing, shape, out_dtype):
-    if bits == 3:
-        return reference.dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity,
-                                           group_size, packing, shape, out_dtype)
-    k = shape[-1] if shape else 1
-    rows = math.prod(shape) // k if k else 0
-    cdt = reference.compute_dtype(out_dtype)
-    zp = None if zero_point is None else zero_point.to(cdt).contiguous()
-    group = group_size if granularity == "group" else k
-    out = _C.dequantize(codes.contiguous(), scale.to(cdt).contiguous(), zp, bits, symmetric, k,
-                        group, _rows_per_scale(shape, granularity, rows), out_dtype)
-    return out.reshape(shape)
-
-
-def quantize_packed(x, scale, zero_point, bits, symmetric, granularity, group_size,
-                    zero_point_domain, packing):
-    q = reference.quantize(x, scale, zero_point, bits, symmetric, granularity, group_size,
-                           zero_point_domain)
-    return pack(q, bits, packing) if bits < 8 else q
-
-
-def pack(q, bits, packing):
-    """Word-aligned widths (2, 4 bits): shift each value into place and OR (sum) a
-    word's worth; 3-bit codes straddle words and use the reference bit stream."""
-    word = 32 if packing == "u32" else 8
-    if word % bits:
-        return reference.pack(q, bits, packing)
-    per = word // bits
-    v = (q.to(torch.int32) & ((1 << bits) - 1)).reshape(*q.shape[:-1], q.shape[-1] // per, per)
-    shifts = torch.arange(0, word, bits, dtype=torch.int32, device=q.device)
-    words = (v << shifts).sum(-1, dtype=torch.int64 if packing == "u32" else torch.int32)
-    return words.to(torch.int32 if packing == "u32" else torch.uint8)
-
-
-def unpack(packed, bits, packing, signed):
-    word = 32 if packing == "u32" else 8
-    if word % bits:
-        return reference.unpack(packed, bits, packing, signed)
-    per = word // bits
-    shifts = torch.arange(0, word, bits, dtype=torch.int32, device=packed.device)
-    v = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    if signed:
-        v = v - ((v >> (bits - 1)) << bits)
-    return v.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.int8 if signed else torch.uint8)
-
-
-def quantize_per_token(x, bits, symmetric):
-    """One pass per row (range, scale, codes); also reports whether x was all finite."""
-    return _C.quantize_per_token(x.contiguous(), bits, symmetric)
-
-
-def dequantize_accumulator_grouped(acc, scale, group_size, out_dtype):
-    n = acc.shape[-1]
-    rows = acc.numel() // n if n else 0
-    shared = scale.dim() == 1 and acc.dim() > 1
-    out = _C.dequantize(acc.contiguous(), scale.to(torch.float32).contiguous(), None, 32, True, n,
-                        group_size, max(rows, 1) if shared else 1, out_dtype)
-    return out.reshape(acc.shape)
-
-
-def dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype):
-    return _C.dequantize_rowcol(acc.contiguous(), row_scale.to(torch.float32).contiguous(),
-                                col_scale.to(torch.float32).contiguous(), out_dtype)
-
-
-# -- matmuls -------------------------------------------------------------------------
+# -- the plan's thresholds ---------------------------------------------------------------
 # Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
 # the dequantize and the matmul, so no full float copy of W is ever made.
 TILE_BYTES = 1 << 20
@@ -120,6 +50,13 @@ TILE_BYTES = 1 << 20
 # GEMV_MAX_M rows (M=4 0.62 vs 1.18 ms for float32 tiles through torch.mm, M=8 1.85 vs 1.49).
 GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
+# W4A8 beyond a few rows: gemm_int8.cpp's panels (codes unpacked once per call, not once
+# per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
+# M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
+W4A8_ROWS_MAX_M = 4
+# W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
+# 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
+INT8_GEMM_MIN_M = 2
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -140,38 +77,174 @@ def float32_exact(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
-def _fused_ok(bits: int, group_size: int) -> bool:
-    return _C.has_avx512() and group_size % (32 if bits == 4 else 16) == 0
+_WEIGHT_ONLY_KERNELS = tuple(_C.weight_only_kernels()) if _C is not None else ()
 
 
-def gemm_bf16_ok(k: int, group_size: int) -> bool:
-    """Whether rows beyond ``gemv_max_m`` go through gemm_bf16.cpp (else: bf16 tiles + torch.mm)."""
-    return _C.gemm_bf16_supported(k, group_size)
+def weight_only_kernel_index(kernel: str) -> int:
+    """The index ``_C.weight_only_matmul`` (and the decode step) takes for a plan's kernel."""
+    return _WEIGHT_ONLY_KERNELS.index(kernel)
 
 
-def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
-    """x @ dequantize(W).T, in one call into lowbit._C (it picks the kernel by M).
-    Up to ``gemv_max_m`` rows: a fused kernel reads the packed weight and accumulates in
-    float32 (4-bit: bf16 dot products, gemv_bf16.cpp; 8-bit, and wider M with float32
-    activations: float32 FMAs, matmul.cpp).  More rows: gemm_bf16.cpp dequantizes panels
-    of W to bf16 (rounded once, as W.to(bfloat16)) and multiplies them with x rounded to
-    bf16 by AVX512-BF16 dot products with float32 accumulation: bf16 torch.matmul's
-    arithmetic; a float32 matmul is 4-5x slower here, and rounding x and W to bf16
-    (2^-9 relative each) is far below the 4/8-bit weight error.  Float32 activations at
-    the float32 matmul precision "highest" (``float32_exact``) stay float32: FMAs, then
-    float32 tiles.  Without the AVX-512 kernels: tiles of W dequantized to bf16 (L2-sized)
-    through torch.mm.  No full float copy of W is ever made."""
-    if bits not in (4, 8) or x.dtype == torch.float64:
-        return reference.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
-    k = x.shape[-1]
-    exact = float32_exact(x.dtype)
-    if not exact or x.numel() <= GEMV_MAX_M * k:
-        # exact: small M only (split_max_m=0 keeps float32 activations on float32 FMAs)
-        y = _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, gemv_max_m(bits, x.dtype),
-                                  0 if exact else SPLIT_MAX_M)
-        if y is not None:
-            return y
-    return _tiles(x, codes, scale, zero_point, bits, group_size, torch.float32 if exact else torch.bfloat16)
+def _has_avx512() -> bool:
+    return _C is not None and _C.has_avx512()
+
+
+def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype) -> Plan:
+    return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision())
+
+
+@lru_cache(maxsize=4096)  # a decode step asks for the same few plans over and over
+def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
+    if bits not in (4, 8):
+        return Plan("reference", f"no CPU kernel for {bits}-bit codes")
+    if dtype == torch.float64:
+        return Plan("reference", "float64 activations")
+    exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
+    fused = _has_avx512() and group % (32 if bits == 4 else 16) == 0
+    if fused and m <= gemv_max_m(bits, dtype):
+        split = dtype != torch.bfloat16
+        if bits == 4 and _C.gemv_bf16_supported(k, group) and (not split or m <= (0 if exact else SPLIT_MAX_M)):
+            if split:
+                return Plan("gemv_bf16_split", f"{m} <= {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
+            return Plan("gemv_bf16", f"{m} <= {gemv_max_m(bits, dtype)} rows: packed weight, bf16 dot products")
+        return Plan("gemv_f32", f"{m} <= {gemv_max_m(bits, dtype)} rows: packed weight, float32 FMAs")
+    if not exact and _C is not None and _C.gemm_bf16_supported(k, group):
+        return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
+    why = ("float32 activations at matmul precision 'highest'" if exact
+           else "no AVX-512 kernel for this group size or machine")
+    return Plan("tiles_f32" if exact else "tiles_bf16", f"L2-sized weight tiles dequantized, torch.mm ({why})")
+
+
+@lru_cache(maxsize=4096)
+def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
+    if bits == 8:
+        if m >= INT8_GEMM_MIN_M and _C.int8_gemm_supported(k):
+            return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
+        return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
+    if _has_avx512() and group % 32 == 0:
+        if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
+            return Plan("w4a8_panels", f"{m} > {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
+        return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
+    return Plan("w4a8_int_mm", "torch._int_mm per weight group, float scaling per group")
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
+               "int_mm", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm")
+
+    def plan(self, weight, act, m, k, dtype):
+        if act is not None:
+            return _act8_plan(weight.bits, weight.group_size or k, m, k)
+        return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype)
+
+    def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
+        if scheme.bits == 3:  # 3-bit codes straddle words
+            return super().dequantize(codes, scale, zero_point, scheme, shape, out_dtype)
+        rows_per_scale, group = scheme.scale_map(shape)
+        cdt = reference.compute_dtype(out_dtype)
+        zp = None if zero_point is None else zero_point.to(cdt).contiguous()
+        out = _C.dequantize(codes.contiguous(), scale.to(cdt).contiguous(), zp, scheme.bits, scheme.symmetric,
+                            shape[-1] if shape else 1, group, rows_per_scale, out_dtype)
+        return out.reshape(shape)
+
+    def pack(self, q, bits, packing):
+        return word_packing.pack(q, bits, packing)
+
+    def unpack(self, packed, bits, packing, signed):
+        return word_packing.unpack(packed, bits, packing, signed)
+
+    def quantize_per_token(self, x, bits, symmetric):
+        """One pass per row (range, scale, codes); also reports whether x was all finite."""
+        return _C.quantize_per_token(x.contiguous(), bits, symmetric)
+
+    def dequantize_per_token(self, q, scale, zero_point):
+        d = q.shape[1]
+        cdt = reference.compute_dtype(scale.dtype)
+        return _C.dequantize(q.contiguous(), scale.to(cdt).contiguous(), zero_point.to(cdt).contiguous(), 8,
+                             q.dtype == torch.int8, d, d, 1, scale.dtype).reshape(q.shape)
+
+    def dequantize_accumulator_grouped(self, acc, scale, group_size, out_dtype):
+        n = acc.shape[-1]
+        rows = acc.numel() // n if n else 0
+        shared = scale.dim() == 1 and acc.dim() > 1
+        out = _C.dequantize(acc.contiguous(), scale.to(torch.float32).contiguous(), None, 32, True, n,
+                            group_size, max(rows, 1) if shared else 1, out_dtype)
+        return out.reshape(acc.shape)
+
+    def dequantize_accumulator_rowcol(self, acc, row_scale, col_scale, out_dtype):
+        return _C.dequantize_rowcol(acc.contiguous(), row_scale.to(torch.float32).contiguous(),
+                                    col_scale.to(torch.float32).contiguous(), out_dtype)
+
+    # -- matmuls -------------------------------------------------------------------------
+    def weight_only_matmul(self, x, codes, scale, zero_point, bits, group_size):
+        """x @ dequantize(W).T with the kernel ``plan`` picks.  The decode kernels
+        (``gemv_*``, up to ``gemv_max_m`` rows) read the packed weight and accumulate in
+        float32: 4-bit through bf16 dot products on the codes (gemv_bf16.cpp; non-bf16 x
+        split into two bf16 parts), else float32 FMAs (matmul.cpp).  ``gemm_bf16``
+        (gemm_bf16.cpp) dequantizes panels of W to bf16 (rounded once, as
+        W.to(bfloat16)) and multiplies them with x rounded to bf16 with float32
+        accumulation: bf16 torch.matmul's arithmetic, 4-5x faster than float32 here, and
+        the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
+        ``tiles_*``: L2-sized tiles of W dequantized to bf16 (float32 at the float32
+        matmul precision "highest") through torch.mm.  No full float copy of W is made."""
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        kernel = _weight_only_plan(bits, group_size, m, k, x.dtype).kernel
+        if kernel == "reference":
+            return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+        if kernel.startswith("tiles"):
+            cdt = torch.float32 if kernel == "tiles_f32" else torch.bfloat16
+            return _tiles(x, codes, scale, zero_point, bits, group_size, cdt)
+        return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel))
+
+    def int8_mm(self, a, b):
+        """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation."""
+        return torch._int_mm(a.contiguous(), b.T)
+
+    def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
+        """W8A8 in one call where ``plan`` says ``gemm_int8`` (gemm_int8.cpp): vpdpbusd int8
+        GEMM with exact int32 sums and the dequantize_accumulator epilogue (and bias) fused
+        into its store, the bits of the composed path (``Backend.int8_linear``)."""
+        if _act8_plan(8, a.shape[1], a.shape[0], a.shape[1]).kernel != "gemm_int8":
+            return super().int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+        return _C.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+
+    def linear_qta8a_qga4w(self, x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias):
+        """Integer arithmetic inside each weight group, float scaling once per group:
+
+        y[m, n] = x_scale[m] * sum_g w_scale[n, g] * sum_{k in g} (x_q[m, k] - x_zp[m]) (w_q[n, k] - w_zp[n, g])
+
+        The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
+        all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
+        """
+        m, k = x_q.shape
+        kernel = _act8_plan(4, group_size, m, k).kernel
+        if kernel != "w4a8_int_mm":
+            zp = None if w_zero_point is None else w_zero_point.to(torch.int32).contiguous()
+            run = _C.w4a8_gemm_panels if kernel == "w4a8_panels" else _C.w4a8_gemm
+            y = run(x_q.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_codes.contiguous(),
+                    w_scale.to(torch.float32).contiguous(), zp, group_size)
+            y = y * x_scale.to(torch.float32)[:, None]
+            return y if bias is None else y + bias.to(torch.float32)
+        n, groups = w_scale.shape
+        g = group_size
+        w_q = self.unpack(w_codes, 4, "u32", w_zero_point is None).to(torch.int8).reshape(n, groups, g)
+        xg = x_q.reshape(m, groups, g)
+        w_zp = (torch.zeros(n, groups, dtype=torch.int32) if w_zero_point is None
+                else w_zero_point.to(torch.int32))
+        x_zp = x_zero_point.to(torch.int32)
+        x_sum = xg.to(torch.int32).sum(-1)                       # [m, groups]
+        w_sum = w_q.to(torch.int32).sum(-1)                      # [n, groups]
+        y = torch.zeros(m, n, dtype=torch.float32)
+        ws = w_scale.to(torch.float32)
+        for j in range(groups):
+            acc = self.int8_mm(xg[:, j].contiguous(), w_q[:, j].contiguous())  # [m, n] int32
+            acc = (acc - x_sum[:, j, None] * w_zp[None, :, j] - x_zp[:, None] * w_sum[None, :, j]
+                   + g * x_zp[:, None] * w_zp[None, :, j])
+            y += acc.to(torch.float32) * ws[None, :, j]
+        y = y * x_scale.to(torch.float32)[:, None]
+        return y if bias is None else y + bias.to(torch.float32)
 
 
 def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
@@ -190,57 +263,57 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
     return out_t.T.to(x.dtype).contiguous().reshape(*x.shape[:-1], n)
 
 
-def int8_mm(a, b):
-    """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation."""
-    return torch._int_mm(a.contiguous(), b.T)
+BACKEND = CpuBackend()
 
 
-def int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
-    """W8A8 in one call (gemm_int8.cpp): vpdpbusd int8 GEMM with exact int32 sums and the
-    dequantize_accumulator epilogue (and bias) fused into its store; the bits of
-    lowbit::int8_linear's composed path (int8_mm, zero-point correction, rowcol epilogue,
-    bias add in out_dtype).  None where it does not apply (K not a multiple of 4, no
-    VNNI) or is not the faster route: for one row, torch._int_mm's GEMV beats it (4096x4096
-    on Zen 5: 0.17 vs 0.46 ms; from two rows on it is 4x slower, 1.32 vs 0.34 ms), so the
-    caller composes it."""
-    if a.shape[0] < 2 or not _C.int8_gemm_supported(a.shape[1]):
+# -- the native decode step of lowbit.runtime ------------------------------------------------
+# decode.cpp runs one token through the whole model in one call, each projection with the
+# kernel this backend's plan picks for one row, when the plan picks one of these:
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "w4a8_rows")
+
+
+def decode_available() -> bool:
+    """Whether lowbit._C has the decode step (``new_decoder``) and its attention/RMSNorm."""
+    return _C is not None
+
+
+def new_decoder(heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float, scaling: float):
+    """An empty ``_C.Decoder``: add layers of ``float_projection``/``quant_projection``s."""
+    return _C.Decoder(heads, kv_heads, head_dim, hidden, eps, scaling)
+
+
+def float_projection(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A float ``nn.Linear`` in the decode step (``torch.nn.functional.linear``)."""
+    return _C.DecodeProj(weight, None, None, None, bias, 0, 0)
+
+
+def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale, zero_point, bias, k: int,
+                     dtype: torch.dtype):
+    """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
+    weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
+    plan's kernel is not one decode.cpp runs, or the activations are not 8-bit per token."""
+    if act is not None and act.granularity != "token":
         return None
-    return _C.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+    kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
+    if kernel not in DECODE_KERNELS:
+        return None
+    s = scale.to(torch.float32).contiguous()
+    if act is None:
+        zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
+                             weight_only_kernel_index(kernel))
+    mode = 1 if act.symmetric else 2
+    if weight.bits == 8:
+        return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode)
+    zp = None if zero_point is None else zero_point.to(torch.int32).contiguous()
+    return _C.DecodeProj(None, codes, s, zp, bias, 4, k // scale.shape[-1], mode)
 
 
-def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
-    """Integer arithmetic inside each weight group, float scaling once per group:
-
-    y[m, n] = x_scale[m] * sum_g w_scale[n, g] * sum_{k in g} (x_q[m, k] - x_zp[m]) (w_q[n, k] - w_zp[n, g])
-
-    The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
-    all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
-    """
-    if _fused_ok(4, group_size):
-        zp = None if w_zero_points is None else w_zero_points.to(torch.int32).contiguous()
-        y = _C.w4a8_gemm(x_q.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_packed.contiguous(),
-                         w_scales.to(torch.float32).contiguous(), zp, group_size)
-        y = y * x_scale.to(torch.float32)[:, None]
-        return y if bias is None else y + bias.to(torch.float32)
-    m, k = x_q.shape
-    n, groups = w_scales.shape
-    g = group_size
-    w_q = unpack(w_packed, 4, "u32", w_zero_points is None).to(torch.int8).reshape(n, groups, g)
-    xg = x_q.reshape(m, groups, g)
-    w_zp = (torch.zeros(n, groups, dtype=torch.int32) if w_zero_points is None
-            else w_zero_points.to(torch.int32))
-    x_zp = x_zero_point.to(torch.int32)
-    x_sum = xg.to(torch.int32).sum(-1)                       # [m, groups]
-    w_sum = w_q.to(torch.int32).sum(-1)                      # [n, groups]
-    y = torch.zeros(m, n, dtype=torch.float32)
-    ws = w_scales.to(torch.float32)
-    for j in range(groups):
-        acc = int8_mm(xg[:, j].contiguous(), w_q[:, j].contiguous())  # [m, n] int32
-        acc = (acc - x_sum[:, j, None] * w_zp[None, :, j] - x_zp[:, None] * w_sum[None, :, j]
-               + g * x_zp[:, None] * w_zp[None, :, j])
-        y += acc.to(torch.float32) * ws[None, :, j]
-    y = y * x_scale.to(torch.float32)[:, None]
-    return y if bias is None else y + bias.to(torch.float32)
+def decode_attention(q, keys, values, n: int, scaling: float):
+    """Attention of one new token over the first ``n`` cached positions, float32 arithmetic."""
+    return _C.decode_attention(q, keys, values, n, scaling)
 
 
-requantize_per_token = reference.requantize_per_token
+def rms_norm_rows(h, w, eps: float):
+    """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm)."""
+    return _C.rms_norm_rows(h, w, eps)

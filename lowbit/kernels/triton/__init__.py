@@ -8,8 +8,7 @@ tensors through Triton's interpreter (slow, for testing the kernels without a GP
 Files: ``weight_only.py`` (W4A16/W8A16 fused-dequant GEMV and GEMM), ``int8.py``
 (W8A8 int8 GEMM with the accumulator epilogue, W4A8 with per-group integer
 accumulation), ``elementwise.py`` (dequantize, per-token quantize, accumulator
-epilogues), ``backend.py`` (the backend interface the operators call; what it does
-not cover goes to the reference).
+epilogues), ``backend.py`` (``TritonBackend``: what it does not cover goes to the reference).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from types import ModuleType
 
 _IMPORT_ERROR: str | None = None
 _CHECKED = False
@@ -68,6 +66,6 @@ def why_not(device) -> str:
     return f"the Triton kernels run on CUDA tensors, not {device.type}"
 
 
-def module() -> ModuleType:
-    """The backend module (imports triton and compiles nothing until a kernel runs)."""
-    return importlib.import_module(__name__ + ".backend")
+def load_backend():
+    """The ``TritonBackend`` (imports triton and compiles nothing until a kernel runs)."""
+    return importlib.import_module(__name__ + ".backend").BACKEND

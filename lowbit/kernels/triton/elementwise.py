@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...scheme import code_range
 from ._common import cast_rn, div_exact, round_half_even
 
 BLOCK_R, BLOCK_K = 8, 256
@@ -63,19 +64,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     return y
 
 
-def dequantize_packed(codes, scale, zero_point, bits, symmetric, granularity, group_size, packing, shape,
-                      out_dtype) -> torch.Tensor:
+def dequantize_packed(codes, scale, zero_point, scheme, shape, out_dtype) -> torch.Tensor:
     """The backend interface of ``lowbit.kernels.reference.dequantize_packed`` for 2-, 4-
     and 8-bit codes (3-bit codes straddle words: the caller sends them to the reference)."""
     k = shape[-1] if shape else 1
     rows = math.prod(shape) // k if k else 0
-    if granularity == "tensor":
-        rps, group = max(rows, 1), k
-    elif granularity == "channel":
-        rps, group = max(rows // shape[0], 1) if shape[0] else 1, k
-    else:
-        rps, group = 1, (group_size if granularity == "group" else k)
-    return dequantize(codes, scale, zero_point, bits, symmetric, rows, k, group, rps, out_dtype).reshape(shape)
+    rps, group = scheme.scale_map(shape)
+    return dequantize(codes, scale, zero_point, scheme.bits, scheme.symmetric, rows, k, group, rps,
+                      out_dtype).reshape(shape)
 
 
 @triton.jit
@@ -158,7 +154,7 @@ def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool):
     """(codes, scale in x's dtype, int32 zero point, whether x was all finite) of each
     row of x [N, D], bit-identical to ``reference.quantize_per_token``."""
     n, d = x.shape
-    qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
+    qmin, qmax = code_range(bits, symmetric)
     q = torch.empty(n, d, dtype=torch.int8 if symmetric else torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=x.dtype, device=x.device)
     zp = torch.empty(n, dtype=torch.int32, device=x.device)
