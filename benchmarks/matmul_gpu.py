@@ -72,7 +72,7 @@ def rows(w: torch.Tensor, x: torch.Tensor):
         xq, xs, _ = lowbit.ops.quantize_per_token(x.float(), 8, True)
         return (lambda: tb.int8_linear(xq, None, qt.codes, xs, qt.scale, None, torch.bfloat16)), qt.nbytes
 
-    def w4a8_qta8o():  # requirement D: int8 in, int8 out, requantization fused
+    def w4a8_qta8o():  # integer W4A8: int8 in, int8 out, requantization fused
         qt = lowbit.quantize(w, f"int4-asym-g{GROUP}")
         xq, xs, xz = lowbit.ops.quantize_per_token(x.float(), 8, True)
         s, z = qt.scale.reshape(n, -1), qt.zero_point.reshape(n, -1)

@@ -187,7 +187,7 @@ RECIPE_PRESETS: dict[str, Recipe] = {
         _preset("w4a16-g32", "int4-asym-g32-f16"),
         _preset("w8a8", "int8-sym", "int8-sym-token"),
         _preset("w4a8-g128", "int4-asym-g128-f16", "int8-asym-token"),
-        # requirement C of the mission: int4 affine g64 packed 8 per uint32 on the 7 linears
+        # int4 dequantization in the graph of a Llama model: int4 affine g64 packed 8 per uint32 on the 7 linears
         _preset("int4-g64", "int4-asym-g64"),
         # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min): lands
         # back on its grid, so it measures the pipeline rather than a second rounding

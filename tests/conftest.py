@@ -1,3 +1,4 @@
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,6 +12,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from lowbit.kernels import available_backends  # noqa: E402
+from lowbit.kernels import triton as triton_kernels  # noqa: E402
 
 settings.register_profile(
     "default", max_examples=40, deadline=None, derandomize=True,
@@ -19,8 +21,17 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-BACKENDS = available_backends("cpu")
+# Every backend that can run here: the reference, cpu, and triton through its interpreter
+# (CPU tensors, slow: a test whose shapes are large skips it with `skip_large_for_interpreter`).
+BACKENDS = available_backends("cpu") + (["triton"] if triton_kernels.supports(torch.device("cpu")) else [])
 FAST_BACKENDS = [b for b in BACKENDS if b != "reference"]
+INTERPRETER_MAX_MACS = 1 << 19  # multiply-adds per matmul the interpreter runs in about a second
+
+
+def skip_large_for_interpreter(backend: str, *dims: int) -> None:
+    """Skip a matmul of m * n * k multiply-adds above INTERPRETER_MAX_MACS on the triton backend."""
+    if backend == "triton" and math.prod(dims) > INTERPRETER_MAX_MACS:
+        pytest.skip(f"triton's interpreter runs small shapes only ({dims})")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Requirement A: int32 accumulators -> bf16/fp16/fp32, bit-exact formula."""
+"""int32 accumulator dequantization (the W8A8 epilogue): int32 accumulators -> bf16/fp16/fp32, bit-exact formula."""
 
 import pytest
 import torch

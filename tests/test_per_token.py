@@ -1,4 +1,4 @@
-"""Requirement B: per-token quantize / dequantize, strict interface, bit-stable."""
+"""Per-token quantize / dequantize: strict interface, bit-stable."""
 
 import pytest
 import torch

@@ -208,12 +208,12 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.int32)
 
 
-def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias):
+def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias):
     """The W4A8 linear before output quantization: dequantize the int8 per-token input
     and the int4 per-group weight, float32 linear (+ bias)."""
     k = x_q.shape[-1]
     x = (x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]) * x_scale.to(torch.float32)[:, None]
-    w = dequantize_weight(w_packed, w_scales, w_zero_points, 4, group_size, k)
+    w = dequantize_weight(w_codes, w_scale, w_zero_point, 4, group_size, k)
     y = x @ w.T
     return y if bias is None else y + bias.to(torch.float32)
 

@@ -1,4 +1,4 @@
-"""Per-token (per-row) quantize / dequantize with a strict interface (requirement B).
+"""Per-token (per-row) quantize / dequantize with a strict, validated interface.
 
 ``y[n, d] = (q[n, d] - zero_point[n]) * scale[n]``, computed in float32 (float64 for
 float64 output) and rounded once to the output dtype, so every backend gives the

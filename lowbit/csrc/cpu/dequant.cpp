@@ -204,7 +204,7 @@ at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const
 }
 
 
-// ---- per-token quantize (requirement B), bit-exact with the reference ------------------
+// ---- per-token quantize, bit-exact with the reference -----------------------------------
 // Per row: range -> scale (rounded up to the scale dtype) -> zero point -> codes, with the
 // reference's operations in its order: x / scale is a division, rounding is to nearest
 // even (nearbyint), and everything is float32 (float64 for float64 input).

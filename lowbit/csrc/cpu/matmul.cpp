@@ -12,7 +12,7 @@
 //   y = sum_g s[n,g] * (sum_{k in g} q[n,k] x[k]  -  z[n,g] * sum_{k in g} x[k])
 // which is the reference sum_k (q - z) s x regrouped, in float32.
 //
-// W4A8 (requirement D), all integer inside a group, with u = unsigned nibble
+// W4A8 (linear_qta8a_qga4w), all integer inside a group, with u = unsigned nibble
 // (signed weights: u = q + 8, zero point 8), int8 x with per-token zero point xz:
 //   sum_{k in g} (x - xz)(u - z) = x.u - z sum x - xz sum u + |g| xz z
 // x.u and sum u are vpdpbusd dot products (u8 x s8 -> s32); the float scale is

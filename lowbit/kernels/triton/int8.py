@@ -5,7 +5,7 @@
   ``(float32(acc - a_zp[m] * b_sum[n]) * row_scale[m]) * col_scale[n]`` rounded to the
   output dtype, then ``+ bias[n]`` rounded again: the same bits as ``dequantize_accumulator``
   followed by ``lowbit.linear``'s bias add, while the int32 accumulator never reaches memory.
-* ``_w4a8_kernel`` (requirement D): int8 per-token activations times 4-bit per-group
+* ``_w4a8_kernel`` (W4A8, linear_qta8a_qga4w[_qta8o]): int8 per-token activations times 4-bit per-group
   weights.  Inside a weight group everything is an integer: the codes are centered
   by their zero point (``q - z`` fits int8), multiplied on the int8 tensor cores and
   summed in int32; the activation zero point comes off as ``x_zp[m] * sum(q - z)``.
@@ -180,26 +180,26 @@ def w4a8_block_k_ok(group_size: int) -> bool:
     return group_size % 32 == 0
 
 
-def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_packed, w_scales, w_zero_points, group_size, bias,
+def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias,
                        out_scale=None, out_zero_point=None) -> torch.Tensor:
-    """Requirement D's linear: float32 [M, N] (see the module docstring), or with
+    """The W4A8 linear (linear_qta8a_qga4w): float32 [M, N] (see the module docstring), or with
     out_scale/out_zero_point the int8 [M, N] requantized output.  group_size % 32 == 0."""
     m, k = x_q.shape
-    n = w_packed.shape[0]
+    n = w_codes.shape[0]
     requant = out_scale is not None
     y = torch.empty(m, n, dtype=torch.int8 if requant else torch.float32, device=x_q.device)
     if m == 0 or n == 0:
         return y
-    x_q, w_packed, w_scales = x_q.contiguous(), w_packed.contiguous(), w_scales.contiguous()
-    dummy = w_scales
-    args = (x_q, x_scale.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_packed, w_scales,
-            dummy if w_zero_points is None else w_zero_points.contiguous(),
+    x_q, w_codes, w_scale = x_q.contiguous(), w_codes.contiguous(), w_scale.contiguous()
+    dummy = w_scale
+    args = (x_q, x_scale.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_codes, w_scale,
+            dummy if w_zero_point is None else w_zero_point.contiguous(),
             dummy if bias is None else bias.contiguous(),
             out_scale.contiguous() if requant else dummy,
             out_zero_point.contiguous() if requant else dummy,
-            y, m, n, k, triton.next_power_of_2(m), x_q.stride(0), w_packed.stride(0), w_scales.stride(0), y.stride(0))
+            y, m, n, k, triton.next_power_of_2(m), x_q.stride(0), w_codes.stride(0), w_scale.stride(0), y.stride(0))
     _launch(_w4a8_kernel, _w4a8_small_m, _w4a8_prefill, m, n, args,
             block_k=min(group_size, INTERPRET_CONFIG.kwargs["BLOCK_K"]), GROUP=group_size,
-            HAS_ZP=w_zero_points is not None, SIGNED=w_zero_points is None, HAS_BIAS=bias is not None,
+            HAS_ZP=w_zero_point is not None, SIGNED=w_zero_point is None, HAS_BIAS=bias is not None,
             REQUANT=requant)
     return y
