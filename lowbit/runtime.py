@@ -11,6 +11,7 @@ checked against transformers' in the tests.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +40,17 @@ class _Layer:
 
 @dataclass
 class KVCache:
-    """Static per-layer key/value buffers [kv_heads, capacity, head_dim]."""
+    """Static per-layer key/value buffers [kv_heads, capacity, head_dim]; ``length``
+    positions of each are filled.  ``Runner.new_cache`` makes one for a model.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.runtime import KVCache
+        >>> cache = KVCache([torch.zeros(3, 32, 64)], [torch.zeros(3, 32, 64)])  # 1 layer, 3 kv heads
+        >>> cache.capacity, cache.length
+        (32, 0)
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -56,10 +67,11 @@ class Runner:
     Example::
 
         >>> import lowbit
-        >>> model, tok = lowbit.load_model()                      # doctest: +SKIP
-        >>> r = lowbit.Runner(model)                              # doctest: +SKIP
-        >>> cache = r.new_cache(64)                               # doctest: +SKIP
-        >>> logits = r.forward(tok("Hi", return_tensors="pt").input_ids[0], cache)  # doctest: +SKIP
+        >>> model, tok = lowbit.load_model()
+        >>> r = lowbit.Runner(model)
+        >>> g = r.generate(tok("The capital of France is", return_tensors="pt").input_ids[0], 2)
+        >>> tok.decode(g.tokens)
+        ' Paris.'
     """
 
     def __init__(self, model: nn.Module):
@@ -90,10 +102,20 @@ class Runner:
         self.dtype = self.norm.dtype
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
-        self._decoder = _native_decoder(self)  # None: every step runs the Python path
-        native = cpu.available() and self.device.type == "cpu" and hasattr(cpu._C, "rms_norm_rows")
-        self._attend = cpu._C.decode_attention if native else None
-        self._rms_row = cpu._C.rms_norm_rows if native else None
+        self._native = os.environ.get("LOWBIT_NATIVE_DECODE", "1") != "0"  # read once, at construction
+        self._decoders: dict = {}  # float32 matmul precision -> native decode step or None
+        native = cpu.decode_available() and self.device.type == "cpu"
+        self._attend = cpu.decode_attention if native else None
+        self._rms_row = cpu.rms_norm_rows if native else None
+
+    @property
+    def _decoder(self):
+        """The C++ decode step for the current float32 matmul precision (the kernels'
+        plan depends on it), or None: every step then runs the Python path."""
+        precision = torch.get_float32_matmul_precision()
+        if precision not in self._decoders:
+            self._decoders[precision] = _native_decoder(self)
+        return self._decoders[precision]
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated)."""
@@ -120,7 +142,22 @@ class Runner:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, vocab] (``all_logits``) or [1, vocab] (the last position) for the
-        1-D token ids ``ids`` that continue what ``cache`` holds; appends to the cache."""
+        1-D token ids ``ids`` that continue what ``cache`` holds; appends to the cache.
+
+        Example::
+
+            >>> import lowbit
+            >>> model, tok = lowbit.load_model()
+            >>> r = lowbit.Runner(model)
+            >>> ids = tok("The capital of France is", return_tensors="pt").input_ids[0]
+            >>> cache = r.new_cache(16)
+            >>> r.forward(ids, cache).shape, cache.length             # prefill: the last position
+            (torch.Size([1, 49152]), 5)
+            >>> r.forward(ids[:1], cache).shape, cache.length         # one decode step
+            (torch.Size([1, 49152]), 6)
+            >>> r.forward(ids, r.new_cache(16), all_logits=True).shape
+            torch.Size([5, 49152])
+        """
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         t, pos = ids.shape[0], cache.length
@@ -135,9 +172,9 @@ class Runner:
             rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
             return x * cos + rot * sin
 
-        if t == 1 and self._decoder is not None and not all_logits:
-            split = 0 if cpu.float32_exact(self.dtype) else cpu.SPLIT_MAX_M
-            logits = self._decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos, split)
+        decoder = self._decoder if t == 1 and not all_logits else None
+        if decoder is not None:
+            logits = decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos)
             cache.length = pos + 1
             return logits
         mask = None
@@ -173,7 +210,23 @@ class Runner:
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, eos_token_id: int | list[int] | None = None,
                  on_token=None) -> "Generation":
-        """Greedy (default) or sampled continuation of the 1-D prompt ``ids``."""
+        """Greedy (default) or sampled continuation of the 1-D prompt ``ids``: at most
+        ``max_new_tokens`` tokens, stopping after one in ``eos_token_id``.  Sampling
+        (``do_sample``) uses ``temperature``, then ``top_k`` and ``top_p`` filtering, with a
+        generator seeded by ``seed`` (0 when None); ``on_token(id)`` sees each new token.
+
+        Example::
+
+            >>> import lowbit
+            >>> model, tok = lowbit.load_model()
+            >>> ids = tok("The capital of France is", return_tensors="pt").input_ids[0]
+            >>> g = lowbit.Runner(model).generate(ids, 4, eos_token_id=tok("\\n").input_ids)
+            >>> tok.decode(g.tokens), g.prompt_tokens                 # stopped at the newline
+            (' Paris.\\n', 5)
+            >>> g = lowbit.Runner(model).generate(ids, 3, do_sample=True, temperature=0.8, top_p=0.9, seed=1)
+            >>> len(g.tokens)
+            3
+        """
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         if max_new_tokens < 0:
@@ -208,55 +261,33 @@ class Runner:
 
 
 def _native_decoder(r: Runner):
-    """The C++ decode step (lowbit._C.Decoder) for this model, when every projection is a
-    float nn.Linear of the model's dtype or a QuantLinear the cpu backend runs with a
-    fused kernel (weight-only, or W8A8 / W4A8 with 8-bit per-token activations), on CPU;
-    else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
-    import os
-
+    """The C++ decode step for this model, when every projection is a float nn.Linear of
+    the model's dtype or a QuantLinear whose one-row plan on the cpu backend is a kernel
+    the decode step runs (``kernels.cpu.quant_projection``), on CPU; else None.
+    LOWBIT_NATIVE_DECODE=0 turns it off."""
     from .kernels import resolve
     from .nn import QuantLinear
-    from .ops.matmul import _as_act_scheme, _weight_parts
+    from .ops.matmul import as_act_scheme, weight_parts
 
-    if os.environ.get("LOWBIT_NATIVE_DECODE", "1") == "0" or not cpu.available() or r.device.type != "cpu":
+    if not r._native or not cpu.decode_available() or r.device.type != "cpu":
         return None
-    if not hasattr(cpu._C, "Decoder") or type(r.layers[0].act).__name__ not in ("SiLU", "SiLUActivation"):
+    if type(r.layers[0].act).__name__ not in ("SiLU", "SiLUActivation"):
         return None
 
     def proj(m):
         if type(m) is nn.Linear and m.weight.dtype == r.dtype:
-            return cpu._C.DecodeProj(m.weight, None, None, None, m.bias, 0, 0)
+            return cpu.float_projection(m.weight, m.bias)
         if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu":
             return None
-        codes, scale, zp, bits, group = _weight_parts(m.qweight)
-        if m.act_scheme is not None:
-            return act_proj(m, codes, scale, zp, bits, group)
-        probe = torch.zeros(1, m.in_features, dtype=r.dtype)
-        if bits not in (4, 8) or cpu._C.weight_only_matmul(probe, codes, scale, zp, bits, group,
-                                                           cpu.GEMV_MAX_M, 0) is None:
-            return None
-        # scales and zero points in float32 once (the kernel converts them on every call
-        # otherwise; the values are the same)
-        zp = None if zp is None else zp.to(torch.float32).contiguous()
-        return cpu._C.DecodeProj(None, codes, scale.to(torch.float32).contiguous(), zp, m.bias, bits, group)
-
-    def act_proj(m, codes, scale, zp, bits, group):
-        # 8-bit per-token activations: W8A8 (int8 symmetric per-channel weight) or W4A8 with
-        # the fused kernel, as lowbit.linear runs them for one row; anything else: None
-        s = _as_act_scheme(m.act_scheme)
-        if s.granularity != "token" or s.bits != 8:
-            return None
-        act = 1 if s.symmetric else 2
+        codes, scale, zp, _, _ = weight_parts(m.qweight)
+        act = None if m.act_scheme is None else as_act_scheme(m.act_scheme)
         w = m.qweight.scheme
-        if bits == 8 and w.symmetric and w.granularity == "channel":
-            return cpu._C.DecodeProj(None, codes, scale.reshape(-1).to(torch.float32).contiguous(), None, m.bias,
-                                     8, m.in_features, act)
-        if bits == 4 and cpu._fused_ok(4, group) and (zp is None or not zp.is_floating_point()):
-            zp = None if zp is None else zp.to(torch.int32).contiguous()
-            return cpu._C.DecodeProj(None, codes, scale.to(torch.float32).contiguous(), zp, m.bias, 4, group, act)
-        return None
+        if act is not None and not (w.bits == 8 and w.symmetric and w.granularity == "channel"
+                                    or w.bits == 4 and (zp is None or not zp.is_floating_point())):
+            return None  # lowbit.linear refuses these; the Python path says why
+        return cpu.quant_projection(w, act, codes, scale, zp, m.bias, m.in_features, r.dtype)
 
-    d = cpu._C.Decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling, cpu.GEMV_MAX_M)
+    d = cpu.new_decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling)
     for L in r.layers:
         ps = [proj(m) for m in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)]
         if any(p is None for p in ps):
@@ -272,7 +303,15 @@ def _native_decoder(r: Runner):
 @dataclass
 class Generation:
     """Generated token ids and timings (prefill: the prompt's forward pass; decode:
-    every later step, one token each)."""
+    every later step, one token each).
+
+    Example (the first new token comes from the prefill, so 3 tokens are 2 decode steps)::
+
+        >>> from lowbit.runtime import Generation
+        >>> g = Generation(prompt_tokens=40, tokens=[504, 3575, 282], prefill_seconds=0.5, decode_seconds=0.1)
+        >>> g.prefill_tokens_per_s, g.decode_tokens_per_s
+        (80.0, 20.0)
+    """
 
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
