@@ -1,5 +1,6 @@
 """The ``lowbit`` command.  Without a MODEL argument every command uses the bundled
-SmolLM2-135M-Instruct (GGUF Q4_1).
+SmolLM2-135M-Instruct (GGUF Q4_1); ``lowbit COMMAND --help`` describes a command and
+shows examples.
 
 Example::
 
@@ -8,20 +9,24 @@ Example::
     $ lowbit eval --compare w8a16 w4a16-g64 w8a8 --json          # several recipes in one table
     $ lowbit generate smollm2-w4a16 "Tell me about Paris."       # chat, fast decode
     $ lowbit info smollm2-w4a16                                  # what a checkpoint holds
-    $ lowbit demo                        # weight error of every linear at several schemes
+    $ lowbit demo                                                # weight error of every linear at several schemes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
+import os
 import sys
+import textwrap
 import time
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from lowbit.recipe import Recipe
 
 DEMO_SCHEMES = [
     # SmolLM2's in_features are 576 and 1536: group sizes must divide 576 = 9 * 64.
@@ -77,7 +82,7 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
             err2 += float((e * e).sum())
             ref2 += float((w.double() ** 2).sum())
             nbytes += qt.nbytes
-            per_block = to_blocks(e.abs(), s.granularity, s.group_size).amax(dim=1)
+            per_block = to_blocks(e.abs(), s).amax(dim=1)
             worst = max(worst, float((per_block / (qt.scale.double().reshape(-1) / 2)).max()))
         rel = math.sqrt(err2 / ref2)
         row = dict(scheme=str(s), bits_per_weight=nbytes * 8 / numel, rel_error=rel,
@@ -94,21 +99,32 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
     return rows
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _float_dtype(name: str):
+    return _dtype_names()[name]
 
 
 def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def quantize_cmd(model: str | None, recipe: str, output: str, dtype: str = "float32", force: bool = False,
-                 backend: str | None = None) -> dict:
-    """Load MODEL, quantize it with RECIPE and save a checkpoint folder; returns a summary.
+def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: str = "float32",
+                 force: bool = False, backend: str | None = None) -> dict:
+    r"""Load MODEL, quantize it with RECIPE (a preset name, a recipe file or a ``Recipe``)
+    and save a checkpoint folder; prints what it did and returns a summary.
 
-    Example::
+    Example (a preset such as ``"w4a16-g128"`` quantizes all 30 layers; this recipe only
+    the first layer's 7 linears, to keep the example fast)::
 
+        >>> import tempfile, lowbit
         >>> from lowbit.cli import quantize_cmd
-        >>> quantize_cmd(None, "w4a16-g128", "smollm2-w4a16")            # doctest: +SKIP
+        >>> first_layer = lowbit.Recipe(weight="int8-sym", modules=[r"layers\.0\."])
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     summary = quantize_cmd(None, first_layer, d + "/smollm2-int8")  # doctest: +ELLIPSIS
+        recipe custom: 7 modules quantized in ...s
+             7 x weight int8-sym
+        weights 538.1 MB -> 527.5 MB; saved to .../smollm2-int8
+        >>> summary["modules"]
+        7
     """
     import lowbit
     from lowbit.evaluate import weight_bytes
@@ -117,7 +133,7 @@ def quantize_cmd(model: str | None, recipe: str, output: str, dtype: str = "floa
     if os.path.exists(output) and not force:
         raise FileExistsError(f"{output!r} exists; pass --force to replace it")
     t0 = time.perf_counter()
-    m, tok = lowbit.load_model(model, dtype=DTYPES[dtype])
+    m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype))
     _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
     before = weight_bytes(m)["weight_bytes"]
     t0 = time.perf_counter()
@@ -155,19 +171,29 @@ def _model_and_reference(model: str | None, dtype, backend):
 
 def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, corpus: str | None = None,
              ctx: int = 512, windows: int | None = 16, protocol: str = "lowbit", speed: bool = True,
-             dtype: str = "float32", backend: str | None = None) -> list[dict]:
+             greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None) -> list[dict]:
     """Evaluate a checkpoint (against its float source) or a float model, plus the
     ``compare`` recipes applied to the float model, in one table.
 
     Example::
 
         >>> from lowbit.cli import eval_cmd
-        >>> rows = eval_cmd(None, ["w8a16", "w4a16-g64"], windows=4)       # doctest: +SKIP
+        >>> rows = eval_cmd(None, [], ctx=64, windows=1, speed=False, greedy_tokens=4)  # doctest: +ELLIPSIS
+        corpus: pydoc_data.topics (...), 1 windows of 64 tokens, 63 scored (lowbit protocol)
+        greedy: leading tokens identical to the float model's 4 greedy tokens ...
+        model  bits/w  weights MB     ppl      KL   top-1  max|dlogit|  mean|dlogit|  greedy
+        ------------------------------------------------------------------------------------
+        float   32.00       538.1  ...  0.0000  100.0%        0.000        0.0000     4/4
+        >>> rows[0]["model"], rows[0]["scored_tokens"]
+        ('float', 63)
+
+    ``eval_cmd(None, ["w8a16", "w4a16-g64"])`` adds two quantized copies of the float
+    model to the table (each quantizes all 30 layers, so it takes longer).
     """
     import lowbit
     from lowbit.evaluate import evaluate, format_table
 
-    quant, tok, ref = _model_and_reference(model, DTYPES[dtype], backend)
+    quant, tok, ref = _model_and_reference(model, _float_dtype(dtype), backend)
     models = {}
     if quant is not None:
         models[os.path.basename(os.path.normpath(model))] = quant
@@ -176,7 +202,7 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     for r in compare:
         models[r] = lowbit.quantize_model(ref, r, backend=backend, inplace=False)
     rows = evaluate(models, tok, reference=ref, corpus=corpus, ctx=ctx, max_windows=windows, protocol=protocol,
-                    speed=speed, progress=not as_json)
+                    speed=speed, greedy_tokens=greedy_tokens, progress=not as_json)
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
@@ -201,12 +227,17 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     Example::
 
         >>> from lowbit.cli import generate_cmd
-        >>> generate_cmd(None, "What is the capital of France?", recipe="w4a16-g64")   # doctest: +SKIP
+        >>> g = generate_cmd(None, "What is the capital of France?", max_new_tokens=8, dtype="float32")
+        The capital of France is Paris.
+        >>> g.prompt_tokens, len(g.tokens)    # the end-of-turn token ended it
+        (37, 8)
     """
+    import torch
+
     import lowbit
     from lowbit.evaluate import _prompt_ids
 
-    m, tok = lowbit.load_model(model, dtype=DTYPES[dtype], backend=backend)
+    m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend)
     if recipe:
         lowbit.quantize_model(m, recipe, backend=backend)
     ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
@@ -241,12 +272,23 @@ def _eos_ids(model, tok) -> list[int]:
 
 
 def info_cmd(path: str) -> dict:
-    """Print what a checkpoint folder holds: recipe, schemes per module, sizes, versions.
+    r"""Print what a checkpoint folder holds: recipe, schemes per module, sizes, versions.
 
     Example::
 
+        >>> import tempfile, lowbit
         >>> from lowbit.cli import info_cmd
-        >>> info_cmd("smollm2-w4a16")                                    # doctest: +SKIP
+        >>> model, tok = lowbit.load_model()
+        >>> model = lowbit.quantize_model(model, lowbit.Recipe(weight="int4-asym-g64", modules=[r"layers\.0\."]))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     meta = info_cmd(lowbit.save_quantized(model, d + "/ckpt", tok))  # doctest: +ELLIPSIS
+        lowbit checkpoint .../ckpt (format 1, written by lowbit 0.1.0)
+        source model: ...SmolLM2-135M-Instruct.Q4_1.gguf
+        recipe: custom  {"weight": "int4-asym-g64", ...}
+        float dtype: float32; model.safetensors: ... MB, ... tensors
+             7 linears: weight int4-asym-g64
+        >>> meta["recipe"]["weight"]
+        'int4-asym-g64'
     """
     from lowbit.models.checkpoint import WEIGHTS, read_metadata
 
@@ -262,61 +304,226 @@ def info_cmd(path: str) -> dict:
     return meta
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lowbit`` command."""
-    from lowbit.recipe import PRESETS
+class _LibraryChoices(Sequence):
+    """Choices an option takes from the library (backend names, dtype names), read when
+    argparse first needs them (to check a value or print that command's help), so that
+    building the parser, and so ``lowbit --help``, does not import the kernels."""
 
-    parser = argparse.ArgumentParser(prog="lowbit", description="low-bit quantized LLM inference "
-                                     "(MODEL: a GGUF file, a Hugging Face folder or a lowbit checkpoint; "
-                                     "default: the bundled SmolLM2-135M-Instruct)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    def __init__(self, read):
+        self._read, self._items = read, None
 
-    def common(p, model_help="GGUF file, Hugging Face folder or lowbit checkpoint (default: bundled model)"):
-        p.add_argument("model", nargs="?", help=model_help)
-        p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="float dtype (default float32)")
-        p.add_argument("--backend", choices=["reference", "cpu", "triton"], help="kernel backend (default: fastest)")
+    def _get(self) -> tuple[str, ...]:
+        if self._items is None:
+            self._items = tuple(self._read())
+        return self._items
 
-    p = sub.add_parser("quantize", help="quantize a model with a recipe and save a checkpoint folder")
-    common(p)
-    p.add_argument("--recipe", required=True, help=f"preset ({', '.join(PRESETS)}) or a JSON/YAML recipe file")
-    p.add_argument("-o", "--output", required=True, help="checkpoint folder to write")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    def __getitem__(self, i):
+        return self._get()[i]
 
-    p = sub.add_parser("eval", help="perplexity, KL / top-1 / logit error vs the float model, greedy "
-                                    "agreement, weight memory, prefill and decode speed")
-    common(p)
-    p.add_argument("--compare", nargs="*", default=[], metavar="RECIPE", help="recipes to apply to the float model")
-    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+def _backends():
+    from lowbit.kernels import BACKENDS
+
+    return BACKENDS
+
+
+def _dtype_names():
+    from lowbit.models.load import FLOAT_DTYPES_BY_NAME
+
+    return FLOAT_DTYPES_BY_NAME
+
+
+def _protocols():
+    from lowbit.evaluate import PROTOCOLS
+
+    return PROTOCOLS
+
+
+def int_at_least(low: int):
+    """argparse ``type=``: an integer >= ``low``; a bad value is a one-line usage error
+    that names the option (``argument --ctx: expected an integer >= 2, got '-5'``)."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return convert
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse ``type=``: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def window_count(text: str) -> int | None:
+    """argparse ``type=``: a number of windows >= 1, or ``all`` (None)."""
+    if text == "all":
+        return None
+    try:
+        return int_at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'all', got {text!r}") from None
+
+
+DESCRIPTION = """\
+Low-bit quantized LLM inference: quantize a model with a recipe, save it, measure
+what quantization costs, generate text.  MODEL is a GGUF file, a Hugging Face folder
+or a lowbit checkpoint; without one, every command uses the bundled
+SmolLM2-135M-Instruct (GGUF Q4_1).  `lowbit COMMAND --help` describes a command."""
+MODEL_HELP = "GGUF file, Hugging Face folder or lowbit checkpoint (default: the bundled SmolLM2-135M-Instruct)"
+
+
+def _command(sub, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with ``description`` and ends with ``examples``."""
+    return sub.add_parser(name, help=summary, description=description.strip(),
+                          epilog="examples:\n" + examples.strip("\n"),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _model_options(p: argparse.ArgumentParser, dtype: str, dtype_help: str) -> None:
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), default=dtype, metavar="DTYPE",
+                   help=f"{dtype_help}: one of %(choices)s (default: %(default)s)")
+    p.add_argument("--backend", choices=_LibraryChoices(_backends), metavar="BACKEND",
+                   help="kernel backend of the quantized modules: one of %(choices)s "
+                        "(default: the fastest available on the model's device)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lowbit`` argument parser (one subparser per command)."""
+    from lowbit.recipe import RECIPE_PRESETS
+
+    examples = __doc__ and __doc__.split("Example::\n", 1)[1]  # the module docstring's (None under python -OO)
+    parser = argparse.ArgumentParser(
+        prog="lowbit", formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION,
+        epilog=examples and "examples:\n" + textwrap.indent(textwrap.dedent(examples).strip(), "  "))
+    parser.add_argument("--version", action="version", version=f"lowbit {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = _command(sub, "quantize", "quantize a model with a recipe and save a checkpoint folder", """
+Load MODEL, quantize the linears the recipe selects (round to nearest) and save a
+checkpoint folder: packed codes and scales, the recipe, checksums, the config and the
+tokenizer.  `lowbit info` shows what it holds; `lowbit eval` and `lowbit generate` load it.""", """
+  lowbit quantize --recipe w4a16-g128 -o smollm2-w4a16
+  lowbit quantize model.gguf --recipe my-recipe.json -o my-model-w4 --force
+  lowbit quantize ~/models/Qwen2-0.5B --recipe w8a8 -o qwen-w8a8 --dtype bfloat16""")
+    _model_options(p, "float32", "float dtype of the model's unquantized parts")
+    p.add_argument("--recipe", required=True,
+                   help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file (required)")
+    p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (required)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder (default: refuse)")
+
+    p = _command(sub, "eval", "perplexity, KL, top-1 and greedy agreement vs float, memory, speed", """
+Evaluate MODEL on token windows of a text corpus.  A lowbit checkpoint is compared with
+the float model it came from: perplexity, KL divergence and top-1 agreement per token,
+logit error, how many greedy tokens agree, weight memory, prefill and decode speed.
+--compare applies more recipes to the float model and adds them to the same table.""", """
+  lowbit eval smollm2-w4a16
+  lowbit eval --compare w8a16 w4a16-g64 w8a8 --json
+  lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama""")
+    _model_options(p, "float32", "float dtype of the models")
+    p.add_argument("--compare", nargs="*", default=[], metavar="RECIPE",
+                   help="presets or recipe files to apply to the float model (default: none)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table (default: table)")
     p.add_argument("--corpus", help="UTF-8 text file (default: the Python language reference, offline)")
-    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
-    p.add_argument("--windows", default="16", help="number of windows, or 'all' (default 16)")
-    p.add_argument("--protocol", choices=["lowbit", "llama"], default="lowbit",
-                   help="'llama': llama-perplexity's protocol (score the second half of each window)")
-    p.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    p.add_argument("--ctx", type=int_at_least(2), default=512, help="window length in tokens (default: %(default)s)")
+    p.add_argument("--windows", type=window_count, default=16,
+                   help="number of windows, or 'all' (default: %(default)s)")
+    p.add_argument("--protocol", choices=_LibraryChoices(_protocols), default="lowbit", metavar="PROTOCOL",
+                   help="one of %(choices)s: 'lowbit' scores every token of a window, 'llama' the second half "
+                        "as llama-perplexity does (default: %(default)s)")
+    p.add_argument("--greedy-tokens", type=int_at_least(1), default=48,
+                   help="greedy tokens to generate and compare with the float model's (default: %(default)s)")
+    p.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing (default: timed)")
 
-    p = sub.add_parser("generate", help="generate text (greedy by default) with the fast runtime")
-    p.add_argument("model", nargs="?", help="GGUF file, Hugging Face folder or lowbit checkpoint")
+    p = _command(sub, "generate", "generate text (greedy by default) with the fast runtime", """
+Generate a continuation of PROMPT with MODEL and stream it; prefill and decode
+tokens/s go to stderr.  The prompt is wrapped in the model's chat template unless
+--raw.  Decoding is greedy; --sample samples instead, and only then do --temperature,
+--top-k, --top-p and --seed apply.""", """
+  lowbit generate "What is the capital of France?"
+  lowbit generate smollm2-w4a16 "Tell me about Paris." -n 64
+  lowbit generate "Write a haiku." --recipe w4a16-g64 --sample --temperature 0.8 --seed 1""")
+    _model_options(p, "bfloat16", "activation dtype (bfloat16 runs the fast kernels, float32 is exact)")
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                   help="activation dtype (default bfloat16: the fast kernels; float32 is float32-accurate)")
-    p.add_argument("--backend", choices=["reference", "cpu", "triton"])
-    p.add_argument("--recipe", help="quantize on the fly with this recipe (float models)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--recipe", help="quantize a float model on the fly with this preset or recipe file "
+                                    "(default: run the model as it is)")
+    p.add_argument("-n", "--max-new-tokens", type=int_at_least(0), default=128,
+                   help="most tokens to generate; stops earlier at end of turn (default: %(default)s)")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    p.add_argument("--temperature", type=positive_float, default=0.7,
+                   help="with --sample: softmax temperature (default: %(default)s)")
+    p.add_argument("--top-k", type=int_at_least(1),
+                   help="with --sample: keep the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=probability, default=0.9,
+                   help="with --sample: keep the smallest set of tokens with this total probability "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0), help="with --sample: random seed (default: 0)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template (default: apply it)")
 
-    p = sub.add_parser("info", help="what a lowbit checkpoint folder holds")
+    p = _command(sub, "info", "what a lowbit checkpoint folder holds", """
+Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
+holds: the source model, the recipe, the schemes of its modules, the float dtype, the
+size of its weights file, and the versions that wrote it.""", """
+  lowbit info smollm2-w4a16
+  lowbit info build/smollm2-q4_1""")
     p.add_argument("path", help="checkpoint folder")
 
-    p = sub.add_parser("demo", help="quantize the linear weights of a model at several schemes "
-                                    "and print the error table")
-    p.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
+Quantize every decoder linear weight of a GGUF model at several schemes and print, per
+scheme, the bits per weight, the relative error, the SQNR, the worst error in units of
+half a quantization step (at most 1 by construction) and the time taken.""", """
+  lowbit demo
+  lowbit demo --schemes int8-sym,int4-asym-g64 --limit 10
+  lowbit demo other-model.gguf""")
+    p.add_argument("model", nargs="?", help="GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--schemes", help=f"comma-separated schemes (default: {','.join(DEMO_SCHEMES)})")
-    p.add_argument("--limit", type=int, help="only the first N linear weights")
+    p.add_argument("--limit", type=int_at_least(1), help="only the first N linear weights (default: all)")
+    return parser
+
+
+def _version() -> str:
+    from lowbit import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lowbit`` command; returns the exit status (argparse exits
+    with 2 on a usage error).
+
+    Example::
+
+        >>> from lowbit.cli import main
+        >>> main(["info", "no-such-folder"])  # errors are one line on stderr, status 2
+        2
+    """
+    parser = build_parser()
     # `lowbit generate "prompt"` (no model): argparse would take the prompt as the model
     if argv is None:
         argv = sys.argv[1:]
@@ -325,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(pos) == 1 and not os.path.exists(pos[0]):
             argv = ["generate", "", *argv[1:]]
     args = parser.parse_args(argv)
+    import torch
+
     try:
         with torch.no_grad():
             if args.command == "demo":
@@ -332,10 +541,9 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "quantize":
                 quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend)
             elif args.command == "eval":
-                windows = None if args.windows == "all" else int(args.windows)
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
-                         windows=windows, protocol=args.protocol, speed=not args.no_speed, dtype=args.dtype,
-                         backend=args.backend)
+                         windows=args.windows, protocol=args.protocol, speed=not args.no_speed,
+                         greedy_tokens=args.greedy_tokens, dtype=args.dtype, backend=args.backend)
             elif args.command == "generate":
                 generate_cmd(args.model or None, args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

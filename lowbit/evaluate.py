@@ -153,7 +153,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
              protocol: str = "lowbit", greedy_tokens: int = 48, prompt: str = GREEDY_PROMPT,
              speed: bool = True, prefill_tokens: int = 512, decode_tokens: int = 64,
              progress: bool = False) -> list[dict]:
-    """Evaluate one or several models (``{"name": model}``) on the same token windows.
+    r"""Evaluate one or several models (``{"name": model}``) on the same token windows.
 
     Per model: ``perplexity``; against ``reference`` (the float model, also reported as
     its own row): ``kl_divergence`` (mean KL(reference || model) per scored token,
@@ -167,10 +167,16 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
     Example::
 
         >>> import lowbit
-        >>> model, tok = lowbit.load_model()                                  # doctest: +SKIP
-        >>> q = lowbit.quantize_model(model, "w4a16-g64", inplace=False)      # doctest: +SKIP
-        >>> rows = lowbit.evaluate({"w4a16-g64": q}, tok, reference=model)    # doctest: +SKIP
-        >>> rows[1]["perplexity"], rows[1]["kl_divergence"]                   # doctest: +SKIP
+        >>> from lowbit.evaluate import evaluate
+        >>> model, tok = lowbit.load_model()
+        >>> layer0 = lowbit.Recipe(weight="int4-asym-g64", modules=[r"layers\.0\."])  # one layer: fast
+        >>> q = lowbit.quantize_model(model, layer0, inplace=False)
+        >>> rows = evaluate({"int4-layer0": q}, tok, reference=model, ctx=32, max_windows=1,
+        ...                 greedy_tokens=4, speed=False)
+        >>> [(r["model"], r["scored_tokens"], r["greedy_tokens"]) for r in rows]
+        [('float', 31, 4), ('int4-layer0', 31, 4)]
+        >>> rows[0]["kl_divergence"], 0 < rows[1]["kl_divergence"] < 0.1, rows[1]["bits_per_linear_weight"] < 32
+        (0.0, True, True)
     """
     if isinstance(models, nn.Module):
         models = {getattr(getattr(models, "lowbit_recipe", None), "name", "model"): models}

@@ -1,6 +1,10 @@
+import argparse
+import subprocess
+import sys
+
 import pytest
 
-from lowbit.cli import demo, main
+from lowbit.cli import build_parser, demo, main
 
 
 def test_demo_prints_a_row_per_scheme_on_the_bundled_model(capsys):
@@ -22,7 +26,7 @@ def test_demo_figures_respect_the_half_step_bound():
 
 
 def test_demo_reports_a_missing_model_clearly(capsys, tmp_path):
-    assert main(["demo", "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert main(["demo", str(tmp_path / "nope.gguf")]) == 2
     assert "nope.gguf does not exist" in capsys.readouterr().err
 
 
@@ -61,3 +65,81 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert "not a lowbit checkpoint" in capsys.readouterr().err
     assert main(["quantize", "--recipe", "nope", "-o", str(tmp_path / "x")]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("name", list(_commands()))
+def test_every_command_help_has_a_description_and_examples(name):
+    p = _commands()[name]
+    text = p.format_help()
+    assert p.description and p.description.splitlines()[0] in text
+    examples = [line for line in p.epilog.splitlines()[1:] if line.strip()]
+    assert p.epilog.startswith("examples:") and 2 <= len(examples) <= 3
+    assert all(line.startswith(f"  lowbit {name}") for line in examples)
+    assert all(line in text.splitlines() for line in examples)  # kept whole, one per line
+
+
+@pytest.mark.parametrize("name", list(_commands()))
+def test_every_option_states_its_default(name):
+    for action in _commands()[name]._actions:
+        if action.option_strings and action.help != argparse.SUPPRESS and "-h" not in action.option_strings:
+            assert "(default: " in action.help or "(required)" in action.help, action.option_strings
+
+
+def test_sampling_options_say_they_need_sample():
+    helps = {a.dest: a.help for a in _commands()["generate"]._actions}
+    assert all(helps[k].startswith("with --sample:") for k in ("temperature", "top_k", "top_p", "seed"))
+
+
+def test_choices_come_from_the_library():
+    from lowbit.evaluate import PROTOCOLS
+    from lowbit.kernels import BACKENDS
+    from lowbit.models.load import FLOAT_DTYPES_BY_NAME
+
+    opts = {(a.dest): a for a in _commands()["eval"]._actions}
+    assert tuple(opts["backend"].choices) == BACKENDS
+    assert tuple(opts["dtype"].choices) == tuple(FLOAT_DTYPES_BY_NAME)
+    assert tuple(opts["protocol"].choices) == PROTOCOLS
+
+
+def test_version(capsys):
+    import lowbit
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"lowbit {lowbit.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["eval", "--windows", "two"], "--windows"),
+    (["eval", "--windows", "0"], "--windows"),
+    (["eval", "--ctx", "-5"], "--ctx"),
+    (["eval", "--greedy-tokens", "1.5"], "--greedy-tokens"),
+    (["generate", "hi", "--max-new-tokens", "x"], "--max-new-tokens"),
+    (["generate", "hi", "--temperature", "0"], "--temperature"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "hi", "--top-k", "0"], "--top-k"),
+    (["generate", "hi", "--top-p", "1.5"], "--top-p"),
+    (["generate", "hi", "--seed", "-1"], "--seed"),
+    (["demo", "--limit", "none"], "--limit"),
+])
+def test_a_bad_number_is_a_one_line_usage_error_naming_the_option(capsys, argv, option):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"lowbit {argv[0]}: error: argument ") and f"{option}: expected " in err
+    assert repr(argv[-1]) in err
+
+
+def test_help_imports_no_kernels():
+    code = ("import sys\n"
+            "from lowbit.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('lowbit._C' in sys.modules, 'lowbit.kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False False"

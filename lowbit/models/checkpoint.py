@@ -57,14 +57,20 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, overwrite: bool = False) -> Path:
-    """Write a quantized model (from ``lowbit.quantize_model``) to the folder ``path``.
+    r"""Write a quantized model (from ``lowbit.quantize_model``) to the folder ``path``;
+    returns its path.  The folder must not exist unless ``overwrite``.
 
-    Example::
+    Example (a preset such as ``"w4a16-g128"`` quantizes all 30 layers; this recipe only
+    the first layer's 7 linears, to keep the example fast)::
 
-        >>> import lowbit
-        >>> model, tok = lowbit.load_model()                              # doctest: +SKIP
-        >>> lowbit.quantize_model(model, "w4a16-g128")                    # doctest: +SKIP
-        >>> lowbit.save_quantized(model, "smollm2-w4a16", tok)            # doctest: +SKIP
+        >>> import tempfile, lowbit
+        >>> model, tok = lowbit.load_model()
+        >>> model = lowbit.quantize_model(model, lowbit.Recipe(weight="int4-asym-g64", modules=[r"layers\.0\."]))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = lowbit.save_quantized(model, d + "/smollm2-int4", tok)
+        ...     names = sorted(f.name for f in path.iterdir())
+        >>> [n for n in names if not n.startswith(("tokenizer", "chat_template"))]  # and the tokenizer's files
+        ['config.json', 'lowbit.json', 'model.safetensors']
     """
     from safetensors.torch import save_file
 
@@ -194,12 +200,19 @@ def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtyp
 
 
 def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, backend: str | None = None):
-    """Load a folder written by ``save_quantized``; returns ``(model, tokenizer)``
-    (tokenizer None when the folder has none).
+    r"""Load a folder written by ``save_quantized``; returns ``(model, tokenizer)``
+    (tokenizer None when the folder has none).  ``dtype`` None: the dtype it was saved in.
 
     Example::
 
-        >>> model, tok = lowbit.load_quantized("smollm2-w4a16")        # doctest: +SKIP
+        >>> import tempfile, lowbit
+        >>> model, tok = lowbit.load_model()
+        >>> model = lowbit.quantize_model(model, lowbit.Recipe(weight="int8-sym", modules=[r"layers\.0\."]))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = lowbit.save_quantized(model, d + "/smollm2-int8", tok)
+        ...     loaded, tok2 = lowbit.load_quantized(d + "/smollm2-int8")
+        >>> loaded.lowbit_modules == model.lowbit_modules, type(loaded.model.layers[0].mlp.up_proj).__name__
+        (True, 'QuantLinear')
     """
     from accelerate import init_empty_weights
 

@@ -119,10 +119,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 
     Example::
 
-        >>> import torch, lowbit
-        >>> model, tok = lowbit.load_model()          # doctest: +SKIP
-        >>> model.config.num_hidden_layers            # doctest: +SKIP
-        30
+        >>> import lowbit
+        >>> model, tok = lowbit.load_model()
+        >>> model.config.num_hidden_layers, model.dtype, tok.decode(tok("Hello").input_ids)
+        (30, torch.float32, 'Hello')
     """
     if dtype not in FLOAT_DTYPES_BY_NAME.values():
         raise TypeError(f"dtype must be one of {list(FLOAT_DTYPES_BY_NAME.values())}, got {dtype}")
