@@ -28,7 +28,7 @@ import time
 import torch
 
 import lowbit
-from lowbit.evaluate import default_corpus
+from lowbit.evaluation import default_corpus
 from lowbit.runtime import Runner
 
 # name, model dtype, recipe (None: float), llama.cpp type it is compared with

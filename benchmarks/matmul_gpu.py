@@ -53,7 +53,8 @@ def _module_bytes(mod) -> int:
 
 def rows(w: torch.Tensor, x: torch.Tensor):
     """(name, make): make() returns (fn, weight bytes); w is the float32 [N, K] weight."""
-    from lowbit.kernels.triton import backend as tb
+    from lowbit.kernels import get_backend
+    tb = get_backend("triton")
 
     n, k = w.shape
 

@@ -26,7 +26,7 @@ _EXPORTS = {
     "Recipe": "recipe", "RECIPE_PRESETS": "recipe",
     "load_model": "models", "quantize_model": "models", "save_quantized": "models", "load_quantized": "models",
     "Runner": "runtime",
-    "evaluate": "evaluate",
+    "evaluate": "evaluation",
 }
 _MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime")
 

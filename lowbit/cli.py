@@ -127,7 +127,7 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
         7
     """
     import lowbit
-    from lowbit.evaluate import weight_bytes
+    from lowbit.evaluation import weight_bytes
 
     r = lowbit.Recipe.get(recipe)
     if os.path.exists(output) and not force:
@@ -191,7 +191,7 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     model to the table (each quantizes all 30 layers, so it takes longer).
     """
     import lowbit
-    from lowbit.evaluate import evaluate, format_table
+    from lowbit.evaluation import evaluate, format_table
 
     quant, tok, ref = _model_and_reference(model, _float_dtype(dtype), backend)
     models = {}
@@ -235,7 +235,7 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     import torch
 
     import lowbit
-    from lowbit.evaluate import _prompt_ids
+    from lowbit.evaluation import _prompt_ids
 
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend)
     if recipe:
@@ -337,7 +337,7 @@ def _dtype_names():
 
 
 def _protocols():
-    from lowbit.evaluate import PROTOCOLS
+    from lowbit.evaluation import PROTOCOLS
 
     return PROTOCOLS
 

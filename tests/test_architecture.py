@@ -16,7 +16,7 @@ from lowbit.scheme import QuantScheme
 
 PACKAGE = Path(lowbit.__file__).parent
 
-# cli -> models/runtime -> evaluate ... data flows one way: a module may import from a
+# cli -> evaluation -> models/runtime -> ... data flows one way: a module may import from a
 # lower layer or from its own package, never from a higher layer or a peer package.
 LAYERS = {
     "scheme": 0, "_validate": 0,
@@ -26,7 +26,7 @@ LAYERS = {
     "nn": 3, "recipe": 3,
     "algorithms": 4, "passes": 4, "formats": 4,
     "models": 5, "runtime": 5,
-    "evaluate": 6,
+    "evaluation": 6,
     "cli": 7, "__main__": 8,
 }
 

@@ -96,7 +96,7 @@ def test_sampling_options_say_they_need_sample():
 
 
 def test_choices_come_from_the_library():
-    from lowbit.evaluate import PROTOCOLS
+    from lowbit.evaluation import PROTOCOLS
     from lowbit.kernels import BACKENDS
     from lowbit.models.load import FLOAT_DTYPES_BY_NAME
 

@@ -264,12 +264,25 @@ QTA8O_CASES = [
 ]
 
 
+# Triton's interpreter runs a K loop in Python: it takes fewer cases at large K (K = 16384
+# keeps int32 headroom, extreme values at g128, with and without zero points).
+INTERPRETER_QTA8O_CASES = [c for c in QTA8O_CASES if c[2] <= 512 or (c[2] == 4096 and c[3] != 64 and c[4] != "zero")
+                           or (c[2] == 16384 and c[3] == 128 and c[4] != "zero" and c[5] == "extreme")]
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("m, n, k, group, zp, values", QTA8O_CASES)
 def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(backend, m, n, k, group, zp, values):
+    if backend == "triton" and (m, n, k, group, zp, values) not in INTERPRETER_QTA8O_CASES:
+        pytest.skip("triton's interpreter runs the smaller cases only")
     args = _qta8o_case(m, n, k, group, zp, values, seed=m * 1000 + k + group)
     ref = lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend="reference")
     _assert_ties_only(args, ref, lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend=backend))
+    # The backend's unfused composition (the W4A8 linear, then requantize_per_token) meets the
+    # same rule as its fused kernel.
+    b = get_backend(backend)
+    composed = b.requantize_per_token(b.linear_qta8a_qga4w(*args[:7], args[9]), args[7], args[8])
+    _assert_ties_only(args, ref, composed)
 
 
 @pytest.mark.parametrize("m, n, k, group", [(37, 200, 2304, 128), (9, 70, 1536, 32), (5, 64, 4096, 64),

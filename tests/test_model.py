@@ -235,7 +235,7 @@ def test_save_needs_a_quantized_model(smol, tmp_path):
 # -- evaluation -------------------------------------------------------------------------
 
 def test_evaluate_reports_what_quantization_costs(smol):
-    from lowbit.evaluate import evaluate, format_table
+    from lowbit.evaluation import evaluate, format_table
 
     model, tok = smol
     models = {r: lowbit.quantize_model(model, r, inplace=False) for r in ["q4_1", "w4a16-g64"]}
@@ -256,7 +256,7 @@ def test_evaluate_reports_what_quantization_costs(smol):
 
 
 def test_llama_protocol_scores_the_second_half(smol):
-    from lowbit.evaluate import evaluate
+    from lowbit.evaluation import evaluate
 
     model, tok = smol
     rows = evaluate({}, tok, reference=model, ctx=64, max_windows=2, protocol="llama", speed=False, greedy_tokens=2)
@@ -264,7 +264,7 @@ def test_llama_protocol_scores_the_second_half(smol):
 
 
 def test_evaluate_refuses_bad_arguments(smol, tmp_path):
-    from lowbit.evaluate import evaluate
+    from lowbit.evaluation import evaluate
 
     model, tok = smol
     with pytest.raises(ValueError, match="protocol"):

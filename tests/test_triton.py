@@ -16,11 +16,10 @@ from lowbit.kernels.triton import interpreting, weight_only  # noqa: E402
 import lowbit  # noqa: E402
 from lowbit import kernels  # noqa: E402
 from lowbit.kernels import reference  # noqa: E402
-from lowbit.ops import dequantize_per_token, linear, linear_qta8a_qga4w_qta8o, quantize_per_token  # noqa: E402
+from lowbit.ops import dequantize_per_token, linear, quantize_per_token  # noqa: E402
 
 from .conftest import gen  # noqa: E402
-from .test_matmul import (QTA8O_CASES, _assert_ties_only, _qta8o_case, abs_products, gamma,  # noqa: E402
-                          weight_only_tolerance)
+from .test_matmul import abs_products, gamma, weight_only_tolerance  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="TRITON_INTERPRET is off: these tests run the kernels "
                                 "on CPU tensors through Triton's interpreter")
@@ -85,24 +84,6 @@ def test_int8_mm_is_the_exact_int32_product(values, m, n, k):
 
 
 # -- W4A8 (linear_qta8a_qga4w_qta8o) --------------------------------------------------------------
-# The cases of tests/test_matmul.py, fewer at large K (the interpreter runs a K loop in
-# Python): K = 16384 keeps int32 headroom (extreme values) at g128, with and without zero points.
-TRITON_QTA8O_CASES = [c for c in QTA8O_CASES if c[2] <= 512 or (c[2] == 4096 and c[3] != 64 and c[4] != "zero")
-                      or (c[2] == 16384 and c[3] == 128 and c[4] != "zero" and c[5] == "extreme")]
-
-
-@pytest.mark.parametrize("m, n, k, group, zp, values", TRITON_QTA8O_CASES)
-def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(m, n, k, group, zp, values):
-    args = _qta8o_case(m, n, k, group, zp, values, seed=m * 1000 + k + group)
-    ref = linear_qta8a_qga4w_qta8o(*args, backend="reference")
-    _assert_ties_only(args, ref, linear_qta8a_qga4w_qta8o(*args, backend=T))
-    # The fused kernel (requantization in its epilogue) meets the same rule.
-    x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args
-    fused = kernels.get_backend(T).linear_qta8a_qga4w_qta8o(x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp,
-                                        bias)
-    _assert_ties_only(args, ref, fused)
-
-
 def test_w4a8_linear_float_output_matches_the_reference():
     qt = lowbit.quantize(torch.randn(40, 256), "int4-asym-g64")
     x = torch.randn(6, 256)

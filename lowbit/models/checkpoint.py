@@ -28,7 +28,7 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..qtensor import QTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
-from .load import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, _quiet_transformers
+from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
 from .quantize import _float_dtype, _set_module
 
 FORMAT = "lowbit"
@@ -222,7 +222,7 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
     if saved_dtype is None:
         raise CheckpointError(f"{folder / CHECKPOINT_CONFIG}: unknown dtype {meta['dtype']!r}")
     dtype = dtype or saved_dtype
-    transformers = _quiet_transformers()
+    transformers = quiet_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
     except Exception as e:

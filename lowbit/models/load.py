@@ -16,29 +16,12 @@ from pathlib import Path
 
 import torch
 
+from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
 from .gguf_file import bundled_model_path
-
-CHECKPOINT_CONFIG = "lowbit.json"
-# the float dtypes a model loads in, by the names checkpoints and the CLI use
-FLOAT_DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def cache_dir() -> Path:
     """Where converted models are cached (``$LOWBIT_CACHE`` or ``~/.cache/lowbit``)."""
     return Path(os.environ.get("LOWBIT_CACHE") or Path.home() / ".cache" / "lowbit")
-
-
-def _quiet_transformers(progress: bool = False):
-    """transformers without its warnings, and without its progress bars unless asked
-    (loading a cached folder takes about a second; converting a GGUF file does not)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    if progress:
-        transformers.utils.logging.enable_progress_bar()
-    else:
-        transformers.utils.logging.disable_progress_bar()
-    return transformers
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -68,7 +51,7 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     entry = _gguf_cache_entry(gguf)
     if (entry / "model.safetensors").is_file():
         return entry
-    transformers = _quiet_transformers(progress)
+    transformers = quiet_transformers(progress)
     from safetensors.torch import save_model
 
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -132,7 +115,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 
         return load_quantized(p, dtype=dtype, backend=backend)
     folder = convert_gguf(p, progress) if p.is_file() else p
-    transformers = _quiet_transformers()
+    transformers = quiet_transformers()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()

@@ -161,6 +161,10 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     * 8-bit activations with a 4-bit grouped weight: W4A8, integer accumulation per
       weight group (``linear_qta8a_qga4w``).
 
+    ``x`` is float32, float16 or bfloat16 (float64 too, weight-only) of shape [..., K] with
+    K = ``qweight.shape[1]``; ``qweight`` is a 2-D QTensor [N, K]; ``bias`` a 1-D float
+    tensor [N]; the result has shape [..., N] and x's dtype.
+
     Activations are quantized per token on the fly (``'int8-sym-token'`` or
     ``'int8-asym-token'``), or with a calibrated per-tensor ``act_scale`` (and
     ``act_zero_point`` for an asymmetric scheme) when ``act_scheme`` is per tensor.

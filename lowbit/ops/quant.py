@@ -73,6 +73,13 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | N
     """Quantize ``x`` to a ``QTensor``; scale and zero point are chosen from ``x``
     unless given (static quantization).
 
+    ``x`` is a float32, float64, float16 or bfloat16 tensor of shape [..., K] (at least
+    1-D); blocks run along the last dim, so K must be a multiple of the group size of a
+    grouped scheme and of ``scheme.pack_unit`` for packed codes (8 for 4-bit codes in
+    int32 words).  ``scale`` and ``zero_point``, when given, have shape
+    ``scheme.scale_shape(x.shape)``, the scheme's scale and zero-point dtypes and x's
+    device.  Returns a QTensor of x's shape.
+
     Example::
 
         >>> import torch, lowbit

@@ -39,7 +39,7 @@ def default_corpus() -> tuple[str, str]:
 
     Example::
 
-        >>> from lowbit.evaluate import default_corpus
+        >>> from lowbit.evaluation import default_corpus
         >>> text, name = default_corpus()
         >>> name.startswith("pydoc_data.topics"), len(text) > 100_000
         (True, True)
@@ -167,7 +167,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
     Example::
 
         >>> import lowbit
-        >>> from lowbit.evaluate import evaluate
+        >>> from lowbit.evaluation import evaluate
         >>> model, tok = lowbit.load_model()
         >>> layer0 = lowbit.Recipe(weight="int4-asym-g64", modules=[r"layers\.0\."])  # one layer: fast
         >>> q = lowbit.quantize_model(model, layer0, inplace=False)
