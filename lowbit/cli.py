@@ -358,26 +358,24 @@ def int_at_least(low: int):
     return convert
 
 
-def positive_float(text: str) -> float:
-    """argparse ``type=``: a finite float > 0."""
+def _float_in(text: str, ok, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not ok(value):  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite float > 0."""
+    return _float_in(text, lambda v: 0 < v < math.inf, "a number > 0")
 
 
 def probability(text: str) -> float:
     """argparse ``type=``: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+    return _float_in(text, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def window_count(text: str) -> int | None:
