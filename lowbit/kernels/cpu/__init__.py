@@ -61,7 +61,11 @@ INT8_GEMM_MIN_M = 2
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
     """Up to how many activation rows a weight-only matmul runs the decode kernels."""
-    if float32_exact(dtype):
+    return _gemv_max_m(bits, dtype, float32_exact(dtype))
+
+
+def _gemv_max_m(bits: int, dtype: torch.dtype, exact: bool) -> int:
+    if exact:
         return GEMV_MAX_M
     if bits == 8:
         return 1
@@ -101,13 +105,14 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
         return Plan("reference", "float64 activations")
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_avx512() and group % (32 if bits == 4 else 16) == 0
-    if fused and m <= gemv_max_m(bits, dtype):
+    rows = _gemv_max_m(bits, dtype, exact)
+    if fused and m <= rows:
         split = dtype != torch.bfloat16
         if bits == 4 and _C.gemv_bf16_supported(k, group) and (not split or m <= (0 if exact else SPLIT_MAX_M)):
             if split:
                 return Plan("gemv_bf16_split", f"{m} <= {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
-            return Plan("gemv_bf16", f"{m} <= {gemv_max_m(bits, dtype)} rows: packed weight, bf16 dot products")
-        return Plan("gemv_f32", f"{m} <= {gemv_max_m(bits, dtype)} rows: packed weight, float32 FMAs")
+            return Plan("gemv_bf16", f"{m} <= {rows} rows: packed weight, bf16 dot products")
+        return Plan("gemv_f32", f"{m} <= {rows} rows: packed weight, float32 FMAs")
     if not exact and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     why = ("float32 activations at matmul precision 'highest'" if exact
@@ -118,7 +123,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
 @lru_cache(maxsize=4096)
 def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
-        if m >= INT8_GEMM_MIN_M and _C.int8_gemm_supported(k):
+        if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
         return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
     if _has_avx512() and group % 32 == 0:
