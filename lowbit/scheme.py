@@ -177,7 +177,13 @@ class QuantScheme:
         return pack_unit(self.bits, self.packing) if self.is_packed else 1
 
     def packed_shape(self, shape) -> list[int]:
-        """Shape of the stored codes of a tensor of logical ``shape`` (last dim packed)."""
+        """Shape of the stored codes of a tensor of logical ``shape`` (last dim packed).
+
+        Example::
+
+            >>> QuantScheme.parse("int4-asym-g64").packed_shape([32, 256])
+            [32, 32]
+        """
         shape = list(shape)
         return shape[:-1] + [packed_length(shape[-1], self.bits, self.packing) if self.is_packed else shape[-1]]
 
@@ -201,7 +207,13 @@ class QuantScheme:
     def scale_map(self, shape) -> tuple[int, int]:
         """``(rows_per_scale, group)`` of a tensor of logical ``shape`` viewed as [rows, K]:
         element (r, k) uses ``scale.flat[(r // rows_per_scale) * (K // group) + k // group]``
-        (the form the fast dequantize kernels take)."""
+        (the form the fast dequantize kernels take).
+
+        Example::
+
+            >>> QuantScheme.parse("int8-sym").scale_map([2, 3, 64])
+            (3, 64)
+        """
         shape = list(shape)
         k = shape[-1] if shape else 1
         rows = math.prod(shape) // k if k else 0
@@ -212,7 +224,13 @@ class QuantScheme:
         return 1, self.group_size if self.granularity == "group" else k
 
     def block_len(self, shape) -> int:
-        """Elements that share one scale in a tensor of logical ``shape``."""
+        """Elements that share one scale in a tensor of logical ``shape``.
+
+        Example::
+
+            >>> QuantScheme.parse("int8-sym-tensor").block_len([4, 8]), QuantScheme.parse("w4-g32").block_len([4, 64])
+            (32, 32)
+        """
         shape = list(shape)
         if self.granularity == "tensor":
             return math.prod(shape)
@@ -288,12 +306,24 @@ class QuantScheme:
 
 # -- the rules behind the properties, for callers that hold bits and a packing only --------
 def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
-    """(qmin, qmax): signed ``[-2^(b-1), 2^(b-1) - 1]`` or unsigned ``[0, 2^b - 1]``."""
+    """(qmin, qmax): signed ``[-2^(b-1), 2^(b-1) - 1]`` or unsigned ``[0, 2^b - 1]``.
+
+    Example::
+
+        >>> code_range(4, True), code_range(4, False)
+        ((-8, 7), (0, 15))
+    """
     return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
 
 
 def word_bits(packing: str) -> int:
-    """Bits of one packing word: 32 for "u32", 8 for "u8"."""
+    """Bits of one packing word: 32 for "u32", 8 for "u8".
+
+    Example::
+
+        >>> word_bits("u32"), word_dtype("u8")
+        (32, torch.uint8)
+    """
     return 32 if packing == "u32" else 8
 
 
@@ -303,7 +333,13 @@ def word_dtype(packing: str) -> torch.dtype:
 
 
 def pack_unit(bits: int, packing: str) -> int:
-    """Number of values that exactly fill a whole number of words (8 for int4 in u32)."""
+    """Number of values that exactly fill a whole number of words (8 for int4 in u32).
+
+    Example::
+
+        >>> pack_unit(4, "u32"), pack_unit(3, "u32"), packed_length(64, 3, "u32")
+        (8, 32, 6)
+    """
     return math.lcm(bits, word_bits(packing)) // bits
 
 

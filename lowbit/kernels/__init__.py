@@ -117,7 +117,15 @@ def use_backend(name: str | None, device: torch.device | str = "cpu"):
 
 def for_device(device_type: str) -> Backend:
     """The backend the ops run on tensors of ``device_type`` ("cpu", "cuda", ...): the
-    one ``use_backend`` chose, else the fastest available there."""
+    one ``use_backend`` chose, else the fastest available there.
+
+    Example::
+
+        >>> from lowbit.kernels import for_device, use_backend
+        >>> with use_backend("reference"):
+        ...     for_device("cpu").name
+        'reference'
+    """
     name = _CHOSEN.get()
     if name is None:
         name = _DEFAULT.get(device_type)

@@ -102,24 +102,33 @@ def _versions(qweight: QTensor):
 
 
 def weight_parts(qweight: QTensor):
-    """The matmul form of a 2-D weight: (codes, scales [N, G], zero_points, bits, group_size) of a 2-D weight QTensor,
-    4-bit codes as u32x8 words."""
+    """The matmul form of a 2-D weight QTensor: ``(codes, scale [N, G], zero_point or None,
+    bits, group_size)``, 4-bit codes as u32x8 words (what the matmul ops take).
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> from lowbit.ops.matmul import weight_parts
+        >>> codes, scale, zp, bits, group = weight_parts(lowbit.quantize(torch.randn(8, 64), "int4-sym-g32"))
+        >>> codes.shape, scale.shape, zp, bits, group
+        (torch.Size([8, 8]), torch.Size([8, 2]), None, 4, 32)
+    """
     if not isinstance(qweight, QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
     if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
-        return _buildweight_parts(qweight)  # traced: the graph shows the views
+        return _build_weight_parts(qweight)  # traced: the graph shows the views
     if qweight.codes.is_inference() or qweight.scale.is_inference():
-        return _buildweight_parts(qweight)  # made under inference_mode: no version counter to check
+        return _build_weight_parts(qweight)  # made under inference_mode: no version counter to check
     key = id(qweight)
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
         return hit[2]
-    parts = _buildweight_parts(qweight)
+    parts = _build_weight_parts(qweight)
     _PARTS[key] = (weakref.ref(qweight, lambda _, key=key: _PARTS.pop(key, None)), _versions(qweight), parts)
     return parts
 
 
-def _buildweight_parts(qweight: QTensor):
+def _build_weight_parts(qweight: QTensor):
     if len(qweight.shape) != 2:
         raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
     s, (n, k) = qweight.scheme, qweight.shape
@@ -140,6 +149,14 @@ def _buildweight_parts(qweight: QTensor):
 
 
 def as_act_scheme(act_scheme) -> QuantScheme:
+    """The 8-bit per-token or per-tensor activation scheme ``linear`` accepts, parsed.
+
+    Example::
+
+        >>> from lowbit.ops.matmul import as_act_scheme
+        >>> as_act_scheme("int8-asym-token")
+        QuantScheme('int8-asym-token')
+    """
     s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(act_scheme)
     if s.bits != 8 or s.granularity not in ("token", "tensor"):
         raise ValueError(
