@@ -6,6 +6,7 @@ import torch
 
 import lowbit
 from lowbit.kernels import use_backend
+from lowbit.ops import library
 from lowbit.ops import dequantize_accumulator, dequantize_per_token, quantize_per_token
 
 from .conftest import BACKENDS
@@ -129,3 +130,24 @@ def test_export_shows_lowbit_ops_by_name():
                "lowbit.dequantize_accumulator"]:
         assert op in code, op
     assert torch.equal(ep.module()(*args), Pipeline()(*args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_inference_mode_path_gives_the_dispatcher_bits(backend):
+    # Under torch.inference_mode the public functions run the ops' implementations without
+    # the dispatcher (library._eager); everywhere else the registered ops run.
+    w4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    w8 = lowbit.quantize(torch.randn(16, 64), "int8-sym")
+    x = torch.randn(3, 64)
+
+    def run():
+        return [lowbit.linear(x, w4, backend=backend), lowbit.linear(x, w8, act_scheme="int8-asym-token",
+                                                                     backend=backend),
+                lowbit.dequantize(w4, torch.bfloat16, backend=backend), *quantize_per_token(x, backend=backend)]
+
+    assert not library._eager([x])
+    with torch.inference_mode():
+        assert library._eager([x])
+        fast = run()
+    for a, b in zip(fast, run()):
+        assert torch.equal(a, b)
