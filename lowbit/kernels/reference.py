@@ -133,12 +133,7 @@ def unpack(packed: torch.Tensor, bits: int, packing: str, signed: bool) -> torch
     return v.to(torch.uint8)
 
 
-# -- what the operators call: quantize-and-pack, unpack-and-dequantize -------------
-def quantize_packed(x, scale, zero_point, s: QuantScheme) -> torch.Tensor:
-    q = quantize(x, scale, zero_point, s)
-    return pack(q, s.bits, s.packing) if s.is_packed else q
-
-
+# -- what the operators call: unpack-and-dequantize ---------------------------------
 def dequantize_packed(codes, scale, zero_point, s: QuantScheme, shape, out_dtype) -> torch.Tensor:
     q = unpack(codes, s.bits, s.packing, s.symmetric) if s.is_packed else codes
     return dequantize(q.reshape(shape), scale, zero_point, s, out_dtype)
