@@ -25,9 +25,8 @@ ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
 
 def _check_weight(k: int, codes, scale, zero_point, bits, group_size,
                   names=("codes", "scale", "zero_point")):
-    """Validate a weight triple against the activations' K; return N."""
+    """Validate a weight's codes, scale and zero point against the activations' K; return N."""
     wname, sname, zname = names
-    weight, scales, zero_points = codes, scale, zero_point
     if isinstance(bits, bool) or bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
@@ -37,19 +36,19 @@ def _check_weight(k: int, codes, scale, zero_point, bits, group_size,
     if bits == 4 and group_size % 8:
         raise ValueError(f"group_size={group_size} must be a multiple of 8 for u32x8-packed 4-bit weights")
     if bits == 8:
-        dtypes = [torch.int8] if zero_points is None else [torch.uint8]
-        _validate.tensor(wname, weight, dtypes=dtypes, ndim=2)
-        _validate.shape(wname, weight, (weight.shape[0], k), "[N, K] with K = in_features of the input")
+        dtypes = [torch.int8] if zero_point is None else [torch.uint8]
+        _validate.tensor(wname, codes, dtypes=dtypes, ndim=2)
+        _validate.shape(wname, codes, (codes.shape[0], k), "[N, K] with K = in_features of the input")
     else:
-        _validate.tensor(wname, weight, dtypes=[torch.int32], ndim=2)
-        _validate.shape(wname, weight, (weight.shape[0], k // 8), "[N, K/8] u32x8-packed 4-bit codes")
-    n = weight.shape[0]
-    _validate.tensor(sname, scales, dtypes=SCALE_DTYPES, ndim=2)
-    _validate.shape(sname, scales, (n, k // group_size), "[N, K / group_size]")
-    if zero_points is not None:
-        _validate.tensor(zname, zero_points, dtypes=ZP_INT_DTYPES + SCALE_DTYPES, ndim=2)
-        _validate.shape(zname, zero_points, (n, k // group_size), f"same as {sname}")
-    _validate.same_device(wname, weight, **{sname: scales, zname: zero_points})
+        _validate.tensor(wname, codes, dtypes=[torch.int32], ndim=2)
+        _validate.shape(wname, codes, (codes.shape[0], k // 8), "[N, K/8] u32x8-packed 4-bit codes")
+    n = codes.shape[0]
+    _validate.tensor(sname, scale, dtypes=SCALE_DTYPES, ndim=2)
+    _validate.shape(sname, scale, (n, k // group_size), "[N, K / group_size]")
+    if zero_point is not None:
+        _validate.tensor(zname, zero_point, dtypes=ZP_INT_DTYPES + SCALE_DTYPES, ndim=2)
+        _validate.shape(zname, zero_point, (n, k // group_size), f"same as {sname}")
+    _validate.same_device(wname, codes, **{sname: scale, zname: zero_point})
     return n
 
 
