@@ -25,6 +25,12 @@ def to_blocks(x: torch.Tensor, s: QuantScheme) -> torch.Tensor:
     return x.reshape(math.prod(s.scale_shape(x.shape)), s.block_len(x.shape))
 
 
+def divide(a: torch.Tensor, d: float) -> torch.Tensor:
+    """``a / d`` correctly rounded on every device.  (CUDA computes ``tensor / python_number``
+    as ``tensor * (1 / d)``, one rounding more, which moves some scales by an ulp.)"""
+    return a / a.new_full((), d)
+
+
 # -- choose_qparams ---------------------------------------------------------------
 def block_qparams(xb: torch.Tensor, bits: int, symmetric: bool, zero_point_domain: str,
                   scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -34,13 +40,13 @@ def block_qparams(xb: torch.Tensor, bits: int, symmetric: bool, zero_point_domai
     xb = xb.to(compute_dtype(xb.dtype))
     lo, hi = xb.amin(dim=1), xb.amax(dim=1)
     if symmetric:
-        scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
+        scale = divide(torch.maximum(-lo, hi), (qmax - qmin) / 2)
     elif zero_point_domain == "int":
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-        scale = (hi - lo) / (qmax - qmin)
+        scale = divide(hi - lo, qmax - qmin)
     else:
         # Floor the scale so |zero_point| = |lo| / scale stays below 2^15 (fits float16).
-        scale = torch.maximum((hi - lo) / (qmax - qmin), torch.maximum(-lo, hi) * 2.0**-15)
+        scale = torch.maximum(divide(hi - lo, qmax - qmin), torch.maximum(-lo, hi) * 2.0**-15)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block
     scale = round_up_to(scale, scale_dtype)
     if symmetric:

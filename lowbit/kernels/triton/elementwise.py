@@ -167,5 +167,10 @@ def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool):
     _quantize_per_token_kernel[(n,)](x, q, scale, zp, bad, d, x.stride(0), QMIN=qmin, QMAX=qmax,
                                      SYMMETRIC=symmetric, CDT=cdt,
                                      ROUND_UP=x.dtype in (torch.float16, torch.bfloat16), BLOCK_D=block)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph capture the host cannot look (a sync ends the capture): the
+        # graph asserts on the device instead, so a replay on NaN/Inf stops with this error.
+        torch._assert_async(bad.amax() == 0, "quantize_per_token: x contains NaN or Inf")
+        return q, scale, zp, True
     return q, scale, zp, not bool(bad.any())
 
