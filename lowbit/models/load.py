@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
-from .gguf_file import bundled_model_path
+from .gguf_file import GGUFError, bundled_model_path, read_gguf
 
 def cache_dir() -> Path:
     """Where converted models are cached (``$LOWBIT_CACHE`` or ``~/.cache/lowbit``)."""
@@ -47,22 +47,28 @@ def _gguf_cache_entry(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     """Dequantize a GGUF file into a float32 Hugging Face folder in the cache (once);
-    return the folder."""
+    return the folder.  A damaged or inconsistent file raises ``GGUFError`` (a
+    ValueError naming the file) before transformers is imported."""
     entry = _gguf_cache_entry(gguf)
     if (entry / "model.safetensors").is_file():
         return entry
+    note = _gguf_note(read_gguf(gguf))
     transformers = quiet_transformers(progress)
     from safetensors.torch import save_model
 
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+    except Exception as e:  # what read_gguf's checks missed still names the file
+        raise GGUFError(f"{gguf}: passed lowbit's GGUF checks but transformers could not load it: "
+                        f"{type(e).__name__}: {e}") from e
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the float copy is no longer GGUF-quantized
-        config["lowbit_source"] = {"gguf": str(gguf), "note": _gguf_note(gguf)}
+        config["lowbit_source"] = {"gguf": str(gguf), "note": note}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head copy
         tok.save_pretrained(tmp)
@@ -76,12 +82,11 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     return entry
 
 
-def _gguf_note(gguf: Path) -> str:
-    """What the float weights of a GGUF file really are (their storage types)."""
-    from gguf import GGUFReader
-
+def _gguf_note(reader) -> str:
+    """What the float weights of a GGUF file (its ``read_gguf`` reader) really are: their
+    storage types."""
     kinds: dict[str, int] = {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in reader.tensors:
         kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
     return "dequantized from GGUF tensors " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
