@@ -40,7 +40,9 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
     """Quantize every decoder linear weight of a GGUF model (default: the bundled
     SmolLM2-135M) at several schemes and print what each costs in error and bytes.
 
-    Returns one dict per scheme with the figures printed.
+    ``schemes`` (None: ``DEMO_SCHEMES``) must name at least one scheme and ``limit`` (None:
+    all) be at least 1; both are checked before any weight is read.  Returns one dict per
+    scheme with the figures printed.
 
     Example::
 
@@ -57,6 +59,18 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
         if not quiet:
             print(line, flush=True)
 
+    if schemes is None:
+        schemes = DEMO_SCHEMES
+    if isinstance(schemes, str) or not schemes:
+        raise ValueError(f"schemes: expected a non-empty list of scheme names, got {schemes!r}")
+    parsed = []
+    for name in schemes:
+        try:
+            parsed.append(lowbit.QuantScheme.parse(name))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"schemes: {name!r}: {e}") from None
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit: expected an integer >= 1 (or None: every weight), got {limit!r}")
     t0 = time.perf_counter()
     weights = read_gguf_linear_weights(model, limit=limit)
     numel = sum(w.numel() for w, _ in weights.values())
@@ -70,8 +84,7 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
     say(header)
     say("-" * len(header))
     rows = []
-    for name in schemes or DEMO_SCHEMES:
-        s = lowbit.QuantScheme.parse(name)
+    for s in parsed:
         err2 = ref2 = 0.0
         nbytes, worst, seconds = 0, 0.0, 0.0
         for w, _ in weights.values():
@@ -130,8 +143,7 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     from lowbit.evaluation import weight_bytes
 
     r = lowbit.Recipe.get(recipe)
-    if os.path.exists(output) and not force:
-        raise FileExistsError(f"{output!r} exists; pass --force to replace it")
+    _check_output(output, force)
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype))
     _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
@@ -152,8 +164,15 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     return {"recipe": r.name, "modules": len(m.lowbit_modules), "weight_bytes": after, "path": str(out)}
 
 
+def _check_output(output: str, force: bool) -> None:
+    """Refuse, before any work, an output folder that exists (without ``force``)."""
+    if os.path.exists(output) and not force:
+        raise FileExistsError(f"{output!r} exists; pass --force to replace it")
+
+
 def _model_and_reference(model: str | None, dtype, backend):
-    """(model, tokenizer, float reference or None) for eval/generate."""
+    """(model, tokenizer, float reference or None) for eval/generate.  A checkpoint whose
+    float source cannot be loaded any more is evaluated alone, with a warning."""
     import lowbit
     from lowbit.models.load import CHECKPOINT_CONFIG, resolve_model_path
 
@@ -161,10 +180,16 @@ def _model_and_reference(model: str | None, dtype, backend):
     m, tok = lowbit.load_model(p, dtype=dtype, backend=backend)
     if p.is_dir() and (p / CHECKPOINT_CONFIG).is_file():
         src = getattr(m, "lowbit_source", None)
-        if src and os.path.exists(src):
-            ref, _ = lowbit.load_model(src, dtype=dtype)
-            return m, tok, ref
-        _err(f"the float model this checkpoint came from ({src}) is not here: no comparison with it")
+        if not src or not os.path.exists(src):
+            why = "is not recorded" if not src else f"({src}) is not here any more"
+        else:
+            try:
+                ref, _ = lowbit.load_model(src, dtype=dtype)
+                return m, tok, ref
+            except (OSError, ValueError, TypeError) as e:
+                why = f"({src}) cannot be loaded: {' '.join(str(e).split())}"
+        _err(f"warning: the float model this checkpoint came from {why}; evaluating the checkpoint alone "
+             "(no KL, top-1, logit error or greedy agreement)")
         return m, tok, None
     return None, tok, m
 
@@ -191,9 +216,15 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     model to the table (each quantizes all 30 layers, so it takes longer).
     """
     import lowbit
-    from lowbit.evaluation import evaluate, format_table
+    from lowbit.evaluation import evaluate, format_table, load_corpus
+    from lowbit.runtime import check_positions
 
+    if corpus is not None:
+        load_corpus(corpus)  # a missing or unreadable file: say so before loading the model
     quant, tok, ref = _model_and_reference(model, _float_dtype(dtype), backend)
+    for m in (quant, ref):
+        if m is not None:
+            check_positions(m, ctx, what="--ctx")
     models = {}
     if quant is not None:
         models[os.path.basename(os.path.normpath(model))] = quant
@@ -236,11 +267,14 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
 
     import lowbit
     from lowbit.evaluation import _prompt_ids
+    from lowbit.runtime import check_positions
 
+    r = lowbit.Recipe.get(recipe) if recipe else None
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend)
-    if recipe:
-        lowbit.quantize_model(m, recipe, backend=backend)
     ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
+    check_positions(m, ids.numel(), max_new_tokens)
+    if r is not None:
+        lowbit.quantize_model(m, r, backend=backend)
     eos = _eos_ids(m, tok)
     printed = ""
     new: list[int] = []
@@ -292,6 +326,15 @@ def info_cmd(path: str) -> dict:
     """
     from lowbit.models.checkpoint import WEIGHTS, read_metadata
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist (expected a lowbit checkpoint folder or a GGUF file)")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return _gguf_info(path)
+        raise ValueError(f"{path!r} is a file; `lowbit info` describes a lowbit checkpoint folder (written by "
+                         "`lowbit quantize`) or a GGUF file")
     meta = read_metadata(path)
     size = os.path.getsize(os.path.join(path, WEIGHTS))
     counts = Counter((v["kind"], v["weight"], v["activation"]) for v in meta["modules"].values())
@@ -302,6 +345,33 @@ def info_cmd(path: str) -> dict:
     for (kind, w, a), n in sorted(counts.items(), key=lambda kv: str(kv[0])):
         print(f"  {n:4d} {kind}s: weight {w}" + (f", activations {a}" if a else ""))
     return meta
+
+
+def _gguf_info(path: str) -> dict:
+    """Print and return what a GGUF file holds: the model, its layers and context, and
+    its tensors by storage type."""
+    import gguf  # a dependency of the GGUF loader
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path!r}: not a readable GGUF file ({e})") from None
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    kinds = Counter(t.tensor_type.name for t in reader.tensors)
+    info = {"format": "gguf", "gguf_version": field("GGUF.version"), "name": field("general.name"),
+            "architecture": arch, "layers": field(f"{arch}.block_count"),
+            "context_length": field(f"{arch}.context_length"), "tensor_types": dict(sorted(kinds.items()))}
+    print(f"GGUF file {path} (GGUF version {info['gguf_version']}; not a lowbit checkpoint: "
+          "`lowbit quantize FILE --recipe R -o DIR` makes one)")
+    print(f"model: {info['name']} ({arch}), {info['layers']} layers, context {info['context_length']} tokens")
+    print(f"{os.path.getsize(path) / 1e6:.1f} MB, {len(reader.tensors)} tensors: "
+          + ", ".join(f"{n} x {k}" for k, n in info["tensor_types"].items()))
+    return info
 
 
 class _LibraryChoices(Sequence):
@@ -386,6 +456,22 @@ def window_count(text: str) -> int | None:
         return int_at_least(1)(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'all', got {text!r}") from None
+
+
+def scheme_list(text: str) -> list[str]:
+    """argparse ``type=``: comma-separated scheme names, at least one, none empty.
+
+    Example::
+
+        >>> from lowbit.cli import scheme_list
+        >>> scheme_list("int8-sym, int4-asym-g64")
+        ['int8-sym', 'int4-asym-g64']
+    """
+    names = [t.strip() for t in text.split(",")]
+    if not any(names) or not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated scheme names such as "
+                                         f"'int8-sym,int4-asym-g64', got {text!r}")
+    return names
 
 
 DESCRIPTION = """\
@@ -484,13 +570,14 @@ tokens/s go to stderr.  The prompt is wrapped in the model's chat template unles
     p.add_argument("--seed", type=int_at_least(0), help="with --sample: random seed (default: 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (default: apply it)")
 
-    p = _command(sub, "info", "what a lowbit checkpoint folder holds", """
+    p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
 holds: the source model, the recipe, the schemes of its modules, the float dtype, the
-size of its weights file, and the versions that wrote it.""", """
+size of its weights file, and the versions that wrote it.  For a GGUF file: the model,
+its layers and context length, and its tensors by storage type.""", """
   lowbit info smollm2-w4a16
-  lowbit info build/smollm2-q4_1""")
-    p.add_argument("path", help="checkpoint folder")
+  lowbit info model.gguf""")
+    p.add_argument("path", help="checkpoint folder or GGUF file")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
 Quantize every decoder linear weight of a GGUF model at several schemes and print, per
@@ -500,7 +587,8 @@ half a quantization step (at most 1 by construction) and the time taken.""", """
   lowbit demo --schemes int8-sym,int4-asym-g64 --limit 10
   lowbit demo other-model.gguf""")
     p.add_argument("model", nargs="?", help="GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--schemes", help=f"comma-separated schemes (default: {','.join(DEMO_SCHEMES)})")
+    p.add_argument("--schemes", type=scheme_list,
+                   help=f"comma-separated schemes (default: {','.join(DEMO_SCHEMES)})")
     p.add_argument("--limit", type=int_at_least(1), help="only the first N linear weights (default: all)")
     return parser
 
@@ -535,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with torch.no_grad():
             if args.command == "demo":
-                demo(args.model, args.schemes.split(",") if args.schemes else None, args.limit)
+                demo(args.model, args.schemes, args.limit)
             elif args.command == "quantize":
                 quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend)
             elif args.command == "eval":
@@ -548,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                              raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
             elif args.command == "info":
                 info_cmd(args.path)
-    except (FileNotFoundError, FileExistsError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError) as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

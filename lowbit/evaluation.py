@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .nn import QuantLinear
-from .runtime import Runner
+from .runtime import Runner, check_positions
 
 PROTOCOLS = ("lowbit", "llama")
 GREEDY_PROMPT = "Write a short story about a robot who learns to paint."
@@ -53,10 +53,23 @@ def default_corpus() -> tuple[str, str]:
 
 
 def load_corpus(corpus: str | os.PathLike | None) -> tuple[str, str]:
-    """(text, name): the default corpus for None, else a UTF-8 text file."""
+    """(text, name): the default corpus for None, else a UTF-8 text file.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lowbit.evaluation import load_corpus
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     load_corpus(d)
+        Traceback (most recent call last):
+        ...
+        ValueError: corpus ... is a folder; expected a UTF-8 text file
+    """
     if corpus is None:
         return default_corpus()
     p = Path(corpus)
+    if p.is_dir():
+        raise ValueError(f"corpus {str(corpus)!r} is a folder; expected a UTF-8 text file")
     if not p.is_file():
         raise FileNotFoundError(f"corpus file {str(corpus)!r} does not exist")
     try:
@@ -81,15 +94,14 @@ def windows(tokenizer, text: str, ctx: int, limit: int | None, protocol: str) ->
     """Token windows [ctx] and the index of the first scored logit in each."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if ctx < 2:
-        raise ValueError(f"ctx must be >= 2, got {ctx}")
+    _check_count("ctx", ctx, 2)
+    if limit is not None:
+        _check_count("windows", limit, 1)
     ids = torch.tensor(tokenizer(text, add_special_tokens=True).input_ids, dtype=torch.long)
     n = ids.numel() // ctx
     if n == 0:
         raise ValueError(f"the corpus has {ids.numel()} tokens, fewer than one window of ctx={ctx}")
     if limit is not None:
-        if limit < 1:
-            raise ValueError(f"windows must be >= 1, got {limit}")
         n = min(n, limit)
     out = [ids[i * ctx:(i + 1) * ctx].clone() for i in range(n)]
     first = 0
@@ -100,6 +112,11 @@ def windows(tokenizer, text: str, ctx: int, limit: int | None, protocol: str) ->
                 w[0] = bos
         first = ctx // 2
     return out, first
+
+
+def _check_count(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
@@ -181,6 +198,14 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
     if isinstance(models, nn.Module):
         models = {getattr(getattr(models, "lowbit_recipe", None), "name", "model"): models}
     named = ({"float": reference} if reference is not None else {}) | dict(models)
+    _check_count("ctx", ctx, 2)
+    prompt_ids = _prompt_ids(tokenizer, prompt)
+    for name, m in named.items():  # before any work: every window, generation and timing fits
+        check_positions(m, ctx, what=f"ctx for model {name!r}")
+        if reference is not None:
+            check_positions(m, prompt_ids.numel(), greedy_tokens, what=f"the greedy prompt for model {name!r}")
+        if speed:
+            check_positions(m, prefill_tokens, decode_tokens, what=f"the speed prompt for model {name!r}")
     text, corpus_name = load_corpus(corpus)
     wins, first = windows(tokenizer, text, ctx, max_windows, protocol)
     runners = {n: Runner(m) for n, m in named.items()}
@@ -208,7 +233,6 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
                 a["max_err"] = max(a["max_err"], float(err.max()))
                 a["abs_err"] += float(err.mean(-1).sum())
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    prompt_ids = _prompt_ids(tokenizer, prompt)
     ref_tokens = runners["float"].generate(prompt_ids, greedy_tokens).tokens if reference is not None else None
     speed_prompt = torch.cat(wins)[:prefill_tokens] if speed else None
     rows = []

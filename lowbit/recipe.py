@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 from .scheme import QuantScheme
@@ -37,9 +38,10 @@ class Recipe:
     Attributes:
         weight: weight scheme of the selected linears (``lowbit.QuantScheme`` string).
         activation: None (weight-only) or an 8-bit per-token/per-tensor activation
-            scheme (W8A8 / W4A8).
+            scheme (W8A8 / W4A8); every weight scheme it meets must be one
+            ``lowbit.linear`` runs with it (``check_linear_schemes``).
         modules: regexes selecting the linears to quantize (default: the 7 decoder
-            linears q/k/v/o/gate/up/down).
+            linears q/k/v/o/gate/up/down); a single string is one regex.
         overrides: ``[regex, {"weight": scheme or None, "activation": scheme or None}]``
             pairs applied after ``modules``; ``"weight": None`` keeps a module float.
         lm_head: scheme for the output projection (None: stays float).  With tied
@@ -65,25 +67,38 @@ class Recipe:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "modules", tuple(self.modules))
-        object.__setattr__(self, "overrides", tuple((p, dict(o)) for p, o in self.overrides))
+        object.__setattr__(self, "modules", _patterns(self.modules))
+        object.__setattr__(self, "overrides", _overrides(self.overrides))
+        if not isinstance(self.name, str):
+            raise ValueError(f"recipe name: expected a string, got {self.name!r}")
         for label, s in [("weight", self.weight), ("lm_head", self.lm_head), ("embedding", self.embedding)]:
-            if s is not None:
+            if s is not None or label == "weight":
                 _weight_scheme(s, label)
         if self.activation is not None:
             _act_scheme(self.activation, "activation")
-        for pattern in self.modules:
-            _regex(pattern, "modules")
         for pattern, o in self.overrides:
-            _regex(pattern, "overrides")
-            unknown = set(o) - {"weight", "activation"}
-            if unknown:
-                raise ValueError(f"overrides[{pattern!r}] has unknown keys {sorted(unknown)}; "
-                                 "expected 'weight' and/or 'activation'")
             if o.get("weight") is not None:
                 _weight_scheme(o["weight"], f"overrides[{pattern!r}].weight")
             if o.get("activation") is not None:
                 _act_scheme(o["activation"], f"overrides[{pattern!r}].activation")
+        for (w, a), label in self._combinations().items():
+            try:
+                check_linear_schemes(w, a)
+            except ValueError as e:
+                raise ValueError(f"recipe {label}: weights '{w}' with activations '{a}': {e}") from None
+
+    def _combinations(self) -> dict[tuple[str, str | None], str]:
+        """Every (weight, activation) pair some module could get (as ``scheme_for`` walks the
+        overrides, each matching or not), with the field that makes it."""
+        reached = {(self.weight, self.activation): "weight/activation"}
+        for pattern, o in self.overrides:
+            new = {}
+            for w, a in [*reached, (self.weight, self.activation)]:  # the latter: a float module so far
+                pair = (o.get("weight", w), o.get("activation", a))
+                if pair[0] is not None and pair not in reached:
+                    new[pair] = f"overrides[{pattern!r}]"
+            reached.update(new)
+        return reached
 
     def scheme_for(self, name: str) -> tuple[str, str | None] | None:
         """(weight scheme, activation scheme) for the linear module ``name``, or None
@@ -111,12 +126,9 @@ class Recipe:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown recipe keys {sorted(unknown)}; expected some of {sorted(known)}")
+            raise ValueError(f"unknown recipe keys {sorted(map(str, unknown))}; expected some of {sorted(known)}")
         if "weight" not in d:
             raise ValueError("a recipe needs a 'weight' scheme")
-        d = dict(d)
-        if "overrides" in d:
-            d["overrides"] = tuple((p, o) for p, o in d["overrides"])
         return cls(**d)
 
     @classmethod
@@ -132,20 +144,112 @@ class Recipe:
             return name_or_path
         if name_or_path in RECIPE_PRESETS:
             return RECIPE_PRESETS[name_or_path]
-        if os.path.isfile(name_or_path):
-            with open(name_or_path, encoding="utf-8") as f:
-                text = f.read()
-            if name_or_path.endswith((".yaml", ".yml")):
-                import yaml  # a dependency of transformers
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-            return cls.from_dict(data)
+        path = os.fspath(name_or_path) if isinstance(name_or_path, os.PathLike) else name_or_path
+        if isinstance(path, str) and os.path.isfile(path):
+            return cls._from_file(path)
+        if isinstance(path, str) and os.path.isdir(path):
+            raise ValueError(f"recipe {path!r} is a folder; expected a preset ({', '.join(RECIPE_PRESETS)}) "
+                             "or a .json / .yaml recipe file")
         raise ValueError(f"recipe {name_or_path!r} is neither a preset ({', '.join(RECIPE_PRESETS)}) nor a file")
+
+    @classmethod
+    def _from_file(cls, path: str) -> "Recipe":
+        """The recipe in a JSON or YAML file; every problem is a ValueError naming the file
+        (and the field, when one is at fault)."""
+        where = f"recipe file {path!r}"
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot be read ({e.strerror})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+        if path.endswith((".yaml", ".yml")):
+            import yaml  # a dependency of transformers
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{where}: not valid YAML ({' '.join(str(e).split())})") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: nested too deeply to be a recipe") from None
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {str(e).removeprefix('recipe ')}") from None
+
+def check_linear_schemes(weight: str | QuantScheme, activation: str | QuantScheme | None) -> None:
+    """Raise ValueError when ``lowbit.linear`` has no kernel for weights of scheme ``weight``
+    with activations of scheme ``activation`` (None: weight-only, which every weight scheme
+    runs).  8-bit activations run with an int8 symmetric per-channel weight (W8A8) or a 4-bit
+    weight with integer zero points (W4A8), nothing else.
+
+    Example::
+
+        >>> from lowbit.recipe import check_linear_schemes
+        >>> check_linear_schemes("int4-asym-g128-f16", "int8-asym-token")   # W4A8: fine
+        >>> check_linear_schemes("int2-asym-g64", "int8-sym-token")
+        Traceback (most recent call last):
+        ...
+        ValueError: 8-bit activations need an 8- or 4-bit weight, got 'int2-asym-g64'
+    """
+    if activation is None:
+        return
+    w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
+    # the same rules, in the same words, as lowbit.ops.matmul.linear (which cannot import
+    # this layer); tests/test_recipe.py checks the two agree on every combination
+    if w.bits == 8:
+        if not w.symmetric or w.granularity != "channel":
+            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
+    elif w.bits == 4:
+        if w.zero_point_domain != "int":
+            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{w}'")
+    else:
+        raise ValueError(f"8-bit activations need an 8- or 4-bit weight, got '{w}'")
+
+
+def _patterns(modules) -> tuple[str, ...]:
+    """``modules`` as a tuple of regexes: one string is one pattern, never its characters."""
+    if isinstance(modules, str):
+        modules = (modules,)
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"recipe modules: expected a regex or a list of regexes, got {modules!r}")
+    for i, pattern in enumerate(modules):
+        _regex(pattern, f"modules[{i}]")
+    return tuple(modules)
+
+
+def _overrides(overrides) -> tuple[tuple[str, dict], ...]:
+    """``overrides`` checked as a list of ``[regex, {"weight": ..., "activation": ...}]`` pairs."""
+    if not isinstance(overrides, (list, tuple)):
+        raise ValueError(f"recipe overrides: expected a list of [regex, {{\"weight\": ..., \"activation\": "
+                         f"...}}] pairs, got {overrides!r}")
+    out = []
+    for i, item in enumerate(overrides):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Mapping)):
+            hint = " (one override is written [[regex, {...}]])" if isinstance(item, str) else ""
+            raise ValueError(f"recipe overrides[{i}]: expected a [regex, {{\"weight\": ..., \"activation\": "
+                             f"...}}] pair, got {item!r}{hint}")
+        pattern, o = item
+        _regex(pattern, f"overrides[{i}]")
+        unknown = set(o) - {"weight", "activation"}
+        if unknown:
+            raise ValueError(f"recipe overrides[{pattern!r}] has unknown keys {sorted(map(str, unknown))}; "
+                             "expected 'weight' and/or 'activation'")
+        out.append((pattern, dict(o)))
+    return tuple(out)
 
 
 def _weight_scheme(s: str, label: str) -> QuantScheme:
+    if not isinstance(s, str):
+        raise ValueError(f"recipe {label}: expected a scheme string such as 'int4-asym-g128', got {s!r}")
     try:
         scheme = QuantScheme.parse(s)
     except (ValueError, TypeError) as e:
@@ -156,6 +260,8 @@ def _weight_scheme(s: str, label: str) -> QuantScheme:
 
 
 def _act_scheme(s: str, label: str) -> QuantScheme:
+    if not isinstance(s, str):
+        raise ValueError(f"recipe {label}: expected a scheme string such as 'int8-sym-token', got {s!r}")
     try:
         scheme = QuantScheme.parse(s)
     except (ValueError, TypeError) as e:
@@ -166,9 +272,11 @@ def _act_scheme(s: str, label: str) -> QuantScheme:
 
 
 def _regex(pattern: str, label: str) -> None:
+    if not isinstance(pattern, str):
+        raise ValueError(f"recipe {label}: expected a regex string, got {pattern!r}")
     try:
         re.compile(pattern)
-    except re.error as e:
+    except (re.error, OverflowError, RecursionError) as e:
         raise ValueError(f"recipe {label}: bad regex {pattern!r}: {e}") from None
 
 
@@ -204,4 +312,4 @@ def with_group_size(scheme: str, group_size: int) -> str:
     return str(replace(QuantScheme.parse(scheme), group_size=group_size))
 
 
-__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size"]
+__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size", "check_linear_schemes"]

@@ -91,6 +91,7 @@ class Runner:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
+        self.max_positions = max_positions(model)
         self.eps = cfg.rms_norm_eps
         self.layers = []
         for layer in body.layers:
@@ -118,7 +119,9 @@ class Runner:
         return self._decoders[precision]
 
     def new_cache(self, capacity: int) -> KVCache:
-        """Empty KV cache for ``capacity`` tokens (prompt plus generated)."""
+        """Empty KV cache for ``capacity`` tokens (prompt plus generated), at most the
+        model's ``max_position_embeddings``."""
+        check_positions(self.model, capacity, what="a KV cache")
         shape = (self.kv_heads, capacity, self.head_dim)
         n = len(self.layers)
         mk = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
@@ -237,6 +240,7 @@ class Runner:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        check_positions(self.model, ids.numel(), max_new_tokens)
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         gen = torch.Generator(device=self.device)
         gen.manual_seed(0 if seed is None else seed)
@@ -260,6 +264,51 @@ class Runner:
         return out
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The most positions (prompt plus generated tokens) the model takes: its config's
+    ``max_position_embeddings``, or None when the config does not say.
+
+    Example::
+
+        >>> import lowbit
+        >>> from lowbit.runtime import max_positions
+        >>> max_positions(lowbit.load_model()[0])
+        8192
+    """
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_positions(model: nn.Module, tokens: int, new_tokens: int = 0, what: str = "the prompt") -> None:
+    """Refuse (ValueError, naming the numbers) ``tokens`` positions, plus ``new_tokens`` to
+    generate after them, past the model's ``max_position_embeddings`` (``max_positions``):
+    rotary positions beyond it were never trained and the output degrades without a word.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> from lowbit.runtime import check_positions
+        >>> model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))  # SmolLM2's
+        >>> check_positions(model, 8000, 100)
+        >>> check_positions(model, 8000, 500)
+        Traceback (most recent call last):
+        ...
+        ValueError: the prompt (8000 tokens) plus 500 new tokens need 8500 positions, more than the model's max_position_embeddings=8192; generate at most 192 new tokens or shorten the prompt
+        >>> check_positions(model, 9000, what="--ctx")
+        Traceback (most recent call last):
+        ...
+        ValueError: --ctx (9000 tokens) is longer than the model's max_position_embeddings=8192
+    """
+    limit = max_positions(model)
+    if limit is None or tokens + new_tokens <= limit:
+        return
+    if tokens > limit:
+        raise ValueError(f"{what} ({tokens} tokens) is longer than the model's max_position_embeddings={limit}")
+    raise ValueError(f"{what} ({tokens} tokens) plus {new_tokens} new tokens need {tokens + new_tokens} "
+                     f"positions, more than the model's max_position_embeddings={limit}; generate at most "
+                     f"{limit - tokens} new tokens or shorten {what}")
+
+
 def _native_decoder(r: Runner):
     """The C++ decode step for this model, when every projection is a float nn.Linear of
     the model's dtype or a QuantLinear whose one-row plan on the cpu backend is a kernel
@@ -268,6 +317,7 @@ def _native_decoder(r: Runner):
     from .kernels import resolve
     from .nn import QuantLinear
     from .ops.matmul import as_act_scheme, weight_parts
+    from .recipe import check_linear_schemes
 
     if not r._native or not cpu.decode_available() or r.device.type != "cpu":
         return None
@@ -282,8 +332,9 @@ def _native_decoder(r: Runner):
         codes, scale, zp, _, _ = weight_parts(m.qweight)
         act = None if m.act_scheme is None else as_act_scheme(m.act_scheme)
         w = m.qweight.scheme
-        if act is not None and not (w.bits == 8 and w.symmetric and w.granularity == "channel"
-                                    or w.bits == 4 and (zp is None or not zp.is_floating_point())):
+        try:
+            check_linear_schemes(w, act)
+        except ValueError:
             return None  # lowbit.linear refuses these; the Python path says why
         return cpu.quant_projection(w, act, codes, scale, zp, m.bias, m.in_features, r.dtype)
 
@@ -344,4 +395,4 @@ def _pick(logits: torch.Tensor, do_sample, temperature, top_k, top_p, gen) -> in
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-__all__ = ["Runner", "KVCache", "Generation"]
+__all__ = ["Runner", "KVCache", "Generation", "check_positions", "max_positions"]

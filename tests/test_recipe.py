@@ -62,3 +62,40 @@ def test_bad_recipes_are_refused_with_the_field_named(d, match):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError, match="w4a16-g128"):
         Recipe.get("w3a16")
+
+
+def _weight_schemes():
+    for bits in (2, 3, 4, 8):
+        for sym in (True, False):
+            for block in ("tensor", "channel", "g32"):
+                for zp in (("",) if sym else ("", "-zpfloat")):
+                    yield f"int{bits}-{'sym' if sym else 'asym'}-{block}{zp}"
+
+
+@pytest.mark.parametrize("act", [None, "int8-sym-token", "int8-asym-token", "int8-asym-tensor"])
+def test_check_linear_schemes_agrees_with_what_linear_runs(act):
+    """The recipe check restates lowbit.linear's dispatch (ops cannot import recipe): every
+    weight scheme with ``act`` is accepted exactly when linear runs it."""
+    import torch
+
+    import lowbit
+    from lowbit.recipe import check_linear_schemes
+
+    for w in _weight_schemes():
+        qt = lowbit.quantize(torch.randn(8, 64), w)
+        try:
+            lowbit.linear(torch.randn(2, 64), qt, act_scheme=act, backend="reference")
+            runs = None
+        except ValueError as e:
+            runs = str(e)
+        try:
+            check_linear_schemes(w, act)
+            accepted = None
+        except ValueError as e:
+            accepted = str(e)
+        assert (runs is None) == (accepted is None), (w, act, runs, accepted)
+        if accepted is None:
+            Recipe(weight=w, activation=act)
+        else:
+            with pytest.raises(ValueError, match=f"weights '{w}' with activations '{act}'"):
+                Recipe(weight=w, activation=act)
