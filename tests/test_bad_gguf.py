@@ -294,8 +294,15 @@ def test_missing_required_key_is_refused_by_name(tmp_path, key):
     refused(write_gguf(tmp_path / NAME, metadata, tensors), f"metadata key {key!r} is missing")
 
 
+def test_tokenizer_without_merges_or_scores_is_refused(tmp_path):
+    metadata, tensors = tiny_llama()
+    del metadata["tokenizer.ggml.merges"]  # transformers would look for scores to rebuild them from
+    refused(write_gguf(tmp_path / NAME, metadata, tensors), "neither 'tokenizer.ggml.merges' nor")
+
+
 @pytest.mark.parametrize("key, value, contains", [
     ("general.architecture", (3, VT.UINT32), "is UINT32, expected a string"),
+    ("general.architecture", ("\x00lama", VT.STRING), "not an architecture gguf"),
     ("llama.block_count", ("2", VT.STRING), "is STRING, expected an integer"),
     ("llama.block_count", (0, VT.UINT32), "is 0, expected an integer >= 1"),
     ("llama.attention.layer_norm_rms_epsilon", (1, VT.UINT32), "expected a float"),

@@ -293,7 +293,7 @@ def _kind(field) -> str:
 
 
 def _check_metadata(reader, path: Path) -> None:
-    """Every string value valid UTF-8; ``general.architecture`` a string."""
+    """Every string value valid UTF-8; ``general.architecture`` a known one."""
     from gguf import GGUFValueType as VT
 
     for key, field in reader.fields.items():
@@ -310,7 +310,14 @@ def _check_metadata(reader, path: Path) -> None:
 
 
 def _architecture(reader, path: Path) -> str:
-    return _value(reader, path, "general.architecture", "str", "a model")
+    """``general.architecture``, one of the names gguf knows (``gguf.MODEL_ARCH_NAMES``)."""
+    from gguf import MODEL_ARCH_NAMES
+
+    arch = _value(reader, path, "general.architecture", "str", "a model")
+    if arch not in MODEL_ARCH_NAMES.values():
+        raise GGUFError(f"{path}: metadata key 'general.architecture' is {arch!r}, not an architecture "
+                        "gguf knows (llama, qwen2, ...)")
+    return arch
 
 
 # What a load reads from a Llama file (llama.cpp's llama loader and transformers' both),
@@ -393,6 +400,9 @@ def _check_llama(reader, path: Path) -> None:
         if kind == "token?" and v[key] is not None and not 0 <= v[key] < n_tokens:
             raise GGUFError(f"{path}: metadata key {key!r} is {v[key]}, not a token id "
                             f"(tokenizer.ggml.tokens has {n_tokens})")
+    if v["tokenizer.ggml.merges"] is None and v["tokenizer.ggml.scores"] is None:
+        raise GGUFError(f"{path}: metadata has neither 'tokenizer.ggml.merges' nor 'tokenizer.ggml.scores' "
+                        "(the BPE merges, or the scores to rebuild them from)")
     if v["tokenizer.ggml.merges"]:
         vocab = set(tokens)
         for i, merge in enumerate(v["tokenizer.ggml.merges"]):
