@@ -51,14 +51,40 @@ def float_dtype(name: str, dtype, allowed: Iterable[torch.dtype] = FLOAT_DTYPES)
     return dtype
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values a check can read: not empty, not a meta tensor (meta and
+    fake tensors carry shapes only; value checks skip them)."""
+    return t.numel() > 0 and t.device.type != "meta"
+
+
 def finite(name: str, t: torch.Tensor) -> None:
     """Refuse NaN/Inf in a tensor to be quantized: they would poison its scale."""
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if has_values(t) and not bool(torch.isfinite(t).all()):
         bad = (~torch.isfinite(t)).nonzero()[0].tolist()
         raise ValueError(
             f"{name} contains NaN or Inf (first at index {bad}: {t[tuple(bad)].item()}); "
             "a non-finite value would poison the scale of its block"
         )
+
+
+def positive_finite(name: str, t: torch.Tensor | None) -> None:
+    """Refuse a scale that is zero, negative, NaN or Inf (it would divide by zero or
+    poison every value it touches)."""
+    if t is not None and has_values(t):
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            index = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name} must be finite and > 0, got {t[tuple(index)].item()} at index {index}")
+
+
+def in_range(name: str, t: torch.Tensor | None, lo: int, hi: int, why: str) -> None:
+    """Refuse an integer tensor (a zero point) with a value outside [lo, hi]."""
+    if t is not None and has_values(t):
+        bad = (t < lo) | (t > hi)
+        if bool(bad.any()):
+            index = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name} must lie in [{lo}, {hi}] ({why}), got {t[tuple(index)].item()} "
+                             f"at index {index}")
 
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._validate import has_values as _has_values
 from .ops import linear, quantize
 from .qtensor import QTensor
 from .scheme import QuantScheme
@@ -125,8 +126,18 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .ops import dequantize
 
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be an int64 or int32 tensor, got "
+                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         qt = self.weight.qtensor()
         flat = ids.reshape(-1)
+        if flat.device.type == "cuda":  # no host sync: a bad id stops the next kernel
+            torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                f"QuantEmbedding: ids must lie in [0, {self.num_embeddings})")
+        elif _has_values(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            bad = flat[(flat < 0) | (flat >= self.num_embeddings)][0].item()
+            raise IndexError(f"ids must lie in [0, {self.num_embeddings}) (the vocabulary of this embedding), "
+                             f"got {bad}")
         zp = None if qt.zero_point is None else qt.zero_point[flat]
         rows = QTensor(qt.codes[flat], qt.scale[flat], zp, qt.scheme, torch.Size((flat.numel(), self.embedding_dim)))
         return dequantize(rows, self.dtype).reshape(*ids.shape, self.embedding_dim)

@@ -145,6 +145,10 @@ class QuantScheme:
             )
         if self.packing not in PACKINGS:
             raise ValueError(f"QuantScheme.packing must be one of {PACKINGS}, got {self.packing!r}")
+        if not self.is_packed and self.packing != "u32":
+            # 8-bit codes are stored one per byte whatever the packing says: one canonical
+            # form, so that equal schemes compare equal and str() round-trips.
+            object.__setattr__(self, "packing", "u32")
 
     # -- derived facts, used by every operator -------------------------------------
     @property
@@ -288,19 +292,27 @@ class QuantScheme:
                 f"-token|-tensor][-zpfloat][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(SCHEME_PRESETS)}"
             )
         kw: dict = {"bits": int(m.group(1)), "symmetric": parts[1] == "sym"}
+        seen: dict[str, str] = {}  # what each part set: one part per kind, no silent "last one wins"
         for p in parts[2:]:
             if re.fullmatch(r"g\d+", p):
-                kw["granularity"], kw["group_size"] = "group", int(p[1:])
+                kind, value = "granularity", {"granularity": "group", "group_size": int(p[1:])}
             elif p in GRANULARITIES:
-                kw["granularity"] = p
+                kind, value = "granularity", {"granularity": p}
             elif p == "zpfloat":
-                kw["zero_point_domain"] = "float"
+                kind, value = "zero point domain", {"zero_point_domain": "float"}
             elif p in SCALE_DTYPES:
-                kw["scale_dtype"] = SCALE_DTYPES[p]
+                kind, value = "scale dtype", {"scale_dtype": SCALE_DTYPES[p]}
             elif p in PACKINGS:
-                kw["packing"] = p
+                kind, value = "packing", {"packing": p}
+                if kw["bits"] >= 8:
+                    raise ValueError(f"cannot parse scheme {text!r}: {kw['bits']}-bit codes are stored one "
+                                     f"per byte, not packed; drop '-{p}'")
             else:
                 raise ValueError(f"cannot parse scheme {text!r}: unknown part {p!r}")
+            if kind in seen:
+                raise ValueError(f"cannot parse scheme {text!r}: '{seen[kind]}' and '{p}' both set the {kind}")
+            seen[kind] = p
+            kw.update(value)
         return cls(**kw)
 
 

@@ -110,10 +110,13 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
     tied = _tied_embedding(model)
     for name, spec in items:
         mod = model.get_submodule(name)
-        if spec["kind"] == "linear":
-            new = QuantLinear.from_linear(mod, spec["weight"], spec["activation"], backend)
-        else:
-            new = QuantEmbedding.from_embedding(mod, spec["weight"])
+        try:
+            if spec["kind"] == "linear":
+                new = QuantLinear.from_linear(mod, spec["weight"], spec["activation"], backend)
+            else:
+                new = QuantEmbedding.from_embedding(mod, spec["weight"])
+        except ValueError as e:  # name the module: "the weight holds NaN" alone says not which
+            raise ValueError(f"cannot quantize module '{name}': {e}") from e
         _set_module(model, name, new)
     if tied and hasattr(model, "config") and any(n == "lm_head" or v["kind"] == "embedding" for n, v in todo.items()):
         # The tied pair now has separate storage (one or both quantized on their own).
@@ -155,7 +158,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
             _set_module(out, name, lin)
         elif isinstance(mod, QuantEmbedding):
             emb = nn.Embedding(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, dtype=mod.dtype)
-            emb.weight = nn.Parameter(mod.weight.qtensor().dequantize(mod.dtype), requires_grad=False)
+            emb.weight = nn.Parameter(dequantize(mod.weight.qtensor(), mod.dtype), requires_grad=False)
             _set_module(out, name, emb)
     for attr in ("lowbit_recipe", "lowbit_modules"):
         if hasattr(out, attr):

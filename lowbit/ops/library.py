@@ -55,12 +55,13 @@ def _no_zero_point(x: Tensor) -> Tensor:
     return x.new_empty(0, dtype=torch.int32)
 
 
-def _check_scale(scale: Tensor, dtype: torch.dtype) -> None:
-    if scale.numel() and not bool(torch.isfinite(scale).all()):
-        raise ValueError(
-            f"scale overflows {dtype}: the range of a block is too large for it; "
-            "use scale_dtype=torch.float32"
-        )
+def _check_scale(scale: Tensor, dtype: torch.dtype, what: str = "a block") -> None:
+    """Refuse a chosen scale that overflowed: finite values whose range (max - min) is
+    past the largest float32, or past the largest float16 for a float16 scale."""
+    if _validate.has_values(scale) and not bool(torch.isfinite(scale).all()):
+        hint = ("; a float32 scale (the scheme without '-f16') holds it" if dtype == torch.float16
+                else "; scale the data down first")
+        raise ValueError(f"the scale of {what} overflows {dtype}: its range max - min is too large{hint}")
 
 
 # -- choose_qparams -----------------------------------------------------------------
@@ -104,7 +105,7 @@ def dequantize(backend, codes, scale, zero_point, scheme, shape, out_dtype):
          lambda q, bits, packing: q.new_empty([*q.shape[:-1], packed_length(q.shape[-1], bits, packing)],
                                               dtype=word_dtype(packing)))
 def pack(backend, q, bits, packing):
-    if q.numel():
+    if _validate.has_values(q):
         lo, hi = int(q.min()), int(q.max())
         smin, smax = code_range(bits, True)
         if lo < smin or hi > code_range(bits, False)[1] or (lo < 0 and hi > smax):
@@ -138,6 +139,7 @@ def quantize_per_token(backend, x, bits, symmetric):
     q, scale, zp, finite = backend.quantize_per_token(x, bits, symmetric)
     if not finite:  # the fast kernel checks while it reads; name the first bad value
         _validate.finite("x", x)
+    _check_scale(scale, scale.dtype, "a row of x")
     return q, scale, zp
 
 
@@ -213,10 +215,53 @@ def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size):
     return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
 
 
+def _weight_only_matmul_setup(ctx, inputs, output):
+    x, codes, scale, zero_point, bits, group_size = inputs
+    ctx.save_for_backward(codes, scale, zero_point)
+    ctx.bits, ctx.group_size, ctx.k, ctx.x_dtype = bits, group_size, x.shape[-1], x.dtype
+
+
+def _weight_only_matmul_backward(ctx, grad):
+    # y = x @ W.T  =>  dL/dx = dL/dy @ W, W the dequantized weight (float32, rounded once to
+    # x's dtype); the codes, scale and zero point get no gradient (a frozen quantized weight:
+    # LoRA adapters and quantization-aware training on top of it).
+    codes, scale, zero_point = ctx.saved_tensors
+    w = ref.dequantize_weight(codes, scale, zero_point, ctx.bits, ctx.group_size, ctx.k)
+    return (grad.to(torch.float32) @ w).to(ctx.x_dtype), None, None, None, None, None
+
+
+torch.library.register_autograd("lowbit::weight_only_matmul", _weight_only_matmul_backward,
+                                setup_context=_weight_only_matmul_setup, lib=_LIB)
+
+
 @_define("int8_mm(Tensor a, Tensor b) -> Tensor",
          lambda a, b: a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32))
 def int8_mm(backend, a, b):
+    if a.shape[1] > INT8_MM_MAX_K:
+        raise ValueError(f"int8_mm: K={a.shape[1]} is past {INT8_MM_MAX_K}, the largest K whose int8 x int8 "
+                         "dot products (at most 128 * 128 * K) are exact in its int32 result")
     return backend.int8_mm(a, b)
+
+
+# Exact int32 accumulation: |a . b| <= 128 * 128 * K for int8 a and b; with a zero point
+# (|a - a_zp| <= 256, |a_zp| <= 128 for codes shifted from uint8) every partial result of
+# a . b - a_zp * sum(b) is at most 256 * 128 * K.  Past these K the ops sum int32 chunks in int64.
+INT8_MM_MAX_K = (2**31 - 1) // (128 * 128)
+INT8_LINEAR_CHUNK_K = (2**31 - 1) // (256 * 128)
+
+
+def _int8_linear_long_k(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
+    """``int8_linear`` past INT8_LINEAR_CHUNK_K: exact int32 products of K chunks (the
+    backend's int8_mm) summed in int64, then the reference epilogue: the same bits on
+    every backend, as the exact integer is the same."""
+    k = a.shape[1]
+    acc = sum(backend.int8_mm(a[:, i:i + INT8_LINEAR_CHUNK_K].contiguous(),
+                              b[:, i:i + INT8_LINEAR_CHUNK_K].contiguous()).to(torch.int64)
+              for i in range(0, k, INT8_LINEAR_CHUNK_K))
+    if a_zero_point is not None:
+        acc = acc - a_zero_point.to(torch.int64)[:, None] * b.sum(dim=1, dtype=torch.int64)[None, :]
+    y = ref.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
 
 
 @_define("int8_linear(Tensor a, Tensor? a_zero_point, Tensor b, Tensor row_scale, Tensor col_scale, "
@@ -225,7 +270,9 @@ def int8_mm(backend, a, b):
              a.new_empty([a.shape[0], b.shape[0]], dtype=out_dtype))
 def int8_linear(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
     """W8A8: ``dequantize_accumulator(a . b.T - a_zp[m] sum b[n], row_scale, col_scale)``
-    rounded to out_dtype, then ``+ bias`` in out_dtype (``Backend.int8_linear``)."""
+    rounded to out_dtype, then ``+ bias`` in out_dtype (``Backend.int8_linear``), for any K."""
+    if a.shape[1] > INT8_LINEAR_CHUNK_K:
+        return _int8_linear_long_k(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
     return backend.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
 
 

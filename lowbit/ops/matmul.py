@@ -17,9 +17,10 @@ from ..scheme import QuantScheme
 from . import library
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
-from .quant import dequantize, quantize
+from .quant import _check_qparams, dequantize, quantize
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+W4A8_MAX_GROUP = (2**31 - 1) // (255 * 15)  # int32-exact per-group sums of W4A8
 ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
 
 
@@ -83,8 +84,11 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if out is not None:
         _validate.tensor("out", out, dtypes=[input.dtype])
         _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
-    y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
-                     group_size)
+    if input.shape[-1] == 0:  # an empty sum: zeros, as torch.matmul gives
+        y = input.new_zeros((*input.shape[:-1], n))
+    else:
+        y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
+                         group_size)
     return y if out is None else out.copy_(y)
 
 
@@ -194,7 +198,10 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         torch.bfloat16
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
-    codes, scales, zps, bits, group = weight_parts(qweight)
+    if not isinstance(qweight, QTensor):
+        raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
+    if len(qweight.shape) != 2:
+        raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
     n, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match qweight in_features={k}")
@@ -202,10 +209,17 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[out_features]")
+    w = qweight.scheme
+    # The matmul ops take 8-bit codes or u32x8 words: 2/3-bit codes, and 4-bit codes of a K
+    # that fills no whole u32 word (u8 packing), are dequantized first.
+    matmul_form = w.bits == 8 or (w.bits == 4 and k % 8 == 0)
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
             raise ValueError("act_scale / act_zero_point need an act_scheme")
-        if bits in (4, 8):
+        if k == 0:
+            y = x.new_zeros((*x.shape[:-1], n))
+        elif matmul_form:
+            codes, scales, zps, bits, group = weight_parts(qweight)
             y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group)
         else:
             y = torch.nn.functional.linear(x, dequantize(qweight, x.dtype, backend=backend))
@@ -214,6 +228,13 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     s = as_act_scheme(act_scheme)
     if x.dtype == torch.float64:
         raise TypeError("x must be float32, float16 or bfloat16 for 8-bit activations, got torch.float64")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"act_scheme='{s}' quantizes x on the fly, which has no gradient; for "
+                         "quantization-aware training use lowbit.fake_quantize on x, or run under torch.no_grad()")
+    if not matmul_form or k == 0:
+        raise ValueError(f"8-bit activations need an 8-bit weight, or a 4-bit weight whose in_features is a "
+                         f"positive multiple of 8; got '{w}' with in_features={k}")
+    codes, scales, zps, bits, group = weight_parts(qweight)
     x2 = x.reshape(-1, k)
     xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)
     if bits == 8:
@@ -224,6 +245,9 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
                          x.dtype)
         return y.reshape(*x.shape[:-1], n)  # bias added in the epilogue
     elif bits == 4:
+        if group > W4A8_MAX_GROUP:
+            raise ValueError(f"W4A8 sums each weight group in int32, exact up to {W4A8_MAX_GROUP} values; "
+                             f"'{qweight.scheme}' has groups of {group}")
         if zps is not None and zps.is_floating_point():
             raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{qweight.scheme}'")
         y = library.call(library.linear_qta8a_qga4w, backend, x.device, xq, xs.to(torch.float32), xz, codes,
@@ -244,6 +268,8 @@ def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend
     if s.granularity == "token":
         q, scale, zp = quantize_per_token(x2, 8, s.symmetric, backend=backend)
     else:  # per tensor: calibrated (act_scale given) or chosen from x2
+        if act_scale is not None:
+            _check_qparams(x2, s, act_scale, act_zero_point, names=("act_scale", "act_zero_point"))
         qt = quantize(x2, s, act_scale, act_zero_point, backend=backend)
         q, scale = qt.codes, qt.scale.expand(m)
         zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric
@@ -295,5 +321,16 @@ def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_po
         _validate.shape("bias", bias, (n,), "[N]")
     _validate.same_device("x_q", x_q, x_scale=x_scale, x_zero_point=x_zero_point, w_codes=w_codes,
                           out_scale=out_scale, out_zero_point=out_zero_point, bias=bias)
+    # Values: the integer kernels sum (x_q - x_zero_point)(q - w_zero_point) in int32 per group,
+    # exact when the zero points lie in their code ranges and the group is at most W4A8_MAX_GROUP.
+    for name, t in [("x_scale", x_scale), ("out_scale", out_scale)]:
+        _validate.positive_finite(name, t)
+    _validate.finite("w_scale", w_scale)
+    for name, t in [("x_zero_point", x_zero_point), ("out_zero_point", out_zero_point)]:
+        _validate.in_range(name, t, -128, 127, "the int8 code range")
+    _validate.in_range("w_zero_point", w_zero_point, 0, 15, "the unsigned 4-bit code range")
+    if group_size > W4A8_MAX_GROUP:
+        raise ValueError(f"group_size={group_size} is past {W4A8_MAX_GROUP}, the largest group whose int32 "
+                         "sum of (x_q - x_zero_point)(q - w_zero_point), at most 255 * 15 per term, is exact")
     return library.call(library.linear_qta8a_qga4w_qta8o, backend, x_q.device, x_q, x_scale, x_zero_point,
                         w_codes, w_scale, w_zero_point, group_size, out_scale, out_zero_point, bias)

@@ -36,19 +36,27 @@ def _check_input(x, s: QuantScheme, name: str = "x", packed: bool = True) -> Non
         )
 
 
-def _check_qparams(x, s: QuantScheme, scale, zero_point) -> None:
+def _check_qparams(x, s: QuantScheme, scale, zero_point, names=("scale", "zero_point")) -> None:
+    """Static quantization parameters: shapes, dtypes and device, then values (a scale
+    finite and > 0, an integer zero point inside the code range, a float one finite)."""
+    sname, zname = names
     expected = s.scale_shape(x.shape)
-    _validate.tensor("scale", scale, dtypes=[s.scale_dtype])
-    _validate.shape("scale", scale, expected, f"granularity {s.granularity!r} of {tuple(x.shape)}")
+    _validate.tensor(sname, scale, dtypes=[s.scale_dtype])
+    _validate.shape(sname, scale, expected, f"granularity {s.granularity!r} of {tuple(x.shape)}")
     if s.symmetric:
         if zero_point is not None:
-            raise ValueError(f"zero_point must be None for the symmetric scheme '{s}'")
+            raise ValueError(f"{zname} must be None for the symmetric scheme '{s}'")
     else:
         if zero_point is None:
-            raise ValueError(f"zero_point is required for the asymmetric scheme '{s}'")
-        _validate.tensor("zero_point", zero_point, dtypes=[s.zero_point_dtype])
-        _validate.shape("zero_point", zero_point, expected, "same as scale")
-    _validate.same_device("x", x, scale=scale, zero_point=zero_point)
+            raise ValueError(f"{zname} is required for the asymmetric scheme '{s}'")
+        _validate.tensor(zname, zero_point, dtypes=[s.zero_point_dtype])
+        _validate.shape(zname, zero_point, expected, f"same as {sname}")
+    _validate.same_device("x", x, **{sname: scale, zname: zero_point})
+    _validate.positive_finite(sname, scale)
+    if zero_point is not None and s.zero_point_domain == "int":
+        _validate.in_range(zname, zero_point, s.qmin, s.qmax, f"the code range of '{s}'")
+    elif zero_point is not None:
+        _validate.finite(zname, zero_point)
 
 
 def choose_qparams(x: torch.Tensor, scheme: QuantScheme | str) -> tuple[torch.Tensor, torch.Tensor | None]:
