@@ -9,6 +9,8 @@ reads it:
 
     gguf        lowbit.models.gguf_file.read_gguf on a tiny Llama GGUF (tests/test_bad_gguf.py's)
     gguf-load   lowbit.load_model on the same file: the check, then transformers' conversion
+    gguf-stock  gguf.GGUFReader alone, as lowbit read GGUF files before read_gguf: the
+                baseline (not run unless named: its hangs each cost --timeout seconds)
     checkpoint  lowbit.load_model on a lowbit checkpoint folder of a tiny random Llama
                 quantized w4a16-g32; the edits hit lowbit.json or model.safetensors
     recipe      lowbit.Recipe.get on a recipe JSON file
@@ -47,12 +49,13 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADERS = ("gguf", "gguf-load", "checkpoint", "recipe")
+LOADERS = ("gguf", "gguf-load", "checkpoint", "recipe", "gguf-stock")
+DEFAULT_LOADERS = LOADERS[:4]
 # the file (or folder) a loader is given, in the seed folder
-TARGET = {"gguf": "tiny-llama.gguf", "gguf-load": "tiny-llama.gguf", "checkpoint": "ckpt",
-          "recipe": "recipe.json"}
+TARGET = {"gguf": "tiny-llama.gguf", "gguf-load": "tiny-llama.gguf", "gguf-stock": "tiny-llama.gguf",
+          "checkpoint": "ckpt", "recipe": "recipe.json"}
 # the files of that target whose bytes get edited
-EDITED = {"gguf": ["tiny-llama.gguf"], "gguf-load": ["tiny-llama.gguf"],
+EDITED = {"gguf": ["tiny-llama.gguf"], "gguf-load": ["tiny-llama.gguf"], "gguf-stock": ["tiny-llama.gguf"],
           "checkpoint": ["ckpt/lowbit.json", "ckpt/model.safetensors"], "recipe": ["recipe.json"]}
 LATE = "passed lowbit's GGUF checks"  # load.py's message when transformers fails after read_gguf
 
@@ -210,6 +213,10 @@ def load(loader: str, path: Path, cache: Path) -> None:
             lowbit.load_model(path, progress=False)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
+    elif loader == "gguf-stock":
+        import gguf
+
+        gguf.GGUFReader(path)
     elif loader == "checkpoint":
         lowbit.load_model(path)
     else:
@@ -317,7 +324,7 @@ def signature(detail: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=2000, help="inputs per loader (default 2000)")
-    parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS))
+    parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(DEFAULT_LOADERS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds one input may take (default 20)")
     parser.add_argument("--memory-gb", type=float, default=6.0, help="address-space limit of the worker")

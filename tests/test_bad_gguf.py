@@ -201,6 +201,16 @@ def test_absurd_count_is_refused_without_allocating_or_looping(good, field, offs
     assert peak < 16 << 20, peak
 
 
+def test_damaged_byte_array_length_is_refused_not_looped_on(tmp_path):
+    # gguf.GGUFReader reads an array's elements one by one, and past the end of the file
+    # a read is empty and advances nothing: a damaged length there loops nearly forever
+    metadata, tensors = tiny_llama()
+    metadata["general.blob"] = ([1, 2, 3], VT.ARRAY, VT.UINT8)
+    path = write_gguf(tmp_path / NAME, metadata, tensors)
+    patched(path, key_offset(path, "general.blob") + len("general.blob") + 8, struct.pack("<Q", 2**62))
+    refused(path, "metadata entry 19 of 19", "claims 4611686018427387904 array elements")
+
+
 def test_unknown_types_are_refused(good, tmp_path):
     refused(patched(good, tensor_info_offset(good, "blk.0.attn_q.weight") + 4 + 16, struct.pack("<I", 200)),
             "tensor 'blk.0.attn_q.weight'", "unknown ggml type 200")
