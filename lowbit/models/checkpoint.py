@@ -4,12 +4,24 @@
   module (``<module>.weight.codes`` / ``.scale`` / ``.zero_point``) and the float
   tensors of the rest (embeddings, norms, biases);
 * ``lowbit.json``: format version, lowbit version, the recipe, every quantized
-  module's schemes, the float dtype, and a SHA-256 of every tensor;
+  module's schemes, the float dtype, a SHA-256 of every tensor (``sha256``) and of
+  every other file of the folder (``files``: ``config.json`` and the tokenizer's);
 * ``config.json`` and the tokenizer files, so transformers tools can read them.
 
 Writing goes to a temporary sibling folder that is renamed into place at the end,
-so a crash never leaves a half-written checkpoint.  Loading checks every tensor's
-name, dtype, shape and checksum and names the file and tensor it refuses.
+so a crash never leaves a half-written checkpoint.  Replacing a checkpoint
+(``overwrite=True``) replaces only a folder that is one: the old folder is moved to a
+hidden sibling ``.NAME.lowbit-old-*``, the new one renamed into place, and the old one
+put back if that fails; a process killed in between leaves the old one there, and
+the next ``check_output_dir`` or ``save_quantized`` for ``NAME`` puts it back.  The
+folder and its files get the permissions of any new file (the umask's).
+
+Loading checks, before any tensor is read, the structure of ``lowbit.json`` (its
+recipe and schemes too), the checksums of ``config.json`` and the tokenizer files and
+the tensors file's header (names; a truncated file), then every tensor's dtype, shape
+and checksum, and names the file (and field or tensor) it refuses.  Checkpoints
+written before ``files`` was recorded still load; their config and tokenizer files
+are then not checked.
 """
 
 from __future__ import annotations
@@ -17,8 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +47,10 @@ from .quantize import _float_dtype, _set_module
 FORMAT = "lowbit"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
+# files transformers reads from a model folder: with ``files`` recorded, one of these
+# that lowbit.json does not cover is refused rather than silently used
+_READ_BY_TRANSFORMERS = re.compile(r"config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json"
+                                   r"|added_tokens\.json|chat_template.*|vocab.*|merges\.txt|.*\.model|.*\.tiktoken")
 
 
 class CheckpointError(ValueError):
@@ -41,7 +58,16 @@ class CheckpointError(ValueError):
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest()
+    # reshape before view: a 0-d tensor has no last dimension to view as bytes
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _file_digest(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,9 +82,153 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- where a checkpoint may be written ---------------------------------------------------
+
+def _not_a_checkpoint(p: Path) -> str | None:
+    """Why the existing ``p`` is not a folder ``save_quantized`` may replace (None: it may)."""
+    if p.is_symlink():
+        return "is a symbolic link"
+    if not p.is_dir():
+        return "is not a folder"
+    if os.path.ismount(p):
+        return "is a mount point"
+    try:
+        meta = json.loads((p / CHECKPOINT_CONFIG).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return f"has no {CHECKPOINT_CONFIG} saying it is a lowbit checkpoint"
+    try:
+        if any(e.is_dir(follow_symlinks=False) for e in os.scandir(p)):
+            return "holds folders, which a lowbit checkpoint never does"
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    return None
+
+
+def _sibling(parent: Path, name: str, kind: str) -> Path:
+    """A new, empty hidden folder ``.NAME.lowbit-KIND-XXXXXXXX`` in ``parent``, made with
+    the umask's permissions (``tempfile.mkdtemp`` makes 0700, which a rename keeps)."""
+    while True:
+        p = parent / f".{name}.lowbit-{kind}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(p, 0o777)
+            return p
+        except FileExistsError:
+            continue
+
+
+def _siblings(out: Path, kind: str) -> list[Path]:
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.lowbit-{kind}-[0-9a-f]{{8}}")
+    try:
+        return sorted(out.parent / e.name for e in os.scandir(out.parent)
+                      if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+
+
+def _discard(out: Path, backup: Path) -> None:
+    """Delete the backup of ``out``: renamed to a ``-del-`` folder first (atomic), so an
+    ``-old-`` folder always holds a whole checkpoint and a half-deleted one is never
+    put back.  Failing that, it stays for the next run to delete."""
+    gone = _sibling(out.parent, out.name, "del")
+    try:
+        os.rename(backup, gone / "x")
+    except OSError:
+        pass
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _recover(out: Path) -> None:
+    """Finish what an interrupted replacement of ``out`` left: put the old checkpoint
+    back when ``out`` is missing, delete it when ``out`` is there (the new one)."""
+    for d in _siblings(out, "del"):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in _siblings(out, "old"):
+        old = d / "x"
+        if not os.path.lexists(old):  # made, then interrupted before the move
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        elif os.path.lexists(out):
+            _discard(out, d)
+        elif _not_a_checkpoint(old) is None:
+            os.rename(old, out)
+            os.rmdir(d)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` onto the checkpoint ``out``; on any failure (Ctrl-C included) the
+    old one is put back, and if even that is interrupted ``_recover`` puts it back."""
+    backup = _sibling(out.parent, out.name, "old")
+    old = backup / "x"
+    try:
+        os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException:
+        if os.path.lexists(old) and not os.path.lexists(out):
+            os.rename(old, out)
+        if not os.path.lexists(old):
+            os.rmdir(backup)
+        raise
+    _discard(out, backup)
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Check, before any work, that ``save_quantized(model, path, overwrite=overwrite)``
+    can write its checkpoint folder ``path``; returns ``path`` as a Path.
+
+    ``path`` must not exist, unless ``overwrite`` and it is a lowbit checkpoint folder
+    (a folder, not a link, holding a ``lowbit.json`` that says so and no sub-folders);
+    anything else (a file, a device, another folder) is refused.  Its nearest existing
+    parent must be a folder this process can create folders in.  A checkpoint that an
+    interrupted replacement left aside (hidden ``.NAME.lowbit-old-*``) is put back first.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False, or it is not a
+            lowbit checkpoint folder.
+        NotADirectoryError: a parent of ``path`` is not a folder.
+        PermissionError: the folder would be written in cannot be written.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lowbit.models.checkpoint import check_output_dir
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     ok = check_output_dir(d + "/new-checkpoint")
+        ...     check_output_dir(d, overwrite=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        FileExistsError: '...' exists and has no lowbit.json saying it is a lowbit checkpoint; refusing to replace it
+    """
+    given = Path(path)
+    out = Path(os.path.abspath(given))
+    if out.parent == out:
+        raise FileExistsError(f"{str(given)!r} is a file system root; a checkpoint needs a folder of its own")
+    _recover(out)
+    if os.path.lexists(out):
+        if not overwrite:
+            raise FileExistsError(f"{str(given)!r} exists; pass overwrite=True (CLI: --force) to replace it")
+        why = _not_a_checkpoint(out)
+        if why is not None:
+            raise FileExistsError(f"{str(given)!r} exists and {why}; refusing to replace it")
+    parent = out.parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"cannot write {str(given)!r}: {str(parent)!r} is not a folder")
+    try:  # making a folder is the real test (root passes os.access on a read-only file system)
+        os.rmdir(_sibling(parent, out.name, "probe"))
+    except OSError as e:
+        raise PermissionError(f"cannot write {str(given)!r}: cannot create a folder in {str(parent)!r} "
+                              f"({e.strerror or e})") from None
+    return given
+
+
 def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, overwrite: bool = False) -> Path:
     r"""Write a quantized model (from ``lowbit.quantize_model``) to the folder ``path``;
-    returns its path.  The folder must not exist unless ``overwrite``.
+    returns its path.  The folder must not exist unless ``overwrite``, and then it must
+    be a lowbit checkpoint (see ``check_output_dir``, which runs first).
 
     Example (a preset such as ``"w4a16-g128"`` quantizes all 30 layers; this recipe only
     the first layer's 7 linears, to keep the example fast)::
@@ -79,9 +249,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")
-    out = Path(path)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True (CLI: --force) to replace it")
+    given = check_output_dir(path, overwrite)
+    out = Path(os.path.abspath(given))
     tensors = _unique_state(model)
     float_dtype = _float_dtype(model)
     meta = {
@@ -93,45 +262,116 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
         "sha256": {n: _digest(t) for n, t in tensors.items()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = _sibling(out.parent, out.name, "tmp")
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if hasattr(model, "config"):
             model.config.to_json_file(str(tmp / "config.json"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        meta["files"] = {f.name: _file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file() and f.name != WEIGHTS}
         (tmp / CHECKPOINT_CONFIG).write_text(json.dumps(meta, indent=1))
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+        # safetensors writes 0600; every file gets what the umask gave the folder
+        file_mode = tmp.stat().st_mode & 0o666
+        for f in tmp.iterdir():
+            if f.is_file():
+                os.chmod(f, file_mode)
+        if os.path.lexists(out):
+            check_output_dir(given, overwrite)  # still a checkpoint after the writing
+            _replace(tmp, out)
         else:
             os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return given
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    """The ``lowbit.json`` of a checkpoint folder, checked for format and version."""
-    f = Path(path) / CHECKPOINT_CONFIG
-    try:
-        meta = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{f}: missing; {str(path)!r} is not a lowbit checkpoint") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT or not isinstance(meta.get("format_version"), int):
+# -- reading ---------------------------------------------------------------------------------
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _expect(f: Path, field: str, value, types: tuple, what: str) -> None:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise CheckpointError(f"{f}: {field} must be {what}, got {type(value).__name__} {shown}")
+
+
+def _check_digests(f: Path, field: str, digests, plain_names: bool = False) -> None:
+    _expect(f, field, digests, (dict,), "an object of name: SHA-256")
+    for name, d in digests.items():
+        _expect(f, f"{field}[{name!r}]", d, (str,), "a SHA-256 (64 hex digits)")
+        if not _SHA256.fullmatch(d):
+            raise CheckpointError(f"{f}: {field}[{name!r}] is not a SHA-256 (64 hex digits): {d[:70]!r}")
+        if plain_names and (name in ("", ".", "..", WEIGHTS, CHECKPOINT_CONFIG) or "/" in name or "\\" in name):
+            raise CheckpointError(f"{f}: {field} names {name!r}, which is not a file of the checkpoint it may list")
+
+
+def _validate(meta, f: Path) -> Recipe:
+    """Check the structure of a parsed lowbit.json (``f``); returns its recipe."""
+    _expect(f, "the file", meta, (dict,), "a JSON object")
+    if meta.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a lowbit checkpoint description (format={meta.get('format')!r})")
+    _expect(f, "format_version", meta.get("format_version"), (int,), "an integer")
+    if meta["format_version"] < 1:
+        raise CheckpointError(f"{f}: format_version {meta['format_version']} is not a version (>= 1)")
     if meta["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{f}: format_version {meta['format_version']} is newer than this lowbit "
                               f"reads ({FORMAT_VERSION}); upgrade lowbit")
-    for key in ("recipe", "modules", "dtype", "sha256"):
+    for key in ("lowbit_version", "recipe", "modules", "dtype", "sha256"):
         if key not in meta:
             raise CheckpointError(f"{f}: missing key {key!r}")
-    return meta
+    _expect(f, "lowbit_version", meta["lowbit_version"], (str,), "a string")
+    _expect(f, "dtype", meta["dtype"], (str,), "a string")
+    if meta["dtype"] not in FLOAT_DTYPES_BY_NAME:
+        raise CheckpointError(f"{f}: dtype {meta['dtype']!r} is unknown; expected one of {list(FLOAT_DTYPES_BY_NAME)}")
+    _expect(f, "recipe", meta["recipe"], (dict,), "an object")
+    try:
+        recipe = Recipe.from_dict(meta["recipe"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{f}: recipe: {e}") from None
+    _check_digests(f, "sha256", meta["sha256"])
+    if "files" in meta:
+        _check_digests(f, "files", meta["files"], plain_names=True)
+    _expect(f, "modules", meta["modules"], (dict,), "an object of module name: schemes")
+    for name, spec in meta["modules"].items():
+        field = f"modules[{name!r}]"
+        _expect(f, field, spec, (dict,), 'an object {"kind", "weight", "activation"}')
+        if set(spec) != {"kind", "weight", "activation"}:
+            raise CheckpointError(f"{f}: {field} has keys {sorted(spec)}; expected ['activation', 'kind', 'weight']")
+        if spec["kind"] not in ("linear", "embedding"):
+            raise CheckpointError(f"{f}: {field}.kind is {spec['kind']!r}; expected 'linear' or 'embedding'")
+        _expect(f, f"{field}.weight", spec["weight"], (str,), "a scheme string")
+        _expect(f, f"{field}.activation", spec["activation"], (str, type(None)), "a scheme string or null")
+        if spec["kind"] == "embedding" and spec["activation"] is not None:
+            raise CheckpointError(f"{f}: {field}.activation must be null for an embedding")
+        try:  # the schemes a recipe accepts for weights and activations
+            Recipe(weight=spec["weight"], activation=spec["activation"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{f}: {field} (weight {spec['weight']!r}, activation {spec['activation']!r}): "
+                                  f"{e}") from None
+        if f"{name}.weight.codes" not in meta["sha256"]:
+            raise CheckpointError(f"{f}: {field} has no tensor {name + '.weight.codes'!r} in sha256")
+    return recipe
+
+
+def _check_files(folder: Path, meta: dict) -> None:
+    """config.json and the tokenizer files against the checksums lowbit.json records."""
+    if "files" not in meta:
+        return  # written before lowbit recorded them: nothing to check against
+    f = folder / CHECKPOINT_CONFIG
+    for name, digest in meta["files"].items():
+        p = folder / name
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing ({f} records its checksum)")
+        if _file_digest(p) != digest:
+            raise CheckpointError(f"{p}: changed since the checkpoint was written (SHA-256 mismatch with {f})")
+    for e in os.scandir(folder):
+        if e.name not in meta["files"] and _READ_BY_TRANSFORMERS.fullmatch(e.name) and e.is_file():
+            raise CheckpointError(f"{folder / e.name}: not covered by the checksums of {f}; transformers would "
+                                  "read it (remove it, or save the checkpoint again)")
 
 
 class _Reader:
@@ -150,7 +390,7 @@ class _Reader:
             raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
         if self.keys != set(digests):
             missing, extra = sorted(set(digests) - self.keys), sorted(self.keys - set(digests))
-            raise CheckpointError(f"{file}: tensors do not match lowbit.json (missing {missing[:5]}, "
+            raise CheckpointError(f"{file}: tensors do not match {CHECKPOINT_CONFIG} (missing {missing[:5]}, "
                                   f"unexpected {extra[:5]})")
 
     def get(self, name: str, dtypes, shape=None) -> torch.Tensor:
@@ -166,20 +406,60 @@ class _Reader:
             raise CheckpointError(f"{self.file}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"expected {tuple(shape)}")
         if _digest(t) != self.digests[name]:
-            raise CheckpointError(f"{self.file}: tensor {name!r} is corrupted (SHA-256 mismatch)")
+            raise CheckpointError(f"{self.file}: tensor {name!r} is corrupted (SHA-256 mismatch with "
+                                  f"{CHECKPOINT_CONFIG})")
         self.used.add(name)
         return t
 
 
+def _open(path: str | os.PathLike) -> tuple[dict, Recipe, _Reader]:
+    """Everything of a checkpoint but its tensor data, checked: lowbit.json, the
+    checksums of the other files, the tensors file's header."""
+    folder = Path(path)
+    f = folder / CHECKPOINT_CONFIG
+    try:
+        meta = json.loads(f.read_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{f}: missing; {str(path)!r} is not a lowbit checkpoint") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{f}: a folder, not a file; {str(path)!r} is not a lowbit checkpoint") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    recipe = _validate(meta, f)
+    _check_files(folder, meta)
+    return meta, recipe, _Reader(folder / WEIGHTS, meta["sha256"])
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    r"""The ``lowbit.json`` of a checkpoint folder, checked: format, version and
+    structure (recipe and schemes included), the checksums of ``config.json`` and the
+    tokenizer files, and the tensor names and size of ``model.safetensors`` (a truncated
+    or empty file is refused).  Tensor data is checked by ``load_quantized``.
+
+    Example::
+
+        >>> import tempfile, lowbit
+        >>> from lowbit.models.checkpoint import read_metadata
+        >>> model, tok = lowbit.load_model()
+        >>> model = lowbit.quantize_model(model, lowbit.Recipe(weight="int8-sym", modules=[r"layers\.0\.mlp\."]))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     meta = read_metadata(lowbit.save_quantized(model, d + "/ckpt", tok))
+        >>> meta["format"], len(meta["modules"]), "config.json" in meta["files"]
+        ('lowbit', 3, True)
+    """
+    return _open(path)[0]
+
+
 def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtype, backend):
     scheme = QuantScheme.parse(spec["weight"])
+    meta_file = reader.file.parent / CHECKPOINT_CONFIG
     if spec["kind"] == "linear":
         if not isinstance(shell, nn.Linear):
-            raise CheckpointError(f"lowbit.json: module {name!r} is a {type(shell).__name__}, not a Linear")
+            raise CheckpointError(f"{meta_file}: module {name!r} is a {type(shell).__name__}, not a Linear")
         shape = (shell.out_features, shell.in_features)
     else:
         if not isinstance(shell, nn.Embedding):
-            raise CheckpointError(f"lowbit.json: module {name!r} is a {type(shell).__name__}, not an Embedding")
+            raise CheckpointError(f"{meta_file}: module {name!r} is a {type(shell).__name__}, not an Embedding")
         shape = (shell.num_embeddings, shell.embedding_dim)
     parts = {}
     for part in ("codes", "scale", "zero_point"):
@@ -203,6 +483,10 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
     r"""Load a folder written by ``save_quantized``; returns ``(model, tokenizer)``
     (tokenizer None when the folder has none).  ``dtype`` None: the dtype it was saved in.
 
+    Everything but the tensor data is checked before the model is built (see
+    ``read_metadata``), then every tensor's dtype, shape and checksum; a refusal is a
+    ``CheckpointError`` (a ValueError) naming the file.
+
     Example::
 
         >>> import tempfile, lowbit
@@ -217,24 +501,22 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
     from accelerate import init_empty_weights
 
     folder = Path(path)
-    meta = read_metadata(folder)
-    saved_dtype = FLOAT_DTYPES_BY_NAME.get(meta["dtype"])
-    if saved_dtype is None:
-        raise CheckpointError(f"{folder / CHECKPOINT_CONFIG}: unknown dtype {meta['dtype']!r}")
-    dtype = dtype or saved_dtype
+    meta, recipe, reader = _open(folder)
+    meta_file = folder / CHECKPOINT_CONFIG
+    dtype = dtype or FLOAT_DTYPES_BY_NAME[meta["dtype"]]
     transformers = quiet_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
-    except Exception as e:
-        raise CheckpointError(f"{folder / 'config.json'}: cannot be read as a model config ({e})") from None
-    with init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    reader = _Reader(folder / WEIGHTS, meta["sha256"])
+        with init_empty_weights(include_buffers=False):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as e:  # transformers raises anything from a bad config: ValueError, KeyError, OSError...
+        raise CheckpointError(f"{folder / 'config.json'}: cannot be read as a model config "
+                              f"({type(e).__name__}: {e})") from None
     for name, spec in meta["modules"].items():
         try:
             shell = model.get_submodule(name)
         except AttributeError:
-            raise CheckpointError(f"lowbit.json: the model has no module {name!r}") from None
+            raise CheckpointError(f"{meta_file}: the model has no module {name!r}") from None
         _set_module(model, name, _quant_module(reader, name, spec, shell, dtype, backend))
     floats = (torch.float32, torch.bfloat16, torch.float16)
     tied = getattr(config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear)
@@ -253,13 +535,18 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
     if unused:
         raise CheckpointError(f"{reader.file}: tensors the model does not use: {unused[:5]}")
     model.eval()
-    model.lowbit_recipe = Recipe.from_dict(meta["recipe"])
+    model.lowbit_recipe = recipe
     model.lowbit_modules = {n: {**s, "asked": s["weight"]} for n, s in meta["modules"].items()}
     model.lowbit_source = meta.get("source")
     tok = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok_file = folder / "tokenizer.json"
+    if tok_file.is_file() or (folder / "tokenizer_config.json").is_file():
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # tokenizers and transformers raise their own types
+            named = tok_file if tok_file.is_file() else folder / "tokenizer_config.json"
+            raise CheckpointError(f"{named}: cannot be read as a tokenizer ({type(e).__name__}: {e})") from None
     return model, tok
 
 
-__all__ = ["save_quantized", "load_quantized", "read_metadata", "CheckpointError"]
+__all__ = ["save_quantized", "load_quantized", "read_metadata", "check_output_dir", "CheckpointError"]
