@@ -292,7 +292,7 @@ def test_backup_left_after_a_completed_replacement_is_deleted_by_the_next_run(ti
 
 # -- 12: permissions follow the umask ------------------------------------------------------------
 
-@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
 def test_saved_checkpoint_has_the_permissions_the_umask_gives(tiny, tiny8, tmp_path, umask):
     old = os.umask(umask)
     try:
@@ -458,7 +458,8 @@ def test_broken_config_is_refused_naming_it(ckpt):
 
 # -- fuzzing: mutated bytes are refused by name or load -----------------------------------------
 
-FUZZ_EXAMPLES = 30
+# 30 inputs per file by default (about a second); HYPOTHESIS_PROFILE=thorough runs its 500
+FUZZ_EXAMPLES = settings.default.max_examples if settings.default.max_examples > 40 else 30
 fuzz_runs = {"lowbit.json": 0, "model.safetensors": 0}
 
 
