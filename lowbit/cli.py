@@ -165,9 +165,12 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
 
 
 def _check_output(output: str, force: bool) -> None:
-    """Refuse, before any work, an output folder that exists (without ``force``)."""
-    if os.path.exists(output) and not force:
-        raise FileExistsError(f"{output!r} exists; pass --force to replace it")
+    """Refuse, before any work, an output that ``save_quantized`` would refuse at the end:
+    one that exists (without ``force``), anything but a lowbit checkpoint (even with
+    ``force``), a place that cannot be written."""
+    from lowbit.models.checkpoint import check_output_dir
+
+    check_output_dir(output, overwrite=force)
 
 
 def _model_and_reference(model: str | None, dtype, backend):

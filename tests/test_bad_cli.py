@@ -363,9 +363,18 @@ def test_eval_of_a_checkpoint_whose_source_is_gone_skips_the_comparison(capsys, 
 
 # -- quantize: the output is checked before the model is loaded ----------------------------
 
-def test_quantize_refuses_an_existing_output_before_loading(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("force", [False, True])
+def test_quantize_refuses_an_output_that_is_no_checkpoint_before_loading(capsys, tmp_path, monkeypatch, force):
     monkeypatch.setattr(lowbit, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     (tmp_path / "keep.txt").write_text("mine")
-    assert main(["quantize", "--recipe", "w8a16", "-o", str(tmp_path)]) == 2
+    assert main(["quantize", "--recipe", "w8a16", "-o", str(tmp_path)] + ["--force"] * force) == 2
     assert str(tmp_path) in _last_error(capsys, "quantize")
-    assert (tmp_path / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"] and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_quantize_refuses_an_output_under_a_file_before_loading(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(lowbit, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    (tmp_path / "file").write_text("mine")
+    assert main(["quantize", "--recipe", "w8a16", "-o", str(tmp_path / "file" / "out")]) == 2
+    assert "is not a folder" in _last_error(capsys, "quantize")
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
