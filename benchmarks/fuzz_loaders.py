@@ -19,7 +19,8 @@ Edits are byte edits (overwrite with a random or a boundary value, insert, delet
 truncate; most land in the file's header, where the structure is) or, for JSON files,
 edits of the parsed document (a value replaced by another type or a boundary value, a
 key deleted or added).  Input N of a loader is the same for a given --seed on every run,
-so the report's input recipe and --replay reproduce it.
+so the report's input recipe and --replay reproduce it; the three GGUF loaders read the
+same inputs.
 
 Outcomes: accepted; refused (a ValueError or OSError whose message names the file);
 unnamed (a ValueError or OSError that does not name it); crashed (any other exception,
@@ -180,7 +181,7 @@ def edit_json(rng: random.Random, data: bytes) -> tuple[bytes, list[str]]:
 def make_input(seeds: Path, loader: str, index: int, seed: int, out: Path) -> tuple[Path, list[str]]:
     """Input `index` of `loader`: the seed target copied to `out` with seeded edits;
     returns the path to load and the edits done."""
-    rng = random.Random(f"{seed}:{loader}:{index}")
+    rng = random.Random(f"{seed}:{TARGET[loader]}:{index}")  # the GGUF loaders read the same inputs
     source = seeds / TARGET[loader]
     target = out / TARGET[loader]
     if source.is_dir():

@@ -317,6 +317,7 @@ def test_tokenizer_without_merges_or_scores_is_refused(tmp_path):
     ("llama.block_count", (0, VT.UINT32), "is 0, expected an integer >= 1"),
     ("llama.attention.layer_norm_rms_epsilon", (1, VT.UINT32), "expected a float"),
     ("llama.attention.layer_norm_rms_epsilon", (float("nan"), VT.FLOAT32), "expected a float > 0"),
+    ("tokenizer.ggml.model", ("\x00pt2", VT.STRING), "expected one of ('llama', 'gpt2')"),
     ("tokenizer.ggml.tokens", ([1, 2], VT.ARRAY, VT.INT32), "is ARRAY[INT32], expected an array of strings"),
     ("tokenizer.ggml.token_type", ([1, 2], VT.ARRAY, VT.INT32), "has 2 entries"),
     ("tokenizer.ggml.bos_token_id", (len(TOKENS), VT.UINT32), "not a token id"),

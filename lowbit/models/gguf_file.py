@@ -350,6 +350,10 @@ LLAMA_KEYS = {
 }
 
 
+# the tokenizer models gguf's converters write for a Llama model (gguf.vocab): SentencePiece, BPE
+LLAMA_TOKENIZERS = ("llama", "gpt2")
+
+
 def _value(reader, path: Path, key: str, kind: str, needed_by: str = "a Llama model"):
     """The value of metadata key ``key`` if it is of ``kind`` (see LLAMA_KEYS), None if
     it is absent and optional; GGUFError otherwise."""
@@ -388,6 +392,9 @@ def _check_llama(reader, path: Path) -> None:
     model has, with the shape the metadata implies."""
     v = {key: _value(reader, path, key, kind) for key, kind in LLAMA_KEYS.items()}
 
+    if v["tokenizer.ggml.model"] not in LLAMA_TOKENIZERS:
+        raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.model' is {v['tokenizer.ggml.model']!r}, "
+                        f"expected one of {LLAMA_TOKENIZERS}")
     tokens = v["tokenizer.ggml.tokens"]
     n_tokens = len(tokens)
     if n_tokens == 0:
