@@ -169,6 +169,41 @@ def as_act_scheme(act_scheme) -> QuantScheme:
     return s
 
 
+def check_act_weight(weight: QuantScheme | str, act: QuantScheme | str, in_features: int | None = None) -> None:
+    """Raise ValueError unless ``linear`` runs 8-bit activations ``act`` with a weight of
+    scheme ``weight`` (and ``in_features``, when given): W8A8 needs an int8 symmetric
+    per-channel weight, W4A8 a 4-bit weight with integer zero points, groups of at most
+    ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole u32 words).  The
+    one statement of these rules: ``linear`` and recipes (``lowbit.recipe``) call it.
+
+    Example::
+
+        >>> from lowbit.ops.matmul import check_act_weight
+        >>> check_act_weight("int4-asym-g128", "int8-asym-token")   # W4A8: fine
+        >>> check_act_weight("int2-asym-g64", "int8-sym-token")
+        Traceback (most recent call last):
+        ...
+        ValueError: 8-bit activations need an 8-bit or a 4-bit weight, got 'int2-asym-g64'
+    """
+    w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
+    as_act_scheme(act)
+    if w.bits == 8:
+        if not w.symmetric or w.granularity != "channel":
+            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
+    elif w.bits == 4:
+        if w.zero_point_domain != "int":
+            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{w}'")
+        group = w.group_size if w.granularity == "group" else in_features
+        if group is not None and group > W4A8_MAX_GROUP:
+            raise ValueError(f"W4A8 sums each weight group in int32, exact up to {W4A8_MAX_GROUP} values; "
+                             f"'{w}' has groups of {group}")
+        if in_features is not None and (in_features <= 0 or in_features % 8):
+            raise ValueError(f"W4A8 needs in_features a positive multiple of 8 (whole u32 words of 4-bit "
+                             f"codes), got {in_features} for '{w}'")
+    else:
+        raise ValueError(f"8-bit activations need an 8-bit or a 4-bit weight, got '{w}'")
+
+
 def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, *,
            act_scheme: QuantScheme | str | None = None, act_scale: torch.Tensor | None = None,
            act_zero_point: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
@@ -231,29 +266,18 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"act_scheme='{s}' quantizes x on the fly, which has no gradient; for "
                          "quantization-aware training use lowbit.fake_quantize on x, or run under torch.no_grad()")
-    if not matmul_form or k == 0:
-        raise ValueError(f"8-bit activations need an 8-bit weight, or a 4-bit weight whose in_features is a "
-                         f"positive multiple of 8; got '{w}' with in_features={k}")
+    check_act_weight(w, s, k)
     codes, scales, zps, bits, group = weight_parts(qweight)
     x2 = x.reshape(-1, k)
     xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)
     if bits == 8:
-        if not qweight.scheme.symmetric or qweight.scheme.granularity != "channel":
-            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{qweight.scheme}'")
         zp = xz if not s.symmetric or act_scale is not None else None
         y = library.call(library.int8_linear, backend, x.device, xq, zp, codes, xs, scales.reshape(n), bias,
                          x.dtype)
         return y.reshape(*x.shape[:-1], n)  # bias added in the epilogue
-    elif bits == 4:
-        if group > W4A8_MAX_GROUP:
-            raise ValueError(f"W4A8 sums each weight group in int32, exact up to {W4A8_MAX_GROUP} values; "
-                             f"'{qweight.scheme}' has groups of {group}")
-        if zps is not None and zps.is_floating_point():
-            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{qweight.scheme}'")
+    else:  # 4 bits (check_act_weight)
         y = library.call(library.linear_qta8a_qga4w, backend, x.device, xq, xs.to(torch.float32), xz, codes,
                          scales, zps, group, None).to(x.dtype)
-    else:
-        raise ValueError(f"8-bit activations need an 8- or 4-bit weight, got '{qweight.scheme}'")
     y = y.reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
