@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
-from .scheme import QuantScheme
+from .scheme import QuantScheme, check_act_weight
 
 # The 7 linears of every decoder layer of a Llama-family model.
 DECODER_LINEARS = r"layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$"
@@ -39,7 +39,7 @@ class Recipe:
         weight: weight scheme of the selected linears (``lowbit.QuantScheme`` string).
         activation: None (weight-only) or an 8-bit per-token/per-tensor activation
             scheme (W8A8 / W4A8); every weight scheme it meets must be one
-            ``lowbit.linear`` runs with it (``check_linear_schemes``).
+            ``lowbit.linear`` runs with it (``lowbit.scheme.check_act_weight``).
         modules: regexes selecting the linears to quantize (default: the 7 decoder
             linears q/k/v/o/gate/up/down); a single string is one regex.
         overrides: ``[regex, {"weight": scheme or None, "activation": scheme or None}]``
@@ -83,7 +83,7 @@ class Recipe:
                 _act_scheme(o["activation"], f"overrides[{pattern!r}].activation")
         for (w, a), label in self._combinations().items():
             try:
-                check_linear_schemes(w, a)
+                check_act_weight(w, a)
             except ValueError as e:
                 raise ValueError(f"recipe {label}: weights '{w}' with activations '{a}': {e}") from None
 
@@ -185,36 +185,6 @@ class Recipe:
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {str(e).removeprefix('recipe ')}") from None
 
-def check_linear_schemes(weight: str | QuantScheme, activation: str | QuantScheme | None) -> None:
-    """Raise ValueError when ``lowbit.linear`` has no kernel for weights of scheme ``weight``
-    with activations of scheme ``activation`` (None: weight-only, which every weight scheme
-    runs).  8-bit activations run with an int8 symmetric per-channel weight (W8A8) or a 4-bit
-    weight with integer zero points (W4A8), nothing else.
-
-    Example::
-
-        >>> from lowbit.recipe import check_linear_schemes
-        >>> check_linear_schemes("int4-asym-g128-f16", "int8-asym-token")   # W4A8: fine
-        >>> check_linear_schemes("int2-asym-g64", "int8-sym-token")
-        Traceback (most recent call last):
-        ...
-        ValueError: 8-bit activations need an 8- or 4-bit weight, got 'int2-asym-g64'
-    """
-    if activation is None:
-        return
-    w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
-    # the same rules, in the same words, as lowbit.ops.matmul.linear (which cannot import
-    # this layer); tests/test_recipe.py checks the two agree on every combination
-    if w.bits == 8:
-        if not w.symmetric or w.granularity != "channel":
-            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
-    elif w.bits == 4:
-        if w.zero_point_domain != "int":
-            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{w}'")
-    else:
-        raise ValueError(f"8-bit activations need an 8- or 4-bit weight, got '{w}'")
-
-
 def _patterns(modules) -> tuple[str, ...]:
     """``modules`` as a tuple of regexes: one string is one pattern, never its characters."""
     if isinstance(modules, str):
@@ -312,4 +282,4 @@ def with_group_size(scheme: str, group_size: int) -> str:
     return str(replace(QuantScheme.parse(scheme), group_size=group_size))
 
 
-__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size", "check_linear_schemes"]
+__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size"]

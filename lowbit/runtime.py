@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cpu
+from .scheme import check_act_weight
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -317,7 +318,6 @@ def _native_decoder(r: Runner):
     from .kernels import resolve
     from .nn import QuantLinear
     from .ops.matmul import as_act_scheme, weight_parts
-    from .recipe import check_linear_schemes
 
     if not r._native or not cpu.decode_available() or r.device.type != "cpu":
         return None
@@ -333,7 +333,7 @@ def _native_decoder(r: Runner):
         act = None if m.act_scheme is None else as_act_scheme(m.act_scheme)
         w = m.qweight.scheme
         try:
-            check_linear_schemes(w, act)
+            check_act_weight(w, act, m.in_features)
         except ValueError:
             return None  # lowbit.linear refuses these; the Python path says why
         return cpu.quant_projection(w, act, codes, scale, zp, m.bias, m.in_features, r.dtype)

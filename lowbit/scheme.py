@@ -316,6 +316,48 @@ class QuantScheme:
         return cls(**kw)
 
 
+# -- which weights run with 8-bit activations --------------------------------------------------
+W4A8_MAX_GROUP = (2**31 - 1) // (255 * 15)  # W4A8 sums |x_q - x_zp| (q - z) <= 255 * 15 per term in int32
+
+
+def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None = None) -> None:
+    """Raise ValueError unless ``lowbit.linear`` runs a weight of scheme ``weight`` (and
+    ``in_features``, when given) with activations of scheme ``act``.  None (weight-only)
+    runs with every weight; 8-bit activations need, for W8A8, an int8 symmetric per-channel
+    weight, and for W4A8 a 4-bit weight with integer zero points, groups of at most
+    ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole u32 words).  The
+    one statement of these rules: ``linear``, recipes and the runtime call it.
+
+    Example::
+
+        >>> from lowbit.scheme import check_act_weight
+        >>> check_act_weight("int4-asym-g128", "int8-asym-token")   # W4A8: fine
+        >>> check_act_weight("int2-asym-g64", "int8-sym-token")
+        Traceback (most recent call last):
+        ...
+        ValueError: 8-bit activations need an 8-bit or a 4-bit weight, got 'int2-asym-g64'
+    """
+    if act is None:
+        return
+    w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
+    if w.bits == 8:
+        if not w.symmetric or w.granularity != "channel":
+            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
+    elif w.bits == 4:
+        if w.zero_point_domain != "int":
+            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{w}'")
+        group = w.group_size if w.granularity == "group" else in_features
+        if group is not None and group > W4A8_MAX_GROUP:
+            raise ValueError(f"W4A8 sums each weight group in int32, exact up to {W4A8_MAX_GROUP} values; "
+                             f"'{w}' has groups of {group}")
+        if in_features is not None and (in_features <= 0 or in_features % 8):
+            raise ValueError(f"W4A8 needs in_features a positive multiple of 8 (whole u32 words of 4-bit "
+                             f"codes), got {in_features} for '{w}'")
+    else:
+        raise ValueError(f"8-bit activations need an 8-bit or a 4-bit weight, got '{w}'")
+
+
+
 # -- the rules behind the properties, for callers that hold bits and a packing only --------
 def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
     """(qmin, qmax): signed ``[-2^(b-1), 2^(b-1) - 1]`` or unsigned ``[0, 2^b - 1]``.

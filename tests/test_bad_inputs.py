@@ -11,8 +11,8 @@ from lowbit import kernels
 from lowbit.kernels import reference
 from lowbit.nn import QuantEmbedding
 from lowbit.ops import library, linear, linear_qta8a_qga4w_qta8o, quantize_per_token
-from lowbit.ops.matmul import W4A8_MAX_GROUP, weight_parts
-from lowbit.scheme import QuantScheme
+from lowbit.ops.matmul import weight_parts
+from lowbit.scheme import W4A8_MAX_GROUP, QuantScheme
 
 from .conftest import BACKENDS, gen, skip_large_for_interpreter
 from .test_matmul import _qta8o_case, gamma

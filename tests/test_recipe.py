@@ -73,13 +73,13 @@ def _weight_schemes():
 
 
 @pytest.mark.parametrize("act", [None, "int8-sym-token", "int8-asym-token", "int8-asym-tensor"])
-def test_check_linear_schemes_agrees_with_what_linear_runs(act):
-    """The recipe check restates lowbit.linear's dispatch (ops cannot import recipe): every
-    weight scheme with ``act`` is accepted exactly when linear runs it."""
+def test_check_act_weight_agrees_with_what_linear_runs(act):
+    """Recipes refuse exactly the weight/activation pairs lowbit.linear refuses (both call
+    lowbit.scheme.check_act_weight): every weight scheme with ``act``."""
     import torch
 
     import lowbit
-    from lowbit.recipe import check_linear_schemes
+    from lowbit.scheme import check_act_weight
 
     for w in _weight_schemes():
         qt = lowbit.quantize(torch.randn(8, 64), w)
@@ -89,7 +89,7 @@ def test_check_linear_schemes_agrees_with_what_linear_runs(act):
         except ValueError as e:
             runs = str(e)
         try:
-            check_linear_schemes(w, act)
+            check_act_weight(w, act)
             accepted = None
         except ValueError as e:
             accepted = str(e)

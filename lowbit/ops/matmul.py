@@ -13,14 +13,13 @@ import torch
 
 from .. import _validate
 from ..qtensor import QTensor
-from ..scheme import QuantScheme
+from ..scheme import W4A8_MAX_GROUP, QuantScheme, check_act_weight
 from . import library
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
 from .quant import _check_qparams, dequantize, quantize
 
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-W4A8_MAX_GROUP = (2**31 - 1) // (255 * 15)  # int32-exact per-group sums of W4A8
 ZP_INT_DTYPES = (torch.uint8, torch.int8, torch.int32)
 
 
@@ -167,41 +166,6 @@ def as_act_scheme(act_scheme) -> QuantScheme:
             f"'int8-asym-token'), got '{s}'"
         )
     return s
-
-
-def check_act_weight(weight: QuantScheme | str, act: QuantScheme | str, in_features: int | None = None) -> None:
-    """Raise ValueError unless ``linear`` runs 8-bit activations ``act`` with a weight of
-    scheme ``weight`` (and ``in_features``, when given): W8A8 needs an int8 symmetric
-    per-channel weight, W4A8 a 4-bit weight with integer zero points, groups of at most
-    ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole u32 words).  The
-    one statement of these rules: ``linear`` and recipes (``lowbit.recipe``) call it.
-
-    Example::
-
-        >>> from lowbit.ops.matmul import check_act_weight
-        >>> check_act_weight("int4-asym-g128", "int8-asym-token")   # W4A8: fine
-        >>> check_act_weight("int2-asym-g64", "int8-sym-token")
-        Traceback (most recent call last):
-        ...
-        ValueError: 8-bit activations need an 8-bit or a 4-bit weight, got 'int2-asym-g64'
-    """
-    w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
-    as_act_scheme(act)
-    if w.bits == 8:
-        if not w.symmetric or w.granularity != "channel":
-            raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
-    elif w.bits == 4:
-        if w.zero_point_domain != "int":
-            raise ValueError(f"W4A8 needs integer weight zero points, got the float domain of '{w}'")
-        group = w.group_size if w.granularity == "group" else in_features
-        if group is not None and group > W4A8_MAX_GROUP:
-            raise ValueError(f"W4A8 sums each weight group in int32, exact up to {W4A8_MAX_GROUP} values; "
-                             f"'{w}' has groups of {group}")
-        if in_features is not None and (in_features <= 0 or in_features % 8):
-            raise ValueError(f"W4A8 needs in_features a positive multiple of 8 (whole u32 words of 4-bit "
-                             f"codes), got {in_features} for '{w}'")
-    else:
-        raise ValueError(f"8-bit activations need an 8-bit or a 4-bit weight, got '{w}'")
 
 
 def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, *,
