@@ -293,3 +293,15 @@ def test_dequantized_copy_of_a_quantized_embedding():
 def test_weight_parts_still_refuse_a_3d_qtensor():
     with pytest.raises(ValueError, match="2-D"):
         weight_parts(lowbit.quantize(torch.randn(2, 4, 64), "int8-sym"))
+
+
+def test_w4a8_recipe_on_a_linear_of_odd_in_features_is_refused_before_any_quantization():
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Module()])
+    m.layers[0].mlp = torch.nn.Module()
+    m.layers[0].mlp.up_proj = torch.nn.Linear(36, 8)   # 36: no whole u32 words of 4-bit codes
+    m.layers[0].mlp.down_proj = torch.nn.Linear(64, 8)
+    recipe = lowbit.Recipe(weight="int4-asym-channel-u8", activation="int8-asym-token")
+    with pytest.raises(ValueError, match="'layers.0.mlp.up_proj'.*multiple of 8.*got 36"):
+        lowbit.quantize_model(m, recipe)
+    assert type(m.layers[0].mlp.down_proj) is torch.nn.Linear  # nothing was quantized

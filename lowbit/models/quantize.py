@@ -13,7 +13,7 @@ from torch import nn
 from ..nn import QuantEmbedding, QuantLinear
 from ..ops import dequantize
 from ..recipe import Recipe, with_group_size
-from ..scheme import QuantScheme
+from ..scheme import QuantScheme, check_act_weight
 
 
 def _fit_group(scheme: str, in_features: int) -> str:
@@ -63,7 +63,12 @@ def plan(model: nn.Module, recipe: Recipe) -> dict[str, dict]:
             chosen = recipe.scheme_for(name)
             if chosen is not None:
                 w, a = chosen
-                out[name] = dict(kind="linear", weight=_fit_group(w, mod.in_features), activation=a, asked=w)
+                fitted = _fit_group(w, mod.in_features)
+                try:  # what depends on the module (in_features): refused before any weight is quantized
+                    check_act_weight(fitted, a, mod.in_features)
+                except ValueError as e:
+                    raise ValueError(f"cannot quantize module '{name}': {e}") from None
+                out[name] = dict(kind="linear", weight=fitted, activation=a, asked=w)
         elif isinstance(mod, nn.Embedding) and recipe.embedding and re.search(r"(^|\.)embed_tokens$", name):
             out[name] = dict(kind="embedding", weight=_fit_group(recipe.embedding, mod.embedding_dim),
                              activation=None, asked=recipe.embedding)
