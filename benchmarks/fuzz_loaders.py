@@ -28,7 +28,9 @@ or the worker process died); hung (no answer in --timeout seconds: the worker is
 and a new one started).  For gguf-load, "late" counts the refusals raised only after
 transformers had started (its errors re-raised by load.py), i.e. damage that read_gguf's
 checks missed.  Inputs run one at a time in one worker process, so a hang or a dying
-process costs one input.
+process costs one input; the worker (and --replay) runs under an address-space limit
+(--memory-gb), so a runaway allocation (the stock reader's hang grows a list by about a
+GB a second) is a MemoryError or a hang, not the machine's memory.
 """
 
 from __future__ import annotations
@@ -238,10 +240,14 @@ def classify(loader: str, path: Path, cache: Path) -> tuple[str, str]:
         return "crashed", traceback.format_exc()
 
 
-def worker(conn, memory_gb: float, cache: str) -> None:
-    """Load what the parent sends, answer with the outcome, until it sends None."""
+def limit_memory(memory_gb: float) -> None:
     limit = int(memory_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # a runaway allocation is a MemoryError
+
+
+def worker(conn, memory_gb: float, cache: str) -> None:
+    """Load what the parent sends, answer with the outcome, until it sends None."""
+    limit_memory(memory_gb)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     import torch
@@ -352,6 +358,7 @@ def main() -> None:
             out.mkdir()
             path, done = make_input(seeds, loader, int(index), args.seed, out)
             print(f"{loader} input {index} (seed {args.seed}): {'; '.join(done)}")
+            limit_memory(args.memory_gb)
             load(loader, path, work / "cache")
             print("accepted")
             return
