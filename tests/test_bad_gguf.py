@@ -374,3 +374,20 @@ def test_any_byte_damage_reads_or_is_refused_by_name(tmp_path_factory, data):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_info_on_a_damaged_gguf_names_the_file(tmp_path, capsys):
+    from lowbit.cli import main
+
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 24)  # absurd tensor and key counts
+    assert main(["info", str(path)]) == 2
+    assert str(path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5])
+def test_read_gguf_linear_weights_refuses_a_limit_below_one(limit):
+    from lowbit.models import read_gguf_linear_weights
+
+    with pytest.raises(ValueError, match="limit must be a positive int"):
+        read_gguf_linear_weights(limit=limit)

@@ -84,9 +84,11 @@ def bundled_model_path() -> Path:
     return path
 
 
-def read_gguf(path: str | Path | None = None):
+def read_gguf(path: str | Path | None = None, *, model_checks: bool = True):
     """Open a GGUF file with ``gguf.GGUFReader`` after checking everything a load relies
-    on (see the module docstring); None is the bundled model.
+    on (see the module docstring); None is the bundled model.  ``model_checks=False``
+    checks the file's structure only (what ``lowbit info`` needs to describe any GGUF),
+    not the keys, tokenizer and tensors a Llama model load reads.
 
     Returns the ``GGUFReader`` (its ``fields`` and ``tensors``; tensor data stays
     memory-mapped).  Raises ``GGUFError`` (a ValueError) naming the file, and the
@@ -111,7 +113,7 @@ def read_gguf(path: str | Path | None = None):
         raise GGUFError(f"{path}: not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r}")
     reader = _checked_reader_class()(path)
     _check_metadata(reader, path)
-    if _architecture(reader, path) == "llama":
+    if model_checks and _architecture(reader, path) == "llama":
         _check_llama(reader, path)
     return reader
 
@@ -130,6 +132,8 @@ def read_gguf_linear_weights(path: str | Path | None = None, limit: int | None =
     """
     import gguf  # optional dependency (the "demo" extra)
 
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None (every weight), got {limit!r}")
     path = Path(path) if path is not None else bundled_model_path()
     reader = read_gguf(path)
     out: dict[str, tuple[torch.Tensor, str]] = {}
