@@ -547,3 +547,15 @@ def test_mutated_tensors_file_loads_or_is_refused_by_name(saved):
 
     run()
     assert fuzz_runs["model.safetensors"] >= FUZZ_EXAMPLES
+
+
+def test_hf_folder_with_a_broken_tokenizer_names_the_folder(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{ broken")
+    with pytest.raises(ValueError, match=f"{folder}: cannot load the tokenizer.*JSONDecodeError"):
+        lowbit.load_model(folder)

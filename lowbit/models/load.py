@@ -121,8 +121,15 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         return load_quantized(p, dtype=dtype, backend=backend)
     folder = convert_gguf(p, progress) if p.is_file() else p
     transformers = quiet_transformers()
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+    except (ValueError, OSError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{folder}: cannot load the tokenizer (tokenizer.json, tokenizer_config.json, ...): "
+                         f"{type(e).__name__}: {e}") from e
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        raise ValueError(f"{folder}: cannot load the model (config.json, weights): {type(e).__name__}: {e}") from e
     model.eval()
     model.requires_grad_(False)
     model.lowbit_source = str(p)
