@@ -22,7 +22,8 @@ from lowbit.kernels import triton as triton_kernels
 from lowbit.ops import linear
 
 from .conftest import gen
-from .test_matmul import WEIGHT_SCHEMES, _assert_ties_only, _qta8o_case, weight_only_tolerance
+from .test_matmul import (WEIGHT_SCHEMES, _assert_ties_only, _qta8o_case, int8_linear_case,
+                          weight_only_tolerance)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or triton_kernels.interpreting() or not triton_kernels.available(),
@@ -143,17 +144,7 @@ def test_w8a8_linear_is_bit_exact_with_the_cpu_reference(act, dtype, m):
 @pytest.mark.parametrize("values", ["random", "extreme"])
 @pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100), (256, 128, 2048)])
 def test_fused_w8a8_is_bit_exact_with_the_reference_composition(out_dtype, zero_point, bias, values, m, n, k):
-    g = gen(m * n + k)
-    if values == "extreme":  # |a . b| = 128 * 128 * K: 2^26 at K = 4100
-        a = torch.full((m, k), -128, dtype=torch.int8)
-        b = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
-    else:
-        a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
-        b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    row, col = torch.rand(m, generator=g) * 0.01, torch.rand(n, generator=g).to(torch.bfloat16)
-    azp = torch.randint(-128, 128, (m,), generator=g, dtype=torch.int32) if zero_point else None
-    bvec = torch.randn(n, generator=g) if bias else None
-    args = (a, azp, b, row, col, bvec, out_dtype)
+    args = int8_linear_case(m, n, k, values, zero_point, bias, out_dtype)
     expected = kernels.get_backend("reference").int8_linear(*args)
     y = kernels.get_backend("triton").int8_linear(*_cuda(args))
     assert torch.equal(y.cpu(), expected)

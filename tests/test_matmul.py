@@ -186,8 +186,16 @@ def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_poin
     # the rows are split between threads too (panels.h).
     if not cpu.available():
         pytest.skip(cpu.load_error())
+    args = int8_linear_case(m, n, k, values, zero_point, bias, out_dtype)
+    # the reference backend composes the op: int8_mm, zero-point correction, epilogue, bias
+    assert torch.equal(get_backend("cpu").int8_linear(*args), get_backend("reference").int8_linear(*args))
+
+
+def int8_linear_case(m, n, k, values, zero_point, bias, out_dtype):
+    """Arguments of ``Backend.int8_linear``: random int8 codes, or "extreme" ones where
+    |a . b| = 128 * 128 * K (2^28 of int32's 2^31 at K = 4100)."""
     g = torch.Generator().manual_seed(m * n + k)
-    if values == "extreme":  # |a . b| = 128 * 128 * K: 2^28 of int32's 2^31 at K = 4100
+    if values == "extreme":
         a = torch.full((m, k), -128, dtype=torch.int8)
         b = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
     else:
@@ -196,10 +204,7 @@ def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_poin
     row, col = torch.rand(m, generator=g) * 0.01, torch.rand(n, generator=g).to(torch.bfloat16)
     azp = torch.randint(-128, 128, (m,), generator=g, dtype=torch.int32) if zero_point else None
     bvec = torch.randn(n, generator=g) if bias else None
-    # the reference backend composes the op: int8_mm, zero-point correction, epilogue, bias
-    expected = get_backend("reference").int8_linear(a, azp, b, row, col, bvec, out_dtype)
-    y = get_backend("cpu").int8_linear(a, azp, b, row, col, bvec, out_dtype)
-    assert torch.equal(y, expected)
+    return a, azp, b, row, col, bvec, out_dtype
 
 
 # -- W4A8 (linear_qta8a_qga4w_qta8o) ----------------------------------------------------------
