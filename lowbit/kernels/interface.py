@@ -78,7 +78,8 @@ class Backend:
         return ref.unpack(packed, bits, packing, signed)
 
     def quantize_per_token(self, x, bits: int, symmetric: bool):
-        """(codes, scale, int32 zero point, whether x was all finite)."""
+        """(codes, scale, int32 zero point, ok): ok is False when x holds NaN/Inf or a row's
+        scale overflowed (the op then says which)."""
         return ref.quantize_per_token(x, bits, symmetric)
 
     def dequantize_per_token(self, q, scale, zero_point):

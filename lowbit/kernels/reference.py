@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .._validate import has_values
 from ..scheme import QuantScheme, code_range, pack_unit, word_bits
 
 
@@ -148,7 +149,7 @@ def dequantize_packed(codes, scale, zero_point, s: QuantScheme, shape, out_dtype
 # -- per-token quantization with a strict interface ----------------------------------
 def quantize_per_token(x, bits, symmetric):
     """(codes, scale in x's dtype, int32 zero point (0 when symmetric)) of each row of
-    x [N, D], and True (the caller checked that x is finite).  The rows are the blocks
+    x [N, D], and whether every scale is finite (the caller checked that x is).  The rows are the blocks
     of ``choose_qparams`` with an "int" zero point; the scale keeps x's dtype."""
     qmin, qmax = code_range(bits, symmetric)
     n = x.shape[0]
@@ -160,7 +161,8 @@ def quantize_per_token(x, bits, symmetric):
         zp = torch.zeros(n, dtype=torch.int32, device=x.device) if zp is None else zp
     cdt = compute_dtype(x.dtype)
     q = torch.round(x.to(cdt) / scale.to(cdt)[:, None]) + zp.to(cdt)[:, None]
-    return q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8), scale, zp, True
+    ok = not has_values(scale) or bool(torch.isfinite(scale).all())
+    return q.clamp(qmin, qmax).to(torch.int8 if symmetric else torch.uint8), scale, zp, ok
 
 
 def dequantize_per_token(q, scale, zero_point):

@@ -160,8 +160,10 @@ class CpuBackend(Backend):
         return word_packing.unpack(packed, bits, packing, signed)
 
     def quantize_per_token(self, x, bits, symmetric):
-        """One pass per row (range, scale, codes); also reports whether x was all finite."""
-        return _C.quantize_per_token(x.contiguous(), bits, symmetric)
+        """One pass per row (range, scale, codes); also reports whether x was all finite
+        (and, checked here, every scale)."""
+        q, scale, zp, finite = _C.quantize_per_token(x.contiguous(), bits, symmetric)
+        return q, scale, zp, finite and bool(torch.isfinite(scale).all())
 
     def dequantize_per_token(self, q, scale, zero_point):
         d = q.shape[1]

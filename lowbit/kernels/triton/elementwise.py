@@ -170,7 +170,8 @@ def quantize_per_token(x: torch.Tensor, bits: int, symmetric: bool):
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         # Inside a CUDA graph capture the host cannot look (a sync ends the capture): the
         # graph asserts on the device instead, so a replay on NaN/Inf stops with this error.
-        torch._assert_async(bad.amax() == 0, "quantize_per_token: x contains NaN or Inf")
+        torch._assert_async((bad.amax() == 0) & torch.isfinite(scale).all(),
+                            "quantize_per_token: x contains NaN or Inf, or a row's scale overflows")
         return q, scale, zp, True
-    return q, scale, zp, not bool(bad.any())
+    return q, scale, zp, not bool(bad.any() | ~torch.isfinite(scale).all())  # one host sync
 
