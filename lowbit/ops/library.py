@@ -212,6 +212,8 @@ def dequantize_accumulator(backend, acc, scale, group_size, row_scale, col_scale
          "int group_size) -> Tensor",
          lambda x, codes, scale, zero_point, bits, group_size: x.new_empty([*x.shape[:-1], codes.shape[0]]))
 def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size):
+    if x.shape[-1] == 0:  # an empty sum: zeros, as torch.matmul gives (no backend's kernel takes K = 0)
+        return x.new_zeros((*x.shape[:-1], codes.shape[0]))
     return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
 
 

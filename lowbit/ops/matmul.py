@@ -83,11 +83,8 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if out is not None:
         _validate.tensor("out", out, dtypes=[input.dtype])
         _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
-    if input.shape[-1] == 0:  # an empty sum: zeros, as torch.matmul gives
-        y = input.new_zeros((*input.shape[:-1], n))
-    else:
-        y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
-                         group_size)
+    y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
+                     group_size)
     return y if out is None else out.copy_(y)
 
 
