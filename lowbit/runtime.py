@@ -92,7 +92,6 @@ class Runner:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
-        self.max_positions = max_positions(model)
         self.eps = cfg.rms_norm_eps
         self.layers = []
         for layer in body.layers:
