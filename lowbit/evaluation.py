@@ -31,6 +31,9 @@ from .nn import QuantLinear
 from .runtime import Runner, check_positions
 
 PROTOCOLS = ("lowbit", "llama")
+# The corpus's tokens are split once: evaluation windows come from the first half,
+# calibration samples from the second, so no calibrated model has seen its test text.
+EVAL_SHARE = 0.5
 GREEDY_PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -97,10 +100,11 @@ def windows(tokenizer, text: str, ctx: int, limit: int | None, protocol: str) ->
     _check_count("ctx", ctx, 2)
     if limit is not None:
         _check_count("windows", limit, 1)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=True).input_ids, dtype=torch.long)
+    ids = split_tokens(tokenizer, text)[0]
     n = ids.numel() // ctx
     if n == 0:
-        raise ValueError(f"the corpus has {ids.numel()} tokens, fewer than one window of ctx={ctx}")
+        raise ValueError(f"the evaluation part of the corpus has {ids.numel()} tokens, fewer than one "
+                         f"window of ctx={ctx}")
     if limit is not None:
         n = min(n, limit)
     out = [ids[i * ctx:(i + 1) * ctx].clone() for i in range(n)]
@@ -112,6 +116,42 @@ def windows(tokenizer, text: str, ctx: int, limit: int | None, protocol: str) ->
                 w[0] = bos
         first = ctx // 2
     return out, first
+
+
+def split_tokens(tokenizer, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's token ids split into (evaluation part, calibration part): the first
+    ``EVAL_SHARE`` of the tokens and the rest."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=True).input_ids, dtype=torch.long)
+    cut = int(ids.numel() * EVAL_SHARE)
+    return ids[:cut], ids[cut:]
+
+
+def calibration_set(tokenizer, corpus: str | os.PathLike | None = None, *, samples: int = 128,
+                    length: int = 512, seed: int = 0) -> torch.Tensor:
+    """Calibration token ids [samples, length]: windows at seeded random offsets in the
+    calibration part of the corpus (its second half, which ``evaluate`` never scores).
+
+    Example::
+
+        >>> import lowbit
+        >>> from lowbit.evaluation import calibration_set
+        >>> _, tok = lowbit.load_model()
+        >>> ids = calibration_set(tok, samples=4, length=64)
+        >>> ids.shape, bool((ids == calibration_set(tok, samples=4, length=64)).all())
+        (torch.Size([4, 64]), True)
+    """
+    _check_count("calibration samples", samples, 1)
+    _check_count("calibration length", length, 2)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"calibration seed must be an integer, got {seed!r}")
+    text, name = load_corpus(corpus)
+    part = split_tokens(tokenizer, text)[1]
+    if part.numel() < length:
+        raise ValueError(f"calibration length {length} is longer than the calibration part of the corpus "
+                         f"{name!r} ({part.numel()} tokens, its second half)")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, part.numel() - length + 1, (samples,), generator=gen)
+    return torch.stack([part[int(s):int(s) + length] for s in starts])
 
 
 def _check_count(name: str, value, low: int) -> None:
@@ -302,5 +342,5 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([head, "-" * len(head)] + [fmt_row(c) for c in cells])
 
 
-__all__ = ["evaluate", "default_corpus", "load_corpus", "windows", "weight_bytes", "measure_speed",
+__all__ = ["evaluate", "default_corpus", "load_corpus", "windows", "split_tokens", "calibration_set", "EVAL_SHARE", "weight_bytes", "measure_speed",
            "format_table", "PROTOCOLS"]
