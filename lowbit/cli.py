@@ -120,8 +120,39 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _with_method(recipe: str | Recipe, method: str | None, smoothquant) -> Recipe:
+    """The recipe with ``--method`` / ``--smoothquant`` applied."""
+    from dataclasses import replace
+
+    from lowbit.recipe import Recipe
+
+    r = Recipe.get(recipe)
+    if method is not None and method != r.method:
+        r = replace(r, method=method, method_args={}, name=f"{r.name.partition(':')[0]}:{method}")
+    if smoothquant is not None:
+        r = replace(r, smoothquant=smoothquant, name=f"{r.name}+sq{smoothquant}")
+    return r
+
+
+def _calibration(recipes, tok, calib: str | None, samples: int, length: int, seed: int = 0):
+    """Calibration token ids when some recipe needs them (else None), with a line saying
+    where they come from; the corpus problems surface before any quantization."""
+    from lowbit.recipe import Recipe
+
+    if not any(Recipe.get(r).needs_calibration for r in recipes):
+        return None
+    from lowbit.evaluation import calibration_set, load_corpus
+
+    ids = calibration_set(tok, calib, samples=samples, length=length, seed=seed)
+    _err(f"calibration: {samples} x {length} tokens (seed {seed}) from the second half of "
+         f"{load_corpus(calib)[1]}")
+    return ids
+
+
 def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: str = "float32",
-                 force: bool = False, backend: str | None = None) -> dict:
+                 force: bool = False, backend: str | None = None, *, method: str | None = None,
+                 smoothquant=None, calib: str | None = None, calib_samples: int = 128,
+                 calib_len: int = 512) -> dict:
     r"""Load MODEL, quantize it with RECIPE (a preset name, a recipe file or a ``Recipe``)
     and save a checkpoint folder; prints what it did and returns a summary.
 
@@ -142,20 +173,25 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     import lowbit
     from lowbit.evaluation import weight_bytes
 
-    r = lowbit.Recipe.get(recipe)
+    r = _with_method(recipe, method, smoothquant)
     _check_output(output, force)
+    if calib is not None and r.needs_calibration:
+        lowbit.evaluation.load_corpus(calib)  # a missing or unreadable file: say so before loading the model
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype))
     _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
     before = weight_bytes(m)["weight_bytes"]
+    ids = _calibration([r], tok, calib, calib_samples, calib_len)
     t0 = time.perf_counter()
-    lowbit.quantize_model(m, r, backend=backend, progress=True)
+    lowbit.quantize_model(m, r, backend=backend, progress=True, calibration=ids)
     seconds = time.perf_counter() - t0
     out = lowbit.save_quantized(m, output, tok, overwrite=force)
     after = weight_bytes(m)["weight_bytes"]
     counts = Counter((v["weight"], v["activation"]) for v in m.lowbit_modules.values())
     fallbacks = sum(v["weight"] != v["asked"] for v in m.lowbit_modules.values())
-    print(f"recipe {r.name}: {len(m.lowbit_modules)} modules quantized in {seconds:.1f}s")
+    run = (m.lowbit_quantization or {}).get("calibration")
+    print(f"recipe {r.name}: {len(m.lowbit_modules)} modules quantized in {seconds:.1f}s (method {r.method}"
+          + (f", peak memory {run['peak_rss_mb']} MB" if run else "") + ")")
     for (w, a), n in sorted(counts.items()):
         print(f"  {n:4d} x weight {w}" + (f", activations {a}" if a else ""))
     if fallbacks:
@@ -199,7 +235,8 @@ def _model_and_reference(model: str | None, dtype, backend):
 
 def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, corpus: str | None = None,
              ctx: int = 512, windows: int | None = 16, protocol: str = "lowbit", speed: bool = True,
-             greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None) -> list[dict]:
+             greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None,
+             calib: str | None = None, calib_samples: int = 128, calib_len: int = 512) -> list[dict]:
     """Evaluate a checkpoint (against its float source) or a float model, plus the
     ``compare`` recipes applied to the float model, in one table.
 
@@ -216,14 +253,18 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
         ('float', 63)
 
     ``eval_cmd(None, ["w8a16", "w4a16-g64"])`` adds two quantized copies of the float
-    model to the table (each quantizes all 30 layers, so it takes longer).
+    model to the table (each quantizes all 30 layers, so it takes longer); a
+    method-qualified preset (``"w4a16-g32:gptq"``) is calibrated first (``calib*``).
     """
     import lowbit
     from lowbit.evaluation import evaluate, format_table, load_corpus
     from lowbit.runtime import check_positions
 
-    if corpus is not None:
-        load_corpus(corpus)  # a missing or unreadable file: say so before loading the model
+    for text in (corpus, calib):
+        if text is not None:
+            load_corpus(text)  # a missing or unreadable file: say so before loading the model
+    for r in compare:
+        lowbit.Recipe.get(r)  # a bad recipe: say so before loading the model
     quant, tok, ref = _model_and_reference(model, _float_dtype(dtype), backend)
     for m in (quant, ref):
         if m is not None:
@@ -233,8 +274,10 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
         models[os.path.basename(os.path.normpath(model))] = quant
     if compare and ref is None:
         raise ValueError("--compare needs the float model; it is not available for this checkpoint")
+    ids = _calibration(compare, tok, calib, calib_samples, calib_len) if ref is not None else None
     for r in compare:
-        models[r] = lowbit.quantize_model(ref, r, backend=backend, inplace=False)
+        models[r] = lowbit.quantize_model(ref, r, backend=backend, inplace=False, calibration=ids,
+                                          progress=not as_json)
     rows = evaluate(models, tok, reference=ref, corpus=corpus, ctx=ctx, max_windows=windows, protocol=protocol,
                     speed=speed, greedy_tokens=greedy_tokens, progress=not as_json)
     if as_json:
@@ -400,6 +443,12 @@ def _backends():
     return BACKENDS
 
 
+def _methods():
+    from lowbit.recipe import METHODS
+
+    return METHODS
+
+
 def _dtype_names():
     from lowbit.models.load import FLOAT_DTYPES_BY_NAME
 
@@ -498,6 +547,21 @@ def _model_options(p: argparse.ArgumentParser, dtype: str, dtype_help: str) -> N
                         "(default: the fastest available on the model's device)")
 
 
+def _calib_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", metavar="FILE", help="UTF-8 text to calibrate on (default: the evaluation corpus; "
+                   "calibration samples come from its second half, which evaluation never scores)")
+    p.add_argument("--calib-samples", type=int_at_least(1), default=128, metavar="N",
+                   help="calibration samples (default: %(default)s)")
+    p.add_argument("--calib-len", type=int_at_least(2), default=512, metavar="L",
+                   help="tokens per calibration sample (default: %(default)s)")
+
+
+def alpha_or_auto(text: str):
+    if text == "auto":
+        return text
+    return _float_in(text, lambda v: 0 <= v <= 1, "a number in [0, 1] or 'auto'")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lowbit`` argument parser (one subparser per command)."""
     from lowbit.recipe import RECIPE_PRESETS
@@ -510,10 +574,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _command(sub, "quantize", "quantize a model with a recipe and save a checkpoint folder", """
-Load MODEL, quantize the linears the recipe selects (round to nearest) and save a
-checkpoint folder: packed codes and scales, the recipe, checksums, the config and the
-tokenizer.  `lowbit info` shows what it holds; `lowbit eval` and `lowbit generate` load it.""", """
+Load MODEL, quantize the linears the recipe selects and save a checkpoint folder: packed
+codes and scales, the recipe, checksums, the config and the tokenizer.  Weights are
+rounded by the recipe's method (round to nearest for presets) or --method: hqq needs no
+data; gptq and awq (and --smoothquant) run calibration text through the model decoder
+layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
+`lowbit generate` load it.""", """
   lowbit quantize --recipe w4a16-g128 -o smollm2-w4a16
+  lowbit quantize --recipe w4a16-g32 --method gptq --calib-samples 32 -o smollm2-gptq
+  lowbit quantize --recipe w8a8 --smoothquant 0.5 -o smollm2-w8a8-sq
   lowbit quantize model.gguf --recipe my-recipe.json -o my-model-w4 --force
   lowbit quantize ~/models/Qwen2-0.5B --recipe w8a8 -o qwen-w8a8 --dtype bfloat16""")
     _model_options(p, "float32", "float dtype of the model's unquantized parts")
@@ -521,6 +590,11 @@ tokenizer.  `lowbit info` shows what it holds; `lowbit eval` and `lowbit generat
                    help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file (required)")
     p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (required)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder (default: refuse)")
+    p.add_argument("--method", choices=_LibraryChoices(_methods), metavar="METHOD", help="how weights are rounded (default: the recipe's, rtn for "
+                   "presets): rtn, hqq (no calibration), gptq, awq (calibrated layer by layer)")
+    p.add_argument("--smoothquant", type=alpha_or_auto, metavar="ALPHA",
+                   help="fold SmoothQuant scales with migration strength ALPHA in [0, 1] or 'auto' (W8A8)")
+    _calib_options(p)
 
     p = _command(sub, "eval", "perplexity, KL, top-1 and greedy agreement vs float, memory, speed", """
 Evaluate MODEL on token windows of a text corpus.  A lowbit checkpoint is compared with
@@ -529,6 +603,7 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
 --compare applies more recipes to the float model and adds them to the same table.""", """
   lowbit eval smollm2-w4a16
   lowbit eval --compare w8a16 w4a16-g64 w8a8 --json
+  lowbit eval --compare w4a16-g32 w4a16-g32:gptq w4a16-g32:awq --calib-samples 32 --no-speed
   lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama""")
     _model_options(p, "float32", "float dtype of the models")
     p.add_argument("--compare", nargs="*", default=[], metavar="RECIPE",
@@ -544,6 +619,7 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
     p.add_argument("--greedy-tokens", type=int_at_least(1), default=48,
                    help="greedy tokens to generate and compare with the float model's (default: %(default)s)")
     p.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing (default: timed)")
+    _calib_options(p)
 
     p = _command(sub, "generate", "generate text (greedy by default) with the fast runtime", """
 Generate a continuation of PROMPT with MODEL and stream it; prefill and decode
@@ -625,11 +701,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "demo":
                 demo(args.model, args.schemes, args.limit)
             elif args.command == "quantize":
-                quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend)
+                quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend,
+                             method=args.method, smoothquant=args.smoothquant, calib=args.calib,
+                             calib_samples=args.calib_samples, calib_len=args.calib_len)
             elif args.command == "eval":
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
                          windows=args.windows, protocol=args.protocol, speed=not args.no_speed,
-                         greedy_tokens=args.greedy_tokens, dtype=args.dtype, backend=args.backend)
+                         greedy_tokens=args.greedy_tokens, dtype=args.dtype, backend=args.backend,
+                         calib=args.calib, calib_samples=args.calib_samples, calib_len=args.calib_len)
             elif args.command == "generate":
                 generate_cmd(args.model or None, args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -23,9 +23,15 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from .scheme import QuantScheme, check_act_weight
+
+# How weights are rounded (``lowbit.algorithms`` implements each; the names live here
+# so that a recipe is checked without importing the algorithms).
+METHODS = ("rtn", "hqq", "gptq", "awq")
+WEIGHT_OBSERVERS = ("minmax", "mse")
+ACT_OBSERVERS = ("minmax", "ema", "percentile")
 
 # The 7 linears of every decoder layer of a Llama-family model.
 DECODER_LINEARS = r"layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$"
@@ -50,6 +56,20 @@ class Recipe:
         embedding: scheme for the token embedding (None: stays float), rows quantized
             per row / group along the hidden dim.
         name: the preset name, or "custom".
+        method: how weights are rounded: "rtn" (round to nearest), "hqq" (half-quadratic
+            scale/zero-point optimization, no calibration), "gptq" or "awq" (both
+            calibrated layer by layer).
+        method_args: the method's parameters (e.g. ``{"act_order": true}`` for GPTQ);
+            see ``lowbit.algorithms``.
+        smoothquant: None, a migration strength alpha in [0, 1], or "auto" (a small search
+            per layer): fold SmoothQuant scales into the norms before quantizing (W8A8).
+        observer: weight scales from "minmax" or "mse" (MSE-optimal clipping, weighted by
+            the input's energy when calibrating).
+        act_observer: static per-tensor activation scales (activation ``...-tensor``) from
+            "minmax", "ema" (moving-average min-max) or "percentile".
+
+    A preset name followed by ``:method`` (``"w4a16-g128:gptq"``) is that preset with
+    another method.
 
     Example::
 
@@ -65,8 +85,23 @@ class Recipe:
     lm_head: str | None = None
     embedding: str | None = None
     name: str = "custom"
+    method: str = "rtn"
+    method_args: dict = field(default_factory=dict)
+    smoothquant: float | str | None = None
+    observer: str = "minmax"
+    act_observer: str = "minmax"
 
     def __post_init__(self) -> None:
+        _choice(self.method, METHODS, "method")
+        _choice(self.observer, WEIGHT_OBSERVERS, "observer")
+        _choice(self.act_observer, ACT_OBSERVERS, "act_observer")
+        if not isinstance(self.method_args, Mapping) or not all(isinstance(k, str) for k in self.method_args):
+            raise ValueError(f"recipe method_args: expected an object of parameter: value, got {self.method_args!r}")
+        object.__setattr__(self, "method_args", dict(self.method_args))
+        sq = self.smoothquant
+        if sq is not None and sq != "auto" and (isinstance(sq, bool) or not isinstance(sq, (int, float))
+                                                  or not 0 <= sq <= 1):
+            raise ValueError(f"recipe smoothquant: expected null, an alpha in [0, 1] or \"auto\", got {sq!r}")
         object.__setattr__(self, "modules", _patterns(self.modules))
         object.__setattr__(self, "overrides", _overrides(self.overrides))
         if not isinstance(self.name, str):
@@ -99,6 +134,16 @@ class Recipe:
                     new[pair] = f"overrides[{pattern!r}]"
             reached.update(new)
         return reached
+
+    @property
+    def static_activations(self) -> bool:
+        """Whether some module gets per-tensor activations (a scale from calibration)."""
+        return any(a is not None and QuantScheme.parse(a).granularity == "tensor" for _, a in self._combinations())
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether quantizing with this recipe needs calibration data."""
+        return self.method in ("gptq", "awq") or self.smoothquant is not None or self.static_activations
 
     def scheme_for(self, name: str) -> tuple[str, str | None] | None:
         """(weight scheme, activation scheme) for the linear module ``name``, or None
@@ -144,6 +189,11 @@ class Recipe:
             return name_or_path
         if name_or_path in RECIPE_PRESETS:
             return RECIPE_PRESETS[name_or_path]
+        if isinstance(name_or_path, str) and ":" in name_or_path and not os.path.exists(name_or_path):
+            preset, _, method = name_or_path.rpartition(":")
+            if preset in RECIPE_PRESETS:
+                _choice(method, METHODS, f"method in {name_or_path!r}")
+                return replace(RECIPE_PRESETS[preset], method=method, name=name_or_path)
         path = os.fspath(name_or_path) if isinstance(name_or_path, os.PathLike) else name_or_path
         if isinstance(path, str) and os.path.isfile(path):
             return cls._from_file(path)
@@ -184,6 +234,11 @@ class Recipe:
             return cls.from_dict(data)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {str(e).removeprefix('recipe ')}") from None
+
+def _choice(value, choices: tuple, label: str) -> None:
+    if value not in choices:
+        raise ValueError(f"recipe {label}: expected one of {', '.join(choices)}, got {value!r}")
+
 
 def _patterns(modules) -> tuple[str, ...]:
     """``modules`` as a tuple of regexes: one string is one pattern, never its characters."""
@@ -282,4 +337,4 @@ def with_group_size(scheme: str, group_size: int) -> str:
     return str(replace(QuantScheme.parse(scheme), group_size=group_size))
 
 
-__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "with_group_size"]
+__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "METHODS", "with_group_size"]

@@ -1,5 +1,145 @@
 """Quantization algorithms: how a float weight becomes a QTensor.
 
-Each method is a config + apply pair that reacts to the events of one layer-by-layer
-calibration loop (``lowbit.models.calibrate``) and never drives it.
+Each method is a config (a dataclass of its parameters, ``params()`` recorded in a
+checkpoint) and the events it reacts to in the one layer-by-layer calibration loop
+(``lowbit.models.calibrate``); none drives the loop.
+
+* ``rtn``: round to nearest with min-max (or MSE-clipped) scales.
+* ``hqq``: half-quadratic optimization of each group's scale and zero point; no calibration.
+* ``gptq``: column-by-column rounding with error feedback through the inputs' Hessian.
+* ``awq``: activation-aware per-input-channel scales folded into the preceding op, then rtn.
+* ``smoothquant`` (recipe field, composes with any method): outliers moved from the
+  activations into the weights before 8-bit activation quantization.
+
+Example::
+
+    >>> from lowbit.recipe import Recipe
+    >>> quantizer, transforms = build(Recipe.get("w4a16-g32:awq"))
+    >>> quantizer.name, [t.name for t in transforms]
+    ('rtn', ['awq'])
 """
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..qtensor import QTensor
+from ..recipe import METHODS, Recipe
+from .awq import AWQ
+from .base import Algorithm, LinearGroup
+from .gptq import GPTQ, gptq_quantize
+from .smoothquant import SmoothQuant
+
+
+def _mse_observer(w: torch.Tensor, scheme, x_sq: torch.Tensor | None):
+    from .observers import weight_qparams
+
+    return weight_qparams(w, scheme, "mse", x_sq=x_sq)
+
+
+@dataclasses.dataclass
+class RTN(Algorithm):
+    """Round to nearest; with ``observer="mse"`` the scales are MSE-clipped, weighted by
+    the inputs' mean square per channel when calibrating.
+
+    Example::
+
+        >>> RTN().params()
+        {'observer': 'minmax'}
+    """
+
+    observer: str = "minmax"
+    calibrated: bool = False
+
+    name = "rtn"
+
+    def __post_init__(self):
+        self.observes = self.observer == "mse" and self.calibrated
+        self._sq: dict[int, torch.Tensor] = {}
+        self._n: dict[int, int] = {}
+
+    def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self._sq[index] = self._sq.get(index, 0) + (x * x).sum(0)
+        self._n[index] = self._n.get(index, 0) + x.shape[0]
+
+    def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
+        if self.observer == "minmax":
+            return super().quantize(name, linear, scheme, index)
+        from ..ops import quantize
+
+        w = linear.weight.detach().float()
+        x_sq = self._sq[index] / self._n[index] if index in self._sq else None
+        return quantize(w, scheme, *_mse_observer(w, scheme, x_sq))
+
+    def end_layer(self) -> None:
+        self._sq.clear()
+        self._n.clear()
+
+    def params(self) -> dict:
+        return {"observer": self.observer}
+
+
+@dataclasses.dataclass
+class HQQ(Algorithm):
+    """Half-quadratic quantization (``lowbit.algorithms.hqq``): calibration-free.
+
+    Example::
+
+        >>> HQQ().params()
+        {'iters': 20}
+    """
+
+    iters: int = 20
+
+    name = "hqq"
+
+    def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
+        from ..ops import quantize
+        from .hqq import hqq_qparams
+
+        w = linear.weight.detach().float()
+        return quantize(w, scheme, *hqq_qparams(w, scheme, iters=self.iters))
+
+    def params(self) -> dict:
+        return {"iters": self.iters}
+
+
+_QUANTIZERS = {"rtn": RTN, "hqq": HQQ, "gptq": GPTQ, "awq": RTN}
+
+
+def build(recipe: Recipe, calibrated: bool = True) -> tuple[Algorithm, list[Algorithm]]:
+    """The weight quantizer and the transforms (run before it, in order) a recipe asks
+    for; ``recipe.method_args`` are checked here, before any work."""
+    assert set(_QUANTIZERS) == set(METHODS)
+    args = dict(recipe.method_args)
+    transforms: list[Algorithm] = []
+    if recipe.smoothquant is not None:
+        transforms.append(SmoothQuant(alpha=recipe.smoothquant))
+    observer = None if recipe.observer == "minmax" else _mse_observer
+    try:
+        if recipe.method == "awq":
+            transforms.append(AWQ(**args))
+            quantizer = RTN(observer=recipe.observer, calibrated=calibrated)
+        elif recipe.method == "rtn":
+            quantizer = RTN(observer=recipe.observer, calibrated=calibrated, **args)
+        elif recipe.method == "gptq":
+            quantizer = GPTQ(observer=observer, **args)
+        else:
+            if recipe.observer != "minmax":
+                raise ValueError("hqq chooses its own scales; the observer must be 'minmax'")
+            quantizer = HQQ(**args)
+    except TypeError:
+        cls = AWQ if recipe.method == "awq" else _QUANTIZERS[recipe.method]
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in ("observer", "calibrated")]
+        raise ValueError(f"recipe method_args {sorted(args)} are not all parameters of '{recipe.method}'; "
+                         f"expected some of {known}") from None
+    except ValueError as e:
+        raise ValueError(f"recipe method_args: {e}") from None
+    return quantizer, transforms
+
+
+__all__ = ["Algorithm", "LinearGroup", "RTN", "HQQ", "GPTQ", "AWQ", "SmoothQuant", "build", "gptq_quantize"]

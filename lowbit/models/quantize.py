@@ -4,16 +4,19 @@ quantized ones according to a ``Recipe`` (round to nearest)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 from dataclasses import replace
 
 import torch
 from torch import nn
 
+from ..algorithms import build
 from ..nn import QuantEmbedding, QuantLinear
 from ..ops import dequantize
 from ..recipe import Recipe, with_group_size
 from ..scheme import QuantScheme, check_act_weight
+from .calibrate import calibrate_and_quantize
 
 
 def _fit_group(scheme: str, in_features: int) -> str:
@@ -76,9 +79,11 @@ def plan(model: nn.Module, recipe: Recipe) -> dict[str, dict]:
 
 
 def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | None = None,
-                   inplace: bool = True, progress: bool = False) -> nn.Module:
+                   inplace: bool = True, progress: bool = False, calibration: torch.Tensor | None = None,
+                   ) -> nn.Module:
     """Replace the linears (and embedding) a recipe selects by ``QuantLinear`` /
-    ``QuantEmbedding`` with round-to-nearest quantized weights.
+    ``QuantEmbedding``, with weights rounded by the recipe's method (round to nearest,
+    HQQ, GPTQ, AWQ; SmoothQuant first when asked).
 
     Group sizes that do not divide a module's in_features (SmolLM2's 576 with g128)
     fall back to the largest power of two >= 32 that does; ``model.lowbit_modules`` records
@@ -88,6 +93,11 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         recipe: a ``Recipe``, a preset name (``lowbit.recipe.RECIPE_PRESETS``) or a JSON/YAML file.
         backend: kernel backend of the new modules (None: the fastest for their device).
         inplace: False quantizes a copy that shares the untouched tensors with ``model``.
+        calibration: token ids [samples, length] for the methods that calibrate (GPTQ,
+            AWQ, SmoothQuant, static activation scales, MSE clipping weighted by the
+            inputs), e.g. ``lowbit.evaluation.calibration_set(tokenizer)``; they run
+            decoder layer by decoder layer (``lowbit.models.calibrate``).
+            ``model.lowbit_quantization`` records the method, its parameters and the run.
 
     Example::
 
@@ -101,13 +111,30 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         ('QuantLinear', 'Linear')
     """
     recipe = Recipe.get(recipe)
+    quantizer, transforms = build(recipe, calibrated=calibration is not None)
+    if recipe.needs_calibration and calibration is None:
+        raise ValueError(f"recipe '{recipe.name}' (method {recipe.method}"
+                         f"{', smoothquant' if recipe.smoothquant is not None else ''}) needs calibration data: "
+                         "pass calibration=lowbit.evaluation.calibration_set(tokenizer)")
     if not inplace:
         model = _shallow_copy(model)
     todo = plan(model, recipe)
     if not todo:
         raise ValueError(f"recipe '{recipe.name}' selects no module of this {type(model).__name__} "
                          f"(modules={list(recipe.modules)})")
-    items = list(todo.items())
+    record = {"method": recipe.method, "params": quantizer.params(),
+              "transforms": {t.name: t.params() for t in transforms}}
+    if calibration is not None and (transforms or quantizer.observes or recipe.needs_calibration):
+        linears = {n: s for n, s in todo.items() if s["kind"] == "linear"}
+        run = calibrate_and_quantize(model, linears, quantizer, transforms, calibration, backend=backend,
+                                     progress=progress, act_observer=_act_observer(recipe))
+        record["calibration"] = {"samples": int(calibration.shape[0]), "length": int(calibration.shape[1]),
+                                 "sha256": hashlib.sha256(calibration.numpy().tobytes()).hexdigest()[:16],
+                                 "seconds": round(run["seconds"], 1), "peak_rss_mb": round(run["peak_rss_mb"])}
+        todo_rest = {n: s for n, s in todo.items() if s["kind"] != "linear"}
+    else:
+        todo_rest = todo
+    items = list(todo_rest.items())
     if progress:
         from tqdm.auto import tqdm
 
@@ -117,7 +144,10 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         mod = model.get_submodule(name)
         try:
             if spec["kind"] == "linear":
-                new = QuantLinear.from_linear(mod, spec["weight"], spec["activation"], backend)
+                if not torch.isfinite(mod.weight).all():
+                    raise ValueError("the weight of the linear to quantize holds NaN or Inf")
+                new = QuantLinear(quantizer.quantize(name, mod, spec["weight"], None), mod.bias,
+                                  spec["activation"], backend)
             else:
                 new = QuantEmbedding.from_embedding(mod, spec["weight"])
         except ValueError as e:  # name the module: "the weight holds NaN" alone says not which
@@ -128,7 +158,17 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         model.config.tie_word_embeddings = False
     model.lowbit_recipe = recipe
     model.lowbit_modules = {**getattr(model, "lowbit_modules", {}), **todo}
+    model.lowbit_quantization = record
     return model
+
+
+def _act_observer(recipe: Recipe):
+    """A factory of the recipe's activation observer (static per-tensor activation scales)."""
+    if not recipe.static_activations:
+        return None
+    from ..algorithms.observers import activation_observer
+
+    return lambda: activation_observer(recipe.act_observer)
 
 
 def _tied_embedding(model: nn.Module) -> bool:
@@ -165,7 +205,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
             emb = nn.Embedding(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, dtype=mod.dtype)
             emb.weight = nn.Parameter(dequantize(mod.weight.qtensor(), mod.dtype), requires_grad=False)
             _set_module(out, name, emb)
-    for attr in ("lowbit_recipe", "lowbit_modules"):
+    for attr in ("lowbit_recipe", "lowbit_modules", "lowbit_quantization"):
         if hasattr(out, attr):
             delattr(out, attr)
     return out

@@ -1,0 +1,146 @@
+"""What every algorithm shares: the view of a decoder layer the calibration loop hands
+over (``LinearGroup``), the events an algorithm reacts to (``Algorithm``), and the
+fake quantization of a block of weights with given scales (``fake_quantize_columns``).
+
+The loop (``lowbit.models.calibrate``) runs, for each decoder layer: a pass for the
+transforms (``observe`` then ``transform``: AWQ and SmoothQuant fold scales into the
+float layer), a pass for the weight quantizer when it ``observes`` (GPTQ's Hessian),
+``quantize`` for every selected linear, then the quantized layer over the calibration
+activations to make the next layer's inputs.  Algorithms never call the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..ops import quantize as _quantize
+from ..qtensor import QTensor
+from ..scheme import QuantScheme
+
+
+@dataclass
+class LinearGroup:
+    """Linears of one decoder layer that read the same input, and the op whose output
+    channels are that input (``prev``: an RMSNorm or a linear, None when a scale cannot
+    be folded into it).  ``names`` and ``linears`` hold every consumer of the input (a
+    folded scale must be compensated in all of them); ``schemes`` maps the names the
+    recipe quantizes to their weight scheme.
+
+    Example::
+
+        >>> import torch
+        >>> g = LinearGroup(["mlp.down_proj"], [torch.nn.Linear(8, 4)], None, {"mlp.down_proj": "int8-sym"})
+        >>> g.in_features, g.quantized
+        (8, ['mlp.down_proj'])
+    """
+
+    names: list[str]
+    linears: list[nn.Linear]
+    prev: nn.Module | None
+    schemes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def in_features(self) -> int:
+        return self.linears[0].in_features
+
+    @property
+    def quantized(self) -> list[str]:
+        return [n for n in self.names if n in self.schemes]
+
+    def weight(self) -> torch.Tensor:
+        """The group's weights stacked [sum of out_features, in_features], float32."""
+        return torch.cat([m.weight.detach().float() for m in self.linears])
+
+    def fold(self, s: torch.Tensor) -> None:
+        """Divide the input of the group by ``s`` [in_features] (in ``prev``'s output
+        channels) and multiply every consumer's weight columns by ``s``: the float
+        function is unchanged up to rounding.  New parameters replace the old ones
+        (computed in float64, rounded once), so a model copy that shares its tensors
+        with the original (``quantize_model(..., inplace=False)``) leaves it untouched."""
+        s = s.double()
+        p = self.prev
+        if isinstance(p, nn.Linear):
+            _replace(p, "weight", p.weight.double() / s[:, None])
+            if p.bias is not None:
+                _replace(p, "bias", p.bias.double() / s)
+        else:
+            _replace(p, "weight", p.weight.double() / s)
+        for m in self.linears:
+            _replace(m, "weight", m.weight.double() * s)
+
+
+def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.detach().to(old.dtype), requires_grad=False))
+
+
+class Algorithm:
+    """Round to nearest with min-max scales: the base every method refines.
+
+    Subclasses set ``observes`` (the loop runs a calibration pass and calls ``observe``
+    with each group's input before ``quantize``) or ``transforms`` (a pass with
+    ``observe``, then ``transform`` folds scales into the float layer), and override the
+    events they need.  ``params()`` is what a checkpoint records.
+
+    Example::
+
+        >>> import torch
+        >>> qt = Algorithm().quantize("fc", torch.nn.Linear(64, 8), "int4-asym-g32", None)
+        >>> qt.scheme, tuple(qt.shape)
+        (QuantScheme('int4-asym-g32'), (8, 64))
+    """
+
+    name = "rtn"
+    observes = False
+    transforms = False
+
+    def start(self, tokens: int) -> None:
+        """Calibration begins: ``tokens`` calibration tokens will pass each layer."""
+
+    def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
+        """``x``: a batch of the input of group ``index`` of the current layer."""
+
+    def transform(self, groups: list[LinearGroup]) -> None:
+        """Fold scales into the float layer (its function unchanged)."""
+
+    def quantize(self, name: str, linear: nn.Linear, scheme: str | QuantScheme, index: int | None) -> QTensor:
+        """The quantized weight of ``linear`` (module ``name``, in group ``index`` of the
+        current layer, or None outside the decoder layers)."""
+        return _quantize(linear.weight.detach().float(), scheme)
+
+    def end_layer(self) -> None:
+        """Drop the statistics of the layer just quantized."""
+
+    def params(self) -> dict:
+        return {}
+
+
+def fake_quantize_columns(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                          s: QuantScheme) -> torch.Tensor:
+    """``dequantize(quantize(w))`` of the columns ``w`` [N, C] that share the scale and
+    zero point [N] (one block per row), with exactly the arithmetic of lowbit's quantize
+    and dequantize (``lowbit.scheme``), in float32.
+
+    Example::
+
+        >>> import torch
+        >>> s = QuantScheme.parse("int4-asym-g32")
+        >>> fake_quantize_columns(torch.tensor([[0.0, 0.3, 1.5]]), torch.tensor([0.1]), torch.tensor([0]), s)
+        tensor([[0.0000, 0.3000, 1.5000]])
+    """
+    sc = scale.float()[:, None]
+    if zero_point is None:
+        q = torch.round(w / sc).clamp(s.qmin, s.qmax)
+        return q * sc
+    z = zero_point.float()[:, None]
+    if s.zero_point_domain == "int":
+        q = (torch.round(w / sc) + z).clamp(s.qmin, s.qmax)
+    else:
+        q = torch.round(w / sc + z).clamp(s.qmin, s.qmax)
+    return (q - z) * sc
+
+
+__all__ = ["Algorithm", "LinearGroup", "fake_quantize_columns"]
