@@ -260,3 +260,50 @@ def test_recipe_method_args_are_checked_before_any_work():
     assert Recipe.get("w4a16-g128:awq").method == "awq"
     with pytest.raises(ValueError, match="method in"):
         Recipe.get("w4a16-g128:foo")
+
+
+# -- the CLI ----------------------------------------------------------------------------
+def test_cli_quantize_with_gptq_records_the_method(tmp_path, capsys):
+    from lowbit.cli import main
+    from lowbit.models.checkpoint import read_metadata
+    from tests.test_bad_cli import tiny  # noqa: F401  (the fixture's function, called below)
+
+    folder = tiny.__wrapped__(tmp_path_factory=_Factory(tmp_path))
+    out = tmp_path / "gptq"
+    assert main(["quantize", str(folder), "--recipe", "w4a16-g32", "--method", "gptq", "--calib-samples", "3",
+                 "--calib-len", "16", "-o", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "method gptq" in printed.out and "calibration: 3 x 16 tokens" in printed.err
+    meta = read_metadata(out)
+    assert meta["recipe"]["name"] == "w4a16-g32:gptq" and meta["recipe"]["method"] == "gptq"
+    assert meta["quantization"]["params"] == {"block_size": 128, "damp": 0.01, "act_order": False}
+    assert meta["quantization"]["calibration"]["length"] == 16
+
+
+def test_cli_refuses_bad_calibration_before_writing(tmp_path, capsys):
+    from lowbit.cli import main
+    from tests.test_bad_cli import tiny  # noqa: F401
+
+    folder = tiny.__wrapped__(tmp_path_factory=_Factory(tmp_path))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "never"
+    assert main(["quantize", str(folder), "--recipe", "w4a16-g32", "--method", "awq", "--calib", str(empty),
+                 "-o", str(out)]) == 2
+    assert "is empty" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words of text")
+    assert main(["quantize", str(folder), "--recipe", "w4a16-g32", "--method", "gptq", "--calib", str(short),
+                 "-o", str(out)]) == 2
+    assert "longer than the calibration part" in capsys.readouterr().err
+    assert not out.exists()
+
+
+class _Factory:
+    def __init__(self, base):
+        self.base = base
+
+    def mktemp(self, name):
+        p = self.base / name
+        p.mkdir()
+        return p
