@@ -6,7 +6,7 @@ Numerics: ``H`` accumulates in float64; dampening adds ``damp * mean(diag H)`` t
 diagonal and is raised tenfold (with a logged warning) whenever the Cholesky
 factorization fails, so a rank-deficient Hessian never stops it; input columns that
 calibration never excites (``H[i, i] == 0``) get weight 0, as their input is always
-zero.  The inverse's Cholesky factor is computed in float64; the column loop runs in
+zero.  The inverse's Cholesky factor is computed in float32; the column loop runs in
 float32 with lazy block updates.  A group's scale and zero point are chosen when the
 loop reaches the group (from the already-updated weights); with ``act_order`` the
 columns go in decreasing ``H[i, i]`` and the groups' scales are chosen up front
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import choose_qparams, quantize
+from ..kernels import reference
+from ..ops import quantize
 from ..ops.quant import as_scheme
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
@@ -32,25 +33,32 @@ log = logging.getLogger("lowbit.gptq")
 
 def _qparams(w: torch.Tensor, s: QuantScheme, observer, x_sq: torch.Tensor | None):
     """Scale and zero point of ``w`` [N, C] taken as one block per row (a group or, per
-    channel, the whole row)."""
+    channel, the whole row): lowbit's rule (the reference's ``choose_qparams``, which
+    every backend matches bit for bit), or the observer's."""
     one = QuantScheme(bits=s.bits, symmetric=s.symmetric, granularity="channel", scale_dtype=s.scale_dtype,
                       zero_point_domain=s.zero_point_domain)
     if observer is None:
-        return choose_qparams(w.contiguous(), one)
+        return reference.choose_qparams(w, one)
     return observer(w.contiguous(), one, x_sq)
 
 
-def _inverse_factor(h: torch.Tensor, damp: float, what: str) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` (float64), raising
-    the dampening tenfold until H factors."""
-    mean = float(h.diagonal().mean())
+def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[torch.Tensor, float]:
+    """Upper triangular ``U`` with ``U^T U = (H + damp * mean(diag H) * I)^-1`` (float32,
+    as GPTQ's own implementation: the dampening bounds the condition number, and
+    float64 would cost 2-3x the time), raising the dampening tenfold (with a warning)
+    until H factors.
+
+    With ``J`` the reversal permutation, ``J H J = L L^T`` gives ``H = R R^T`` with
+    ``R = J L J`` upper triangular, so ``H^-1 = (R^-1)^T R^-1`` and ``U = R^-1``: one
+    Cholesky factorization and one triangular inverse."""
+    mean = float(h.diagonal().double().mean())
+    h = h.to(torch.float32)
     eye = torch.eye(h.shape[0], dtype=h.dtype)
     while True:
-        l, info = torch.linalg.cholesky_ex(h + damp * mean * eye)
+        l, info = torch.linalg.cholesky_ex((h + damp * mean * eye).flip(0, 1))
         if int(info) == 0:
-            hinv = torch.cholesky_inverse(l)
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0 and torch.isfinite(u).all():
+            u = torch.linalg.solve_triangular(l.flip(0, 1), eye, upper=True)
+            if torch.isfinite(u).all():
                 return u, damp
         if damp >= 1e6:
             raise ValueError(f"{what}: the Hessian does not factor even with dampening {damp:g} x mean(diag)")
@@ -60,14 +68,16 @@ def _inverse_factor(h: torch.Tensor, damp: float, what: str) -> tuple[torch.Tens
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *, block_size: int = 128,
                   damp: float = 0.01, act_order: bool = False, observer=None,
-                  what: str = "weight") -> tuple[QTensor, dict]:
+                  what: str = "weight", factor: tuple | None = None) -> tuple[QTensor, dict]:
     """Quantize ``w`` [N, K] with GPTQ against the Hessian ``h`` [K, K] (``E[x x^T]`` of
     the layer's inputs).  Returns the QTensor (exactly the codes GPTQ chose: dequantizing
     it gives GPTQ's weights bit for bit) and facts about the run (the dampening used,
     the dead columns).
 
     ``observer(w_block [N, C], per_channel_scheme, x_sq [C]) -> (scale, zero_point)``
-    replaces min-max scales (e.g. MSE-optimal clipping).
+    replaces min-max scales (e.g. MSE-optimal clipping).  ``factor``: the
+    ``(U, damp)`` of ``inverse_factor`` for this ``h`` (and order), when several weights
+    share one Hessian.
 
     Example::
 
@@ -117,7 +127,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
                 zps[:, g] = zp
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
-    U, used = _inverse_factor(H, float(damp), what)
+    U, used = factor if factor is not None else inverse_factor(H, float(damp), what)
     U = U.to(torch.float32)
     col_group = (perm if perm is not None else torch.arange(k)) // group
 
@@ -194,6 +204,7 @@ class GPTQ(Algorithm):
             raise ValueError(f"gptq act_order must be true or false, got {self.act_order!r}")
         self._h: dict[int, torch.Tensor] = {}
         self._n: dict[int, int] = {}
+        self._factor: dict[int, tuple] = {}
         self.log: list[dict] = []
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
@@ -206,14 +217,23 @@ class GPTQ(Algorithm):
         if index is None or index not in self._h:
             return super().quantize(name, linear, scheme, index)
         h = self._h[index] / self._n[index]
+        if index not in self._factor:  # one factorization per Hessian (q, k and v share theirs)
+            hd = h.clone()
+            hd.diagonal()[hd.diagonal() == 0] = 1.0
+            if self.act_order:
+                perm = torch.argsort(hd.diagonal(), descending=True, stable=True)
+                hd = hd[perm][:, perm]
+            self._factor[index] = inverse_factor(hd, float(self.damp), "gptq")
         qt, info = gptq_quantize(linear.weight.detach(), h, scheme, block_size=self.block_size, damp=self.damp,
-                                 act_order=self.act_order, observer=self.observer, what="gptq")
+                                 act_order=self.act_order, observer=self.observer, what="gptq",
+                                 factor=self._factor[index])
         self.log.append({"module": name, **info})
         return qt
 
     def end_layer(self) -> None:
         self._h.clear()
         self._n.clear()
+        self._factor.clear()
 
     def params(self) -> dict:
         return {"block_size": self.block_size, "damp": self.damp, "act_order": self.act_order}
