@@ -28,8 +28,8 @@ from .base import Algorithm, LinearGroup
 
 def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
     """``sum((wq - w) @ h * (wq - w))``: the squared output error on inputs with
-    ``h = X^T X``."""
-    d = (wq - w).double()
+    ``h = X^T X`` (in h's dtype)."""
+    d = (wq - w).to(h.dtype)
     return float(((d @ h) * d).sum())
 
 
@@ -99,7 +99,7 @@ class AWQ(Algorithm):
             members = [(m, g.schemes[n]) for n, m in zip(g.names, g.linears) if n in g.schemes]
             weights = [m.weight.detach().float() for m, _ in members]
             w_mean = torch.stack([_row_group_mean(w, s) for w, (_, s) in zip(weights, members)]).mean(0)
-            h = self._h[gi]
+            h = self._h[gi].float()  # accumulated in float64; float32 ranks the candidates as well
 
             def loss(s: torch.Tensor) -> float:
                 return sum(output_error(w, _fake_quantize(w * s, sc) / s, h) for w, (_, sc) in zip(weights, members))
