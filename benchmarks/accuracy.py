@@ -44,6 +44,8 @@ def rows_spec() -> dict[str, dict]:
         spec[f"{tag} gptq"] = dict(weight=weight, method="gptq")
         spec[f"{tag} gptq act-order"] = dict(weight=weight, method="gptq", method_args={"act_order": True})
         spec[f"{tag} awq"] = dict(weight=weight, method="awq")
+        spec[f"{tag} gptq mse"] = dict(weight=weight, method="gptq", observer="mse")
+        spec[f"{tag} awq mse"] = dict(weight=weight, method="awq", observer="mse")
     spec["w8a8 rtn"] = dict(weight="int8-sym", activation="int8-sym-token")
     spec["w8a8 smoothquant-0.5"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant=0.5)
     spec["w8a8 smoothquant-auto"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant="auto")

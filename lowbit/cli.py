@@ -319,8 +319,8 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend)
     ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
     check_positions(m, ids.numel(), max_new_tokens)
-    if r is not None:
-        lowbit.quantize_model(m, r, backend=backend)
+    if r is not None:  # a calibrated method calibrates on the default text (lowbit quantize has the options)
+        lowbit.quantize_model(m, r, backend=backend, calibration=_calibration([r], tok, None, 128, 512))
     eos = _eos_ids(m, tok)
     printed = ""
     new: list[int] = []
