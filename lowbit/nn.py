@@ -2,19 +2,58 @@
 ``nn.Embedding``.
 
 Their state dict holds the packed codes, scales and zero points (``weight.codes``,
-``weight.scale``, ``weight.zero_point``), never a float copy of the weight; the
-schemes are module attributes (saved in a checkpoint's ``lowbit.json``).
+``weight.scale``, ``weight.zero_point``), never a float copy of the weight, and, for a
+calibrated per-tensor activation scheme, the static ``act_scale`` (and ``act_zero_point``);
+the schemes are module attributes (saved in a checkpoint's ``lowbit.json``).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 from torch import nn
 
 from ._validate import has_values as _has_values
-from .ops import linear, quantize
+from .ops import choose_qparams, linear, quantize
+from .ops.quant import _check_qparams
 from .qtensor import QTensor
 from .scheme import QuantScheme
+
+
+def act_qparams_from_range(act_scheme: str | QuantScheme, min_val, max_val) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Static scale [1] and zero point ([1], None for a symmetric scheme) of a per-tensor
+    activation scheme for activations observed in ``[min_val, max_val]``.
+
+    The rule is ``lowbit.ops.choose_qparams``'s, applied to the two-element float32 tensor
+    ``[min_val, max_val]``: a per-tensor scheme depends only on a tensor's min and max (the
+    symmetric scale on ``max(|min|, |max|)``, the asymmetric one on ``[min(min, 0),
+    max(max, 0)]``), so these are the qparams ``choose_qparams`` gives any tensor with that
+    range.
+
+    Example::
+
+        >>> from lowbit.nn import act_qparams_from_range
+        >>> scale, zp = act_qparams_from_range("int8-asym-tensor", -1.0, 3.0)
+        >>> round(scale.item(), 6), zp.item()
+        (0.015686, 64)
+    """
+    s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(str(act_scheme))
+    if s.granularity != "tensor":
+        raise ValueError(f"act_scheme must be per tensor to have a static range, got '{s}'")
+    bounds = []
+    for name, v in (("min_val", min_val), ("max_val", max_val)):
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"{name} must hold one value, got shape {tuple(v.shape)}")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        bounds.append(float(v))
+    if bounds[0] > bounds[1]:
+        raise ValueError(f"min_val={bounds[0]} is greater than max_val={bounds[1]}")
+    return choose_qparams(torch.tensor(bounds, dtype=torch.float32), s)
 
 
 class _QuantWeight(nn.Module):
@@ -44,9 +83,22 @@ class _QuantWeight(nn.Module):
         return f"'{self.scheme}', shape={tuple(self.shape)}"
 
 
+@functools.lru_cache(maxsize=64)
+def _per_tensor_scheme(act_scheme: str | None) -> QuantScheme | None:
+    # cached: forward asks on every call, and parsing a scheme string costs ~10 us
+    s = None if act_scheme is None else QuantScheme.parse(act_scheme)
+    return s if s is not None and s.granularity == "tensor" else None
+
+
 class QuantLinear(nn.Module):
     """``y = x @ W.T + bias`` with W quantized (``lowbit.linear``): weight-only
     (W8A16/W4A16) or, with ``act_scheme``, 8-bit activations (W8A8/W4A8).
+
+    A per-token ``act_scheme`` quantizes each row of x on the fly.  A per-tensor one
+    (``'int8-sym-tensor'``, ``'int8-asym-tensor'``) uses a static, calibrated scale: the
+    buffers ``act_scale`` ([1], the scheme's scale dtype) and ``act_zero_point`` ([1] uint8,
+    asymmetric schemes), None until ``set_act_qparams`` or ``set_act_range`` stores them;
+    ``forward`` refuses to run before.
 
     Example::
 
@@ -70,6 +122,15 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.act_scheme = None if act_scheme is None else str(QuantScheme.parse(str(act_scheme)))
         self.backend = backend
+        act = self._static_act()
+        if act is not None and act.zero_point_domain == "float":
+            # lowbit.linear feeds the integer kernels an int32 activation zero point
+            raise ValueError(f"act_scheme '{act}' has a float zero point; a static per-tensor activation "
+                             "scheme needs an integer one (e.g. 'int8-asym-tensor')")
+        # static per-tensor activation qparams: None until calibrated (None buffers are not
+        # in the state dict, so an uncalibrated module saves none)
+        self.register_buffer("act_scale", None)
+        self.register_buffer("act_zero_point", None)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, scheme: str | QuantScheme, act_scheme: str | QuantScheme | None = None,
@@ -85,8 +146,65 @@ class QuantLinear(nn.Module):
     def qweight(self) -> QTensor:
         return self.weight.qtensor()
 
+    def _static_act(self) -> QuantScheme | None:
+        """The activation scheme when it is per tensor (static qparams), else None."""
+        return _per_tensor_scheme(self.act_scheme)
+
+    @property
+    def act_calibrated(self) -> bool:
+        """False only for a per-tensor act_scheme whose static scale is not set yet."""
+        return self.act_scale is not None or self._static_act() is None
+
+    def set_act_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
+        """Store the static activation scale (and zero point) of a per-tensor ``act_scheme``.
+
+        ``scale``: shape [1], the scheme's scale dtype (float32 unless the scheme says
+        ``-f16``/``-bf16``), finite and > 0.  ``zero_point``: None for a symmetric scheme,
+        else uint8 [1] in the code range.  They are copied to the weight's device.
+
+        Example::
+
+            >>> import torch
+            >>> from lowbit.nn import QuantLinear
+            >>> q = QuantLinear.from_linear(torch.nn.Linear(64, 32), "int8-sym", act_scheme="int8-sym-tensor")
+            >>> q.set_act_qparams(torch.tensor([0.02]))
+            >>> q(torch.randn(2, 64)).shape
+            torch.Size([2, 32])
+        """
+        s = self._static_act()
+        if s is None:
+            raise ValueError(f"set_act_qparams needs a per-tensor act_scheme (static activation scale), "
+                             f"this QuantLinear has act_scheme={self.act_scheme!r}")
+        device = self.weight.codes.device
+        if isinstance(scale, torch.Tensor):
+            scale = scale.detach().to(device)
+        if isinstance(zero_point, torch.Tensor):
+            zero_point = zero_point.detach().to(device)
+        # lowbit.linear's own checks of a static act_scale / act_zero_point (dtype, shape [1],
+        # finite and > 0, zero point in the code range), run here once, before storing
+        _check_qparams(torch.empty(0, device=device), s, scale, zero_point, names=("act_scale", "act_zero_point"))
+        # copies: two modules given the same tensor (q/k/v share an input) keep their own
+        # storage, which save_quantized needs (it writes a shared tensor once)
+        self.act_scale = scale.clone()
+        self.act_zero_point = None if zero_point is None else zero_point.clone()
+
+    def set_act_range(self, min_val, max_val) -> None:
+        """``set_act_qparams`` with the qparams of activations observed in ``[min_val, max_val]``
+        (``act_qparams_from_range``)."""
+        s = self._static_act()
+        if s is None:
+            raise ValueError(f"set_act_range needs a per-tensor act_scheme (static activation scale), "
+                             f"this QuantLinear has act_scheme={self.act_scheme!r}")
+        self.set_act_qparams(*act_qparams_from_range(s, min_val, max_val))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight.qtensor(), self.bias, act_scheme=self.act_scheme, backend=self.backend)
+        if self.act_scale is None and self._static_act() is not None:
+            raise ValueError(f"activation scale not calibrated: act_scheme '{self.act_scheme}' quantizes the "
+                             f"input of this QuantLinear ({self.in_features} -> {self.out_features}) with a "
+                             "static per-tensor scale; set it with set_act_qparams(scale, zero_point) or "
+                             "set_act_range(min, max) from calibration data")
+        return linear(x, self.weight.qtensor(), self.bias, act_scheme=self.act_scheme, act_scale=self.act_scale,
+                      act_zero_point=self.act_zero_point, backend=self.backend)
 
     def extra_repr(self) -> str:
         act = None if self.act_scheme is None else f"'{self.act_scheme}'"
@@ -146,4 +264,4 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, weight='{self.weight.scheme}', dtype={self.dtype}"
 
 
-__all__ = ["QuantLinear", "QuantEmbedding"]
+__all__ = ["QuantLinear", "QuantEmbedding", "act_qparams_from_range"]

@@ -1,8 +1,10 @@
 """Quantized checkpoints: a folder with
 
 * ``model.safetensors``: packed codes, scales and zero points of every quantized
-  module (``<module>.weight.codes`` / ``.scale`` / ``.zero_point``) and the float
-  tensors of the rest (embeddings, norms, biases);
+  module (``<module>.weight.codes`` / ``.scale`` / ``.zero_point``), the static
+  activation scale (``<module>.act_scale``, and ``.act_zero_point`` when asymmetric) of
+  every linear with a per-tensor activation scheme, and the float tensors of the rest
+  (embeddings, norms, biases);
 * ``lowbit.json``: format version, lowbit version, the recipe, every quantized
   module's schemes, the float dtype, a SHA-256 of every tensor (``sha256``) and of
   every other file of the folder (``files``: ``config.json`` and the tokenizer's);
@@ -249,6 +251,11 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")
+    uncalibrated = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and not m.act_calibrated]
+    if uncalibrated:  # such a model cannot run, and load_quantized would refuse its checkpoint
+        raise ValueError(f"activation scale not calibrated: {len(uncalibrated)} module(s) with a per-tensor "
+                         f"activation scheme have no static act_scale (first: {uncalibrated[0]!r}); calibrate "
+                         "them (QuantLinear.set_act_qparams / set_act_range) before saving")
     given = check_output_dir(path, overwrite)
     out = Path(os.path.abspath(given))
     tensors = _unique_state(model)
@@ -354,7 +361,22 @@ def _validate(meta, f: Path) -> Recipe:
                                   f"{e}") from None
         if f"{name}.weight.codes" not in meta["sha256"]:
             raise CheckpointError(f"{f}: {field} has no tensor {name + '.weight.codes'!r} in sha256")
+        for key, needed in _static_act_tensors(name, spec["activation"]).items():
+            if needed and key not in meta["sha256"]:
+                raise CheckpointError(f"{f}: {field} has the per-tensor activation scheme {spec['activation']!r} "
+                                      f"but no tensor {key!r} (its static qparams) in sha256")
+            if not needed and key in meta["sha256"]:
+                raise CheckpointError(f"{f}: sha256 lists {key!r}, but {field} has activation "
+                                      f"{spec['activation']!r}, which takes no static activation qparams")
     return recipe
+
+
+def _static_act_tensors(name: str, activation: str | None) -> dict[str, bool]:
+    """Tensor names of a module's static activation qparams: whether its activation scheme
+    needs each (a per-tensor scheme: the scale, and the zero point when asymmetric)."""
+    s = None if activation is None else QuantScheme.parse(activation)
+    static = s is not None and s.granularity == "tensor"
+    return {f"{name}.act_scale": static, f"{name}.act_zero_point": static and not s.symmetric}
 
 
 def _check_files(folder: Path, meta: dict) -> None:
@@ -409,7 +431,10 @@ class _Reader:
             raise CheckpointError(f"{self.file}: tensor {name!r} is corrupted (SHA-256 mismatch with "
                                   f"{CHECKPOINT_CONFIG})")
         self.used.add(name)
-        return t
+        # a copy in memory of torch's allocator: a tensor read from the file is aligned to its
+        # offset there (8 bytes), and BLAS picks its float kernels by alignment, so a loaded
+        # model's one-row matmuls (decode steps) would round differently from the saved one's
+        return t.clone()
 
 
 def _open(path: str | os.PathLike) -> tuple[dict, Recipe, _Reader]:
@@ -476,7 +501,20 @@ def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtyp
     if shell.bias is not None:
         bias = reader.get(f"{name}.bias", (torch.float32, torch.bfloat16, torch.float16),
                           (shell.out_features,)).to(dtype)
-    return QuantLinear(qt, bias, spec["activation"], backend)
+    try:
+        mod = QuantLinear(qt, bias, spec["activation"], backend)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_file}: module {name!r}: {e}") from None
+    needed = [k for k, need in _static_act_tensors(name, spec["activation"]).items() if need]
+    if needed:  # a per-tensor activation scheme: its calibrated static scale (and zero point)
+        act = QuantScheme.parse(spec["activation"])
+        scale = reader.get(needed[0], (act.scale_dtype,), (1,))
+        zp = reader.get(needed[1], (act.zero_point_dtype,), (1,)) if len(needed) > 1 else None
+        try:
+            mod.set_act_qparams(scale, zp)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{reader.file}: static activation qparams of {name!r}: {e}") from None
+    return mod
 
 
 def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, backend: str | None = None):
