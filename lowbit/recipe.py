@@ -293,6 +293,9 @@ def _act_scheme(s: str, label: str) -> QuantScheme:
         raise ValueError(f"recipe {label}: {e}") from None
     if scheme.bits != 8 or scheme.granularity not in ("token", "tensor"):
         raise ValueError(f"recipe {label}: activations are 8-bit per token or per tensor, got '{s}'")
+    if scheme.granularity == "tensor" and scheme.zero_point_domain == "float":
+        raise ValueError(f"recipe {label}: a static per-tensor activation scheme needs an integer zero point, "
+                         f"got '{s}'")
     return scheme
 
 

@@ -326,5 +326,10 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
 
 
 def test_native_decode_is_skipped_for_activations_it_does_not_cover(smol):
-    q = lowbit.quantize_model(smol[0], lowbit.Recipe(weight="int8-sym", activation="int8-sym-tensor"), inplace=False)
+    from lowbit.evaluation import calibration_set
+
+    ids = calibration_set(smol[1], samples=2, length=32)  # static per-tensor scales come from calibration
+    q = lowbit.quantize_model(smol[0], lowbit.Recipe(weight="int8-sym", activation="int8-sym-tensor"), inplace=False,
+                              calibration=ids)
+    assert all(m.act_calibrated for m in q.modules() if isinstance(m, lowbit.nn.QuantLinear))
     assert Runner(q)._decoder is None

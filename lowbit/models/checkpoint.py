@@ -266,6 +266,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
         "modules": {n: {k: v[k] for k in ("kind", "weight", "activation")} for n, v in modules.items()},
         "dtype": str(float_dtype).removeprefix("torch."),
         "source": getattr(model, "lowbit_source", None),
+        # how the weights were rounded: method, its parameters, the calibration run
+        "quantization": getattr(model, "lowbit_quantization", None),
         "sha256": {n: _digest(t) for n, t in tensors.items()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -340,6 +342,7 @@ def _validate(meta, f: Path) -> Recipe:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{f}: recipe: {e}") from None
     _check_digests(f, "sha256", meta["sha256"])
+    _expect(f, "quantization", meta.get("quantization"), (dict, type(None)), "an object or null")
     if "files" in meta:
         _check_digests(f, "files", meta["files"], plain_names=True)
     _expect(f, "modules", meta["modules"], (dict,), "an object of module name: schemes")
@@ -575,6 +578,7 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
     model.eval()
     model.lowbit_recipe = recipe
     model.lowbit_modules = {n: {**s, "asked": s["weight"]} for n, s in meta["modules"].items()}
+    model.lowbit_quantization = meta.get("quantization")
     model.lowbit_source = meta.get("source")
     tok = None
     tok_file = folder / "tokenizer.json"
