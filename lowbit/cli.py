@@ -139,7 +139,8 @@ def _calibration(recipes, tok, calib: str | None, samples: int, length: int, see
     where they come from; the corpus problems surface before any quantization."""
     from lowbit.recipe import Recipe
 
-    if not any(Recipe.get(r).needs_calibration for r in recipes):
+    # observer "mse" does not need data, but weights its clipping by the inputs when it has them
+    if not any(Recipe.get(r).needs_calibration or Recipe.get(r).observer == "mse" for r in recipes):
         return None
     from lowbit.evaluation import calibration_set, load_corpus
 
@@ -164,7 +165,7 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
         >>> first_layer = lowbit.Recipe(weight="int8-sym", modules=[r"layers\.0\."])
         >>> with tempfile.TemporaryDirectory() as d:
         ...     summary = quantize_cmd(None, first_layer, d + "/smollm2-int8")  # doctest: +ELLIPSIS
-        recipe custom: 7 modules quantized in ...s
+        recipe custom: 7 modules quantized in ...s (method rtn)
              7 x weight int8-sym
         weights 538.1 MB -> 527.5 MB; saved to .../smollm2-int8
         >>> summary["modules"]

@@ -98,6 +98,8 @@ class Recipe:
         if not isinstance(self.method_args, Mapping) or not all(isinstance(k, str) for k in self.method_args):
             raise ValueError(f"recipe method_args: expected an object of parameter: value, got {self.method_args!r}")
         object.__setattr__(self, "method_args", dict(self.method_args))
+        if self.method == "hqq" and self.observer != "minmax":
+            raise ValueError("recipe observer: hqq chooses its own scales; the observer must be 'minmax'")
         sq = self.smoothquant
         if sq is not None and sq != "auto" and (isinstance(sq, bool) or not isinstance(sq, (int, float))
                                                   or not 0 <= sq <= 1):

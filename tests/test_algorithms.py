@@ -307,3 +307,35 @@ class _Factory:
         p = self.base / name
         p.mkdir()
         return p
+
+
+def test_folding_that_would_overflow_float16_is_refused():
+    import torch.nn as nn
+
+    from lowbit.algorithms.base import LinearGroup
+
+    norm = nn.Module()
+    norm.weight = nn.Parameter(torch.ones(8, dtype=torch.float16))
+    lin = nn.Linear(8, 4, dtype=torch.float16)
+    g = LinearGroup(["fc"], [lin], norm, {"fc": "int8-sym"})
+    s = torch.ones(8)
+    s[3] = 1e-5  # a channel calibration never excites: 1 / s = 1e5 > float16's 65504
+    with pytest.raises(ValueError, match="would overflow torch.float16"):
+        g.fold(s)
+    assert torch.equal(norm.weight, torch.ones(8, dtype=torch.float16))  # refused before any change
+
+
+def test_gptq_group_must_divide_in_features():
+    with pytest.raises(ValueError, match="does not divide in_features=80"):
+        gptq_quantize(torch.randn(8, 80), torch.eye(80), "int4-asym-g32")
+    with pytest.raises(ValueError, match="damp"):
+        gptq_quantize(torch.randn(8, 64), torch.eye(64), "int4-asym-g32", damp=True)
+
+
+def test_calibrated_lm_head_unties_the_embedding():
+    model = _tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    q = lowbit.quantize_model(model, Recipe(weight="int4-asym-g32", method="gptq", lm_head="int8-sym"),
+                              inplace=False, calibration=_calib())
+    assert q.config.tie_word_embeddings is False

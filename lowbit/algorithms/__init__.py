@@ -97,6 +97,10 @@ class HQQ(Algorithm):
 
     name = "hqq"
 
+    def __post_init__(self):
+        if isinstance(self.iters, bool) or not isinstance(self.iters, int) or self.iters < 1:
+            raise ValueError(f"hqq iters must be a positive integer, got {self.iters!r}")
+
     def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
         from ..ops import quantize
         from .hqq import hqq_qparams
@@ -129,8 +133,6 @@ def build(recipe: Recipe, calibrated: bool = True) -> tuple[Algorithm, list[Algo
         elif recipe.method == "gptq":
             quantizer = GPTQ(observer=observer, **args)
         else:
-            if recipe.observer != "minmax":
-                raise ValueError("hqq chooses its own scales; the observer must be 'minmax'")
             quantizer = HQQ(**args)
     except TypeError:
         cls = AWQ if recipe.method == "awq" else _QUANTIZERS[recipe.method]

@@ -23,7 +23,7 @@ import torch
 
 from ..ops import dequantize, quantize
 from ..scheme import QuantScheme
-from .base import Algorithm, LinearGroup
+from .base import Algorithm, LinearGroup, token_sample
 
 
 def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
@@ -85,9 +85,7 @@ class AWQ(Algorithm):
         x = x.reshape(-1, x.shape[-1]).float()
         self._abs[index] = self._abs.get(index, 0) + x.abs().sum(0)
         self._n[index] = self._n.get(index, 0) + x.shape[0]
-        stride = max(1, (self.tokens or x.shape[0]) // self.max_tokens)
-        offset = (self._n[index] // x.shape[0] * 7919) % stride  # varies by batch: not always position 0
-        xs = x[offset::stride]
+        xs = token_sample(x, self.tokens, self.max_tokens, self._n[index] // x.shape[0])
         h = (xs.T @ xs).double()
         self._h[index] = self._h[index] + h if index in self._h else h
 

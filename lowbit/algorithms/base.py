@@ -62,6 +62,13 @@ class LinearGroup:
         with the original (``quantize_model(..., inplace=False)``) leaves it untouched."""
         s = s.double()
         p = self.prev
+        results = [(p, p.weight.double() / (s[:, None] if isinstance(p, nn.Linear) else s))]
+        results += [(c, c.weight.double() * s) for c in self.linears]
+        for mod, scaled in results:
+            if not bool((scaled.abs() <= torch.finfo(mod.weight.dtype).max).all()):
+                raise ValueError(f"folding scales into the input of {self.names} would overflow "
+                                 f"{mod.weight.dtype} (scales {float(s.min()):.3g}..{float(s.max()):.3g}); "
+                                 "use a smaller alpha or a float32 model")
         if isinstance(p, nn.Linear):
             _replace(p, "weight", p.weight.double() / s[:, None])
             if p.bias is not None:
@@ -75,6 +82,15 @@ class LinearGroup:
 def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
     old = getattr(module, name)
     setattr(module, name, nn.Parameter(value.detach().to(old.dtype), requires_grad=False))
+
+
+def token_sample(x: torch.Tensor, tokens: int | None, max_tokens: int, batch: int) -> torch.Tensor:
+    """About ``max_tokens`` of the ``tokens`` calibration rows, taken from the rows ``x``
+    [rows, K] of one batch at a stride, with an offset that moves from batch to batch (so
+    the sample is not always position 0 of each sequence, the attention sink).  A copy:
+    a view would keep the whole batch alive."""
+    stride = max(1, (tokens or x.shape[0]) // max_tokens)
+    return x[(batch * 7919) % stride::stride].clone()
 
 
 class Algorithm:

@@ -53,7 +53,7 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
     Cholesky factorization and one triangular inverse."""
     mean = float(h.diagonal().double().mean())
     h = h.to(torch.float32)
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     while True:
         l, info = torch.linalg.cholesky_ex((h + damp * mean * eye).flip(0, 1))
         if int(info) == 0:
@@ -64,6 +64,13 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
             raise ValueError(f"{what}: the Hessian does not factor even with dampening {damp:g} x mean(diag)")
         log.warning("%s: Hessian not positive definite with dampening %g; retrying with %g", what, damp, damp * 10)
         damp *= 10
+
+
+def _check_params(block_size, damp) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"gptq block_size must be a positive integer, got {block_size!r}")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp < 1:
+        raise ValueError(f"gptq damp must be a fraction in (0, 1) of the mean Hessian diagonal, got {damp!r}")
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *, block_size: int = 128,
@@ -101,10 +108,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
         raise ValueError(f"{what}: the weight or the Hessian holds NaN or Inf")
     if s.granularity not in ("group", "channel"):
         raise ValueError(f"{what}: GPTQ quantizes per channel or per group, not '{s.granularity}' ('{s}')")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    if not (isinstance(damp, (int, float)) and 0 < damp < 1e6):
-        raise ValueError(f"damp must be a positive fraction of the mean Hessian diagonal, got {damp!r}")
+    if s.granularity == "group" and k % s.group_size:
+        raise ValueError(f"{what}: group_size={s.group_size} of '{s}' does not divide in_features={k}")
+    _check_params(block_size, damp)
     W = w.detach().to(torch.float32).clone()
     H = h.detach().to(torch.float64).clone()
     dead = H.diagonal() == 0
@@ -116,9 +122,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
     x_sq = H.diagonal().float()
 
     perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else None
-    scales = torch.empty(n, k // group, dtype=s.scale_dtype)
+    scales = torch.empty(n, k // group, dtype=s.scale_dtype, device=w.device)
     zps = None if s.symmetric else torch.empty(n, k // group, dtype=s.zero_point_dtype if s.zero_point_domain == "float"
-                                               else torch.int32)
+                                               else torch.int32, device=w.device)
     if act_order or group == k:  # static groups: every group's scale from the weights before any update
         for g in range(k // group):
             sc, zp = _qparams(W[:, g * group:(g + 1) * group], s, observer, x_sq[g * group:(g + 1) * group])
@@ -196,10 +202,7 @@ class GPTQ(Algorithm):
     observes = True
 
     def __post_init__(self):
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"gptq block_size must be a positive integer, got {self.block_size!r}")
-        if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 < self.damp < 1:
-            raise ValueError(f"gptq damp must be a fraction in (0, 1) of the mean Hessian diagonal, got {self.damp!r}")
+        _check_params(self.block_size, self.damp)
         if not isinstance(self.act_order, bool):
             raise ValueError(f"gptq act_order must be true or false, got {self.act_order!r}")
         self._h: dict[int, torch.Tensor] = {}

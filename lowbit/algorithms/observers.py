@@ -41,6 +41,7 @@ from .. import _validate
 from ..kernels import reference
 from ..ops import choose_qparams
 from ..ops.quant import _check_input, as_scheme
+from ..recipe import ACT_OBSERVERS, WEIGHT_OBSERVERS  # the names a recipe accepts: one list
 from ..scheme import QuantScheme
 
 
@@ -226,6 +227,7 @@ def _quantile(v: torch.Tensor, f: float) -> float:
 ACTIVATION_OBSERVERS: dict[str, type[Observer]] = {
     "minmax": MinMax, "ema": MovingAverageMinMax, "percentile": Percentile,
 }
+assert tuple(ACTIVATION_OBSERVERS) == ACT_OBSERVERS
 
 
 def activation_observer(name: str, **kw) -> Observer:
@@ -250,7 +252,6 @@ def activation_observer(name: str, **kw) -> Observer:
 
 
 # -- weight observers ---------------------------------------------------------------------------
-WEIGHT_OBSERVERS = ("minmax", "mse")
 
 
 def weight_qparams(w: torch.Tensor, scheme: QuantScheme | str, observer: str = "minmax",

@@ -7,8 +7,9 @@ group); ``1 / s`` is folded into the op that produces the input (an RMSNorm weig
 the previous linear's rows) and ``s`` into the weights' columns, so the float model's
 function is unchanged before quantization.  ``alpha="auto"`` tries a small grid per
 group (and no smoothing at all) and keeps the one whose W8A8 output (int8 per-token
-activations, int8 per-channel weights, fake-quantized) is closest to the float output
-on a sample of the calibration tokens.
+activations, int8 per-channel weights, fake-quantized: SmoothQuant's own target,
+whatever the recipe's schemes) is closest to the float output on a sample of the
+calibration tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import dequantize, fake_quantize, quantize
-from .base import Algorithm, LinearGroup
+from .base import Algorithm, LinearGroup, token_sample
 
 AUTO_ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
@@ -58,9 +59,8 @@ class SmoothQuant(Algorithm):
         self._max[index] = torch.maximum(self._max[index], m) if index in self._max else m
         self._n[index] = self._n.get(index, 0) + 1
         if self.alpha == "auto":
-            stride = max(1, (self.tokens or x.shape[0]) // self.max_tokens)
-            offset = (self._n[index] * 7919) % stride
-            self._sample.setdefault(index, []).append(x[offset::stride])
+            self._sample.setdefault(index, []).append(token_sample(x, self.tokens, self.max_tokens,
+                                                                   self._n[index]))
 
     @staticmethod
     def scales(x_max: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -69,10 +69,10 @@ class _Inputs:
         if not torch.isfinite(self.h).all():
             raise ValueError("calibration: the embedding of the calibration tokens holds NaN or Inf")
         t = ids.shape[1]
-        pos = torch.arange(t)[None]
+        pos = torch.arange(t, device=ids.device)[None]
         self.rope = body.rotary_emb(self.h[:1], pos)
         self.pos = pos
-        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype).triu(1)
+        mask = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype, device=ids.device).triu(1)
         self.mask = mask[None, None]
 
 
@@ -134,13 +134,16 @@ def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: A
                          f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
     if ids.numel() == 0:
         raise ValueError("the calibration set is empty (0 samples or 0 tokens)")
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if window is not None and ids.shape[1] > window:
+        raise ValueError(f"calibration length {ids.shape[1]} is longer than the model's sliding window ({window})")
     vocab = model.model.embed_tokens.num_embeddings
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"calibration ids must lie in [0, {vocab}) (the model's vocabulary)")
     start = time.perf_counter()
     layers = model.model.layers
     prefix = next(n for n, m in model.named_modules() if m is layers)
-    inp = _Inputs(model, ids)
+    inp = _Inputs(model, ids.to(model.model.embed_tokens.weight.device))
     batch = max(1, batch_tokens // ids.shape[1])
     for a in [*transforms, quantizer]:
         a.start(ids.numel())

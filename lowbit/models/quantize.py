@@ -16,7 +16,7 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..ops import dequantize
 from ..recipe import Recipe, with_group_size
 from ..scheme import QuantScheme, check_act_weight
-from .calibrate import calibrate_and_quantize
+from .calibrate import calibrate_and_quantize, set_module as _set_module
 
 
 def _fit_group(scheme: str, in_features: int) -> str:
@@ -31,11 +31,6 @@ def _fit_group(scheme: str, in_features: int) -> str:
             return with_group_size(scheme, g)
         g //= 2
     return str(replace(s, granularity="channel", group_size=None))
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def _shallow_copy(model: nn.Module) -> nn.Module:
@@ -122,6 +117,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
     if not todo:
         raise ValueError(f"recipe '{recipe.name}' selects no module of this {type(model).__name__} "
                          f"(modules={list(recipe.modules)})")
+    tied = _tied_embedding(model)
     record = {"method": recipe.method, "params": quantizer.params(),
               "transforms": {t.name: t.params() for t in transforms}}
     if calibration is not None and (transforms or quantizer.observes or recipe.needs_calibration):
@@ -129,7 +125,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         run = calibrate_and_quantize(model, linears, quantizer, transforms, calibration, backend=backend,
                                      progress=progress, act_observer=_act_observer(recipe))
         record["calibration"] = {"samples": int(calibration.shape[0]), "length": int(calibration.shape[1]),
-                                 "sha256": hashlib.sha256(calibration.numpy().tobytes()).hexdigest()[:16],
+                                 "sha256": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()[:16],
                                  "seconds": round(run["seconds"], 1), "peak_rss_mb": round(run["peak_rss_mb"])}
         todo_rest = {n: s for n, s in todo.items() if s["kind"] != "linear"}
     else:
@@ -139,7 +135,6 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         from tqdm.auto import tqdm
 
         items = tqdm(items, desc=f"quantizing ({recipe.name})", unit="module", leave=False)
-    tied = _tied_embedding(model)
     for name, spec in items:
         mod = model.get_submodule(name)
         try:
