@@ -110,7 +110,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="*", help="row names or substrings (default: all rows)")
+    p.add_argument("--only", nargs="*", help="row names (exact), in this order (default: all rows)")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-len", type=int, default=512)
     p.add_argument("--json", help="write the rows to this file")
@@ -120,7 +120,10 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(a.worker, a.calib_samples, a.calib_len)))
         return
-    names = ["float"] + [n for n in rows_spec() if not a.only or any(o in n for o in a.only)]
+    unknown = set(a.only or ()) - set(rows_spec()) - {"float"}
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}; rows: {', '.join(rows_spec())}")
+    names = ["float"] + [n for n in (a.only or rows_spec()) if n != "float"]
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--worker", name, "--calib-samples", str(a.calib_samples),
@@ -130,7 +133,7 @@ def main() -> None:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         else:
             rows.append({"model": name, "error": done.stderr.strip().splitlines()[-1] if done.stderr else "failed"})
-        print(f"{name}: done", file=sys.stderr, flush=True)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each row as it comes
     if a.peers:
         with open(a.peers) as f:
             peers = json.load(f)
