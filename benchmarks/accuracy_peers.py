@@ -4,6 +4,11 @@ SmolLM2-135M, scored by lowbit's own evaluation.
     HF_HUB_OFFLINE=1 PYTHONPATH=/work/main /work/peers-venv/bin/python \\
         benchmarks/accuracy_peers.py --calib-samples 32 --json peers.json [--only NAMES]
 
+    # as run for the table, on a 2-core machine shared with other jobs: one thread a
+    # process, quantization results kept in a cache folder, AWQ on a subset
+    ... accuracy_peers.py --threads 1 --calib-samples 32 --cache /tmp/peers_cache \\
+        --awq-calib-samples 16 --json peers.json
+
 What is measured.  For each peer method: the float model from ``lowbit.load_model()``
 (float32 LlamaForCausalLM), the peer's own quantizer run on it on the CPU, then
 ``lowbit.evaluate({name: model_q}, tok, reference=float_model, ctx=512,
@@ -24,6 +29,13 @@ activation quantization too).  Evaluating dequantized weights measures
 the peer's quantization error only, not its kernels: every row runs the same float
 matmuls, so the comparison is fair and independent of which kernels a peer has on
 CPU.
+
+Reading the rows: the bundled model's float weights are the dequantized values of a
+Q4_1 GGUF (4-bit, groups of 32 along the input dimension, float scale and float
+minimum).  A g32 asymmetric quantizer whose zero point may be fractional (HQQ's
+optimized zero, quanto's float shift) can land on that grid again and score near
+the float model; integer zero points (compressed-tensors, lowbit's integer-zp
+recipes) cannot; groups of 64 or 96 straddle two Q4_1 groups.
 
 Calibration: every calibrated method gets the same samples,
 ``lowbit.evaluation.calibration_set(tok, samples=N, length=512, seed=0)`` (the
@@ -326,6 +338,7 @@ def worker(name: str, calib_samples: int, out: str, use_samples: int | None = No
             calib = calib[:use_samples]  # the first samples of the same set
         row["calib_samples"] = None if calib is None else len(calib)
         row["rss_before_quant_mb"] = rss_mb()
+        row["torch_threads"] = torch.get_num_threads()
         seconds, rss, build = RUNNERS[peer](name, model, tok, calib)
         row.update(quant_seconds=seconds, peak_rss_mb=rss)
         ref, _ = lowbit.load_model()
@@ -396,10 +409,17 @@ def main() -> None:
                     help="folder for each method's quantization result: reused when present "
                          "(so evaluation can be redone, or split from quantization)")
     ap.add_argument("--quantize-only", action="store_true", help="with --cache: quantize, do not evaluate")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads in every process (default: torch's).  On a machine shared with "
+                         "other jobs use 1: OpenMP's barriers stall when a thread is descheduled (here "
+                         "elementwise ops ran 14x slower with 2 threads than with 1 under load)")
     ap.add_argument("--use-samples", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.threads:
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the workers inherit it
+        torch.set_num_threads(a.threads)
     if a.worker:
         worker(a.worker, a.calib_samples, a.out, a.use_samples)
         return
@@ -421,6 +441,8 @@ def main() -> None:
         out = os.path.join(tmpdir, f"{tag}.pt")
         if a.cache and os.path.exists(out):
             results[name] = torch.load(out, weights_only=False)
+            if use:
+                results[name]["row"]["method"] = f"{name}-calib{use}"
             print(f"== {name}: quantization result from {out}", flush=True)
             continue
         print(f"== {name}: {desc}", flush=True)
@@ -428,6 +450,7 @@ def main() -> None:
         err = None
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name,
                "--calib-samples", str(a.calib_samples), "--out", out] + (["--use-samples", str(use)] if use else [])
+        cmd += ["--threads", str(a.threads)] if a.threads else []
         try:
             p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
             if not os.path.exists(out):
@@ -441,6 +464,8 @@ def main() -> None:
             if not a.cache or "error" in results[name]["row"]:
                 os.unlink(out)
         r = results[name]["row"]
+        if use:
+            r["method"] = f"{name}-calib{use}"  # not the full calibration set: say so in the name
         msg = r.get("error") or f"quantized in {r['quant_seconds']:.1f} s, {r['bits_per_weight']:.3f} bits/w"
         print(f"   {msg}   ({time.perf_counter() - t0:.0f} s with loading)", flush=True)
     if not a.cache:
@@ -475,9 +500,10 @@ def main() -> None:
     if a.json:
         old = []
         if os.path.exists(a.json):
-            old = [r for r in json.load(open(a.json)) if r.get("method") not in set(names) | {"float"}]
+            new = {r["method"] for r in rows} | {"float"}
+            old = [r for r in json.load(open(a.json)) if r.get("method") not in new]
         order = {m: i for i, m in enumerate(METHODS)}
-        allrows = sorted(old + rows, key=lambda r: order.get(r["method"], len(order)))
+        allrows = sorted(old + rows, key=lambda r: order.get(r["method"].split("-calib")[0], len(order)))
         with open(a.json, "w") as f:
             json.dump([float_row] + allrows, f, indent=1, default=str)
 
