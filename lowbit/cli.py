@@ -583,9 +583,7 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
 `lowbit generate` load it.""", """
   lowbit quantize --recipe w4a16-g128 -o smollm2-w4a16
   lowbit quantize --recipe w4a16-g32 --method gptq --calib-samples 32 -o smollm2-gptq
-  lowbit quantize --recipe w8a8 --smoothquant 0.5 -o smollm2-w8a8-sq
-  lowbit quantize model.gguf --recipe my-recipe.json -o my-model-w4 --force
-  lowbit quantize ~/models/Qwen2-0.5B --recipe w8a8 -o qwen-w8a8 --dtype bfloat16""")
+  lowbit quantize ~/models/Qwen2-0.5B --recipe w8a8 --smoothquant 0.5 -o qwen-w8a8 --dtype bfloat16""")
     _model_options(p, "float32", "float dtype of the model's unquantized parts")
     p.add_argument("--recipe", required=True,
                    help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file (required)")
@@ -594,7 +592,8 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
     p.add_argument("--method", choices=_LibraryChoices(_methods), metavar="METHOD", help="how weights are rounded (default: the recipe's, rtn for "
                    "presets): rtn, hqq (no calibration), gptq, awq (calibrated layer by layer)")
     p.add_argument("--smoothquant", type=alpha_or_auto, metavar="ALPHA",
-                   help="fold SmoothQuant scales with migration strength ALPHA in [0, 1] or 'auto' (W8A8)")
+                   help="fold SmoothQuant scales with migration strength ALPHA in [0, 1] or 'auto' (W8A8) "
+                   "(default: none)")
     _calib_options(p)
 
     p = _command(sub, "eval", "perplexity, KL, top-1 and greedy agreement vs float, memory, speed", """
@@ -603,7 +602,6 @@ the float model it came from: perplexity, KL divergence and top-1 agreement per 
 logit error, how many greedy tokens agree, weight memory, prefill and decode speed.
 --compare applies more recipes to the float model and adds them to the same table.""", """
   lowbit eval smollm2-w4a16
-  lowbit eval --compare w8a16 w4a16-g64 w8a8 --json
   lowbit eval --compare w4a16-g32 w4a16-g32:gptq w4a16-g32:awq --calib-samples 32 --no-speed
   lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama""")
     _model_options(p, "float32", "float dtype of the models")
