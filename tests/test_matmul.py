@@ -191,6 +191,30 @@ def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_poin
     assert torch.equal(get_backend("cpu").int8_linear(*args), get_backend("reference").int8_linear(*args))
 
 
+@pytest.mark.parametrize("values", ["random", "extreme"])
+@pytest.mark.parametrize("m, n, k", [(2, 8, 64), (13, 70, 1024), (7, 70, 4100)])
+def test_cpu_int8_mm_in_float32_chunks_is_the_exact_integer_product(values, m, n, k):
+    # the machines without VNNI: each K chunk's sums stay within 2^24 (exact in float32);
+    # "extreme" reaches 128 * 128 * 1024 = 2^24 in every full chunk
+    a, b = int8_linear_case(m, n, k, values, False, False, torch.float32)[:3:2]
+    assert torch.equal(cpu.int8_mm_f32(a, b), reference.int8_mm(a, b))
+
+
+def test_cpu_w8a8_takes_the_float32_route_only_without_vnni(monkeypatch):
+    plan = cpu._act8_plan
+    try:
+        monkeypatch.setattr(cpu, "_has_avx512", lambda: False)
+        monkeypatch.setattr(cpu, "_C", None)  # no gemm_int8 either
+        plan.cache_clear()
+        assert plan(8, 576, 64, 576).kernel == "int_mm_f32"
+        assert plan(8, 576, 1, 576).kernel == "int_mm"  # one row: torch._int_mm's GEMV
+        monkeypatch.setattr(cpu, "_has_avx512", lambda: True)
+        plan.cache_clear()
+        assert plan(8, 576, 64, 576).kernel == "int_mm"
+    finally:
+        plan.cache_clear()
+
+
 def int8_linear_case(m, n, k, values, zero_point, bias, out_dtype):
     """Arguments of ``Backend.int8_linear``: random int8 codes, or "extreme" ones where
     |a . b| = 128 * 128 * K (2^28 of int32's 2^31 at K = 4100)."""

@@ -57,6 +57,13 @@ W4A8_ROWS_MAX_M = 4
 # W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
 # 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
 INT8_GEMM_MIN_M = 2
+# Without AVX-512 VNNI (an AVX2-only Zen 3) torch._int_mm has no fast int8 GEMM: 4096 x 576
+# @ 576 x 1536 takes 1.18 s against 0.05 s for the same float32 GEMM.  int8 x int8
+# products are at most 128 * 128 = 2^14 in magnitude, so every partial sum of a dot
+# product over at most F32_EXACT_K columns is at most 2^24: an integer float32 holds
+# exactly, whatever the summation order.  Float32 GEMMs over K chunks of that size,
+# converted to int32 and summed, give exactly torch._int_mm's result.
+F32_EXACT_K = 1024
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -125,6 +132,9 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
+        if m >= INT8_GEMM_MIN_M and not _has_avx512():
+            return Plan("int_mm_f32", f"no AVX-512 VNNI: int8 products exact in float32 GEMMs over K chunks of "
+                                      f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
         return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
     if _has_avx512() and group % 32 == 0:
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
@@ -136,7 +146,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
-               "int_mm", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm")
+               "int_mm", "int_mm_f32", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None:
@@ -206,7 +216,12 @@ class CpuBackend(Backend):
         return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel))
 
     def int8_mm(self, a, b):
-        """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation."""
+        """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation; on a
+        machine without VNNI exact float32 GEMMs over K chunks (``F32_EXACT_K``), which
+        give the same int32 result many times faster there."""
+        m, k = a.shape
+        if _act8_plan(8, k, m, k).kernel == "int_mm_f32":
+            return int8_mm_f32(a, b)
         return torch._int_mm(a.contiguous(), b.T)
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
@@ -252,6 +267,23 @@ class CpuBackend(Backend):
             y += acc.to(torch.float32) * ws[None, :, j]
         y = y * x_scale.to(torch.float32)[:, None]
         return y if bias is None else y + bias.to(torch.float32)
+
+
+def int8_mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 a [M, K] @ int8 b [N, K].T, the exact int32 result, from float32 GEMMs over K
+    chunks of ``F32_EXACT_K`` (each chunk's sums are exact integers in float32).
+
+    Example::
+
+        >>> a = torch.full((2, 3000), -128, dtype=torch.int8)
+        >>> int8_mm_f32(a, a[:1]).tolist()
+        [[49152000], [49152000]]
+    """
+    acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32)
+    for k0 in range(0, a.shape[1], F32_EXACT_K):
+        acc += (a[:, k0:k0 + F32_EXACT_K].to(torch.float32)
+                @ b[:, k0:k0 + F32_EXACT_K].to(torch.float32).T).to(torch.int32)
+    return acc
 
 
 def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
