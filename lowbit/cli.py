@@ -153,7 +153,7 @@ def _calibration(recipes, tok, calib: str | None, samples: int, length: int, see
 def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: str = "float32",
                  force: bool = False, backend: str | None = None, *, method: str | None = None,
                  smoothquant=None, calib: str | None = None, calib_samples: int = 128,
-                 calib_len: int = 512) -> dict:
+                 calib_len: int = 512, stream: bool = False) -> dict:
     r"""Load MODEL, quantize it with RECIPE (a preset name, a recipe file or a ``Recipe``)
     and save a checkpoint folder; prints what it did and returns a summary.
 
@@ -178,6 +178,8 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     _check_output(output, force)
     if calib is not None and r.needs_calibration:
         lowbit.evaluation.load_corpus(calib)  # a missing or unreadable file: say so before loading the model
+    if stream:
+        return _quantize_streaming(model, r, output, dtype, force, backend, calib, calib_samples, calib_len)
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype))
     _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
@@ -199,6 +201,38 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
         print(f"  ({fallbacks} modules use a smaller group: their in_features is not a multiple of the asked one)")
     print(f"weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; saved to {out}")
     return {"recipe": r.name, "modules": len(m.lowbit_modules), "weight_bytes": after, "path": str(out)}
+
+
+def _quantize_streaming(model, r, output, dtype, force, backend, calib, calib_samples, calib_len) -> dict:
+    """``quantize --stream``: a Hugging Face folder read and written one decoder layer at a time."""
+    import resource
+
+    from lowbit.models.checkpoint import read_metadata
+    from lowbit.models.common import quiet_transformers
+    from lowbit.models.load import resolve_model_path
+    from lowbit.models.stream import quantize_streaming
+
+    src = resolve_model_path(model) if model is not None else None
+    if src is None or not src.is_dir() or (src / "lowbit.json").exists():
+        raise ValueError(f"--stream reads a Hugging Face model folder (config.json + safetensors), got "
+                         f"{str(model) if model is not None else 'the bundled GGUF model'!r}")
+    tok = None
+    if r.needs_calibration:
+        tok = quiet_transformers().AutoTokenizer.from_pretrained(src)
+    ids = _calibration([r], tok, calib, calib_samples, calib_len) if tok is not None else None
+    t0 = time.perf_counter()
+    out = quantize_streaming(src, output, r, calibration=ids, dtype=_float_dtype(dtype), backend=backend,
+                             progress=True, overwrite=force)
+    seconds = time.perf_counter() - t0
+    meta = read_metadata(out)
+    counts = Counter((v["weight"], v["activation"]) for v in meta["modules"].values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"recipe {r.name}: {len(meta['modules'])} modules quantized in {seconds:.1f}s, streaming "
+          f"(method {r.method}, {len(meta['shards'])} shards, peak memory {peak:.0f} MB)")
+    for (w, a), n in sorted(counts.items()):
+        print(f"  {n:4d} x weight {w}" + (f", activations {a}" if a else ""))
+    print(f"saved to {out}")
+    return {"recipe": r.name, "modules": len(meta["modules"]), "path": str(out)}
 
 
 def _check_output(output: str, force: bool) -> None:
@@ -383,12 +417,14 @@ def info_cmd(path: str) -> dict:
         raise ValueError(f"{path!r} is a file; `lowbit info` describes a lowbit checkpoint folder (written by "
                          "`lowbit quantize`) or a GGUF file")
     meta = read_metadata(path)
-    size = os.path.getsize(os.path.join(path, WEIGHTS))
+    files = list(meta.get("shards") or [WEIGHTS])
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    where = WEIGHTS if len(files) == 1 else f"{len(files)} shards"
     counts = Counter((v["kind"], v["weight"], v["activation"]) for v in meta["modules"].values())
     print(f"lowbit checkpoint {path} (format {meta['format_version']}, written by lowbit {meta['lowbit_version']})")
     print(f"source model: {meta.get('source')}")
     print(f"recipe: {meta['recipe'].get('name')}  {json.dumps(meta['recipe'])}")
-    print(f"float dtype: {meta['dtype']}; {WEIGHTS}: {size / 1e6:.1f} MB, {len(meta['sha256'])} tensors")
+    print(f"float dtype: {meta['dtype']}; {where}: {size / 1e6:.1f} MB, {len(meta['sha256'])} tensors")
     for (kind, w, a), n in sorted(counts.items(), key=lambda kv: str(kv[0])):
         print(f"  {n:4d} {kind}s: weight {w}" + (f", activations {a}" if a else ""))
     return meta
@@ -583,7 +619,7 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
 `lowbit generate` load it.""", """
   lowbit quantize --recipe w4a16-g128 -o smollm2-w4a16
   lowbit quantize --recipe w4a16-g32 --method gptq --calib-samples 32 -o smollm2-gptq
-  lowbit quantize ~/models/Qwen2-0.5B --recipe w8a8 --smoothquant 0.5 -o qwen-w8a8 --dtype bfloat16""")
+  lowbit quantize ~/models/Llama-2-7b-hf --stream --recipe w4a16-g128 -o llama2-w4 --dtype bfloat16""")
     _model_options(p, "float32", "float dtype of the model's unquantized parts")
     p.add_argument("--recipe", required=True,
                    help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file (required)")
@@ -591,6 +627,9 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
     p.add_argument("--force", action="store_true", help="replace an existing output folder (default: refuse)")
     p.add_argument("--method", choices=_LibraryChoices(_methods), metavar="METHOD", help="how weights are rounded (default: the recipe's, rtn for "
                    "presets): rtn, hqq (no calibration), gptq, awq (calibrated layer by layer)")
+    p.add_argument("--stream", action="store_true",
+                   help="read MODEL (a Hugging Face safetensors folder) and write the checkpoint one decoder "
+                   "layer at a time, for models larger than memory (default: load the whole model)")
     p.add_argument("--smoothquant", type=alpha_or_auto, metavar="ALPHA",
                    help="fold SmoothQuant scales with migration strength ALPHA in [0, 1] or 'auto' (W8A8) "
                    "(default: none)")
@@ -702,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "quantize":
                 quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend,
                              method=args.method, smoothquant=args.smoothquant, calib=args.calib,
-                             calib_samples=args.calib_samples, calib_len=args.calib_len)
+                             calib_samples=args.calib_samples, calib_len=args.calib_len, stream=args.stream)
             elif args.command == "eval":
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
                          windows=args.windows, protocol=args.protocol, speed=not args.no_speed,

@@ -76,6 +76,18 @@ class _Inputs:
         self.mask = mask[None, None]
 
 
+def _set_parents(layer: nn.Module, groups: list[LinearGroup], inp: _Inputs) -> None:
+    """q/k/v's errors are measured at the self-attention's output, gate/up's at the MLP's."""
+    def attention(x):
+        t = x.shape[1]
+        rope = tuple(r[:, :t] for r in inp.rope)
+        return layer.self_attn(x, attention_mask=inp.mask[..., :t, :t], position_ids=inp.pos[:, :t],
+                               position_embeddings=rope)[0]
+
+    groups[0].parent = attention
+    groups[2].parent = layer.mlp
+
+
 def _run(layer: nn.Module, inp: _Inputs, batch: int, write: bool, index: int) -> None:
     """Every calibration sample through ``layer``, ``batch`` samples at a time; with
     ``write`` the outputs replace the inputs (the next layer's inputs)."""
@@ -118,13 +130,16 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: Algorithm,
                            transforms: list[Algorithm], ids: torch.Tensor, *, backend: str | None = None,
                            batch_tokens: int = 4096, progress: bool = False,
-                           act_observer=None) -> dict:
+                           act_observer=None, enter=None, leave=None) -> dict:
     """Quantize the linears of ``todo`` (``lowbit.models.plan``'s output) decoder layer by
     decoder layer with ``quantizer`` after ``transforms``, on the calibration token ids
     ``ids`` [samples, length].  Linears outside the decoder layers (``lm_head``) are
     quantized by ``quantizer`` without statistics (round to nearest for GPTQ).
     ``act_observer()`` makes one activation observer per group whose linears take
-    static per-tensor activation scales.  Returns facts about the run (time, peak RSS).
+    static per-tensor activation scales.  ``enter(i)`` runs before decoder layer ``i`` is
+    touched and ``leave(i)`` once it has made the next layer's inputs (streaming
+    quantization loads and writes one layer at a time there).  Returns facts about the
+    run (time, peak RSS).
     """
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in SUPPORTED:
@@ -153,9 +168,12 @@ def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: A
 
         it = tqdm(it, desc=f"calibrating ({quantizer.name}, {ids.shape[0]} x {ids.shape[1]} tokens)", unit="layer")
     for i in it:
+        if enter is not None:
+            enter(i)
         layer = layers[i]
         schemes = {n: s["weight"] for n, s in todo.items() if n.startswith(f"{prefix}.{i}.")}
         groups = layer_groups(layer, f"{prefix}.{i}", schemes)
+        _set_parents(layer, groups, inp)
         for t in transforms:
             _observe(layer, groups, inp, batch, i, [t.observe])
             t.transform(groups)
@@ -180,6 +198,8 @@ def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: A
                 set_module(model, name, new)
         quantizer.end_layer()
         _run(layer, inp, batch, True, i)
+        if leave is not None:
+            leave(i)
     for name, spec in todo.items():
         if spec["kind"] == "linear" and not name.startswith(f"{prefix}."):
             lin = model.get_submodule(name)

@@ -28,6 +28,7 @@ are then not checked.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -47,7 +48,7 @@ from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
 from .quantize import _float_dtype, _set_module
 
 FORMAT = "lowbit"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors in several files (``shards``), written by streaming quantization
 WEIGHTS = "model.safetensors"
 # files transformers reads from a model folder: with ``files`` recorded, one of these
 # that lowbit.json does not cover is refused rather than silently used
@@ -246,8 +247,6 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     """
     from safetensors.torch import save_file
 
-    from .. import __version__
-
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")
@@ -256,30 +255,34 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
         raise ValueError(f"activation scale not calibrated: {len(uncalibrated)} module(s) with a per-tensor "
                          f"activation scheme have no static act_scale (first: {uncalibrated[0]!r}); calibrate "
                          "them (QuantLinear.set_act_qparams / set_act_range) before saving")
+    tensors = _unique_state(model)
+    with staging(path, overwrite) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        finish(tmp, model, {n: _digest(t) for n, t in tensors.items()}, tokenizer)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def staging(path: str | os.PathLike, overwrite: bool = False):
+    """A new hidden folder beside ``path`` to write a checkpoint into; when the block
+    ends without an error it replaces ``path`` atomically (``check_output_dir`` runs
+    first, and again before a replacement), else it is deleted.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     with staging(d + "/ckpt") as tmp:
+        ...         _ = (tmp / "lowbit.json").write_text('{"format": "lowbit"}')
+        ...     sorted(p.name for p in Path(d).iterdir())
+        ['ckpt']
+    """
     given = check_output_dir(path, overwrite)
     out = Path(os.path.abspath(given))
-    tensors = _unique_state(model)
-    float_dtype = _float_dtype(model)
-    meta = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "lowbit_version": __version__,
-        "recipe": model.lowbit_recipe.to_dict(),
-        "modules": {n: {k: v[k] for k in ("kind", "weight", "activation")} for n, v in modules.items()},
-        "dtype": str(float_dtype).removeprefix("torch."),
-        "source": getattr(model, "lowbit_source", None),
-        # how the weights were rounded: method, its parameters, the calibration run
-        "quantization": getattr(model, "lowbit_quantization", None),
-        "sha256": {n: _digest(t) for n, t in tensors.items()},
-    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out.parent, out.name, "tmp")
     try:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if hasattr(model, "config"):
-            model.config.to_json_file(str(tmp / "config.json"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        meta["files"] = {f.name: _file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file() and f.name != WEIGHTS}
-        (tmp / CHECKPOINT_CONFIG).write_text(json.dumps(meta, indent=1))
+        yield tmp
         # safetensors writes 0600; every file gets what the umask gave the folder
         file_mode = tmp.stat().st_mode & 0o666
         for f in tmp.iterdir():
@@ -293,7 +296,35 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return given
+
+
+def finish(tmp: Path, model: nn.Module, digests: dict[str, str], tokenizer=None,
+           shards: dict[str, list[str]] | None = None) -> None:
+    """Write ``config.json``, the tokenizer's files and ``lowbit.json`` into the staging
+    folder ``tmp`` whose tensors files are written: ``digests`` holds the SHA-256 of every
+    tensor, ``shards`` (None: one ``model.safetensors``) which file holds which tensors."""
+    from .. import __version__
+
+    meta = {
+        "format": FORMAT, "format_version": 1 if shards is None else 2, "lowbit_version": __version__,
+        "recipe": model.lowbit_recipe.to_dict(),
+        "modules": {n: {k: v[k] for k in ("kind", "weight", "activation")} for n, v in model.lowbit_modules.items()},
+        "dtype": str(_float_dtype(model)).removeprefix("torch."),
+        "source": getattr(model, "lowbit_source", None),
+        # how the weights were rounded: method, its parameters, the calibration run
+        "quantization": getattr(model, "lowbit_quantization", None),
+        "sha256": digests,
+    }
+    if shards is not None:
+        meta["shards"] = shards
+    if hasattr(model, "config"):
+        model.config.to_json_file(str(tmp / "config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    tensor_files = set(shards or [WEIGHTS])
+    meta["files"] = {f.name: _file_digest(f) for f in sorted(tmp.iterdir())
+                     if f.is_file() and f.name not in tensor_files}
+    (tmp / CHECKPOINT_CONFIG).write_text(json.dumps(meta, indent=1))
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -345,6 +376,8 @@ def _validate(meta, f: Path) -> Recipe:
     _expect(f, "quantization", meta.get("quantization"), (dict, type(None)), "an object or null")
     if "files" in meta:
         _check_digests(f, "files", meta["files"], plain_names=True)
+    if "shards" in meta:
+        _check_shards(f, meta)
     _expect(f, "modules", meta["modules"], (dict,), "an object of module name: schemes")
     for name, spec in meta["modules"].items():
         field = f"modules[{name!r}]"
@@ -374,6 +407,29 @@ def _validate(meta, f: Path) -> Recipe:
     return recipe
 
 
+def _check_shards(f: Path, meta: dict) -> None:
+    """``shards``: tensors file name -> its tensor names; every tensor of sha256 in one."""
+    shards = meta["shards"]
+    _expect(f, "shards", shards, (dict,), "an object of file name: tensor names")
+    if not shards:
+        raise CheckpointError(f"{f}: shards is empty")
+    seen: dict[str, str] = {}
+    for name, listed in shards.items():
+        if (not name.endswith(".safetensors") or "/" in name or "\\" in name or name.startswith(".")
+                or name in meta.get("files", {})):
+            raise CheckpointError(f"{f}: shards names {name!r}, which is not a tensors file of the checkpoint")
+        _expect(f, f"shards[{name!r}]", listed, (list,), "a list of tensor names")
+        for t in listed:
+            if t in seen:
+                raise CheckpointError(f"{f}: tensor {t!r} is in two shards ({seen[t]!r} and {name!r})")
+            seen[t] = name
+    missing = sorted(set(meta["sha256"]) - set(seen))
+    extra = sorted(set(seen) - set(meta["sha256"]))
+    if missing or extra:
+        raise CheckpointError(f"{f}: shards and sha256 list different tensors (not in a shard {missing[:5]}, "
+                              f"not in sha256 {extra[:5]})")
+
+
 def _static_act_tensors(name: str, activation: str | None) -> dict[str, bool]:
     """Tensor names of a module's static activation qparams: whether its activation scheme
     needs each (a per-tensor scheme: the scale, and the zero point when asymmetric)."""
@@ -400,38 +456,49 @@ def _check_files(folder: Path, meta: dict) -> None:
 
 
 class _Reader:
-    """Tensors of one safetensors file, each checked against its recorded checksum."""
+    """The tensors of a checkpoint (``model.safetensors``, or the files ``shards`` lists),
+    each checked against its recorded checksum."""
 
-    def __init__(self, file: Path, digests: dict[str, str]):
+    def __init__(self, folder: Path, meta: dict):
         from safetensors import safe_open
 
-        self.file, self.digests, self.used = file, digests, set()
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing")
-        try:
-            self.handle = safe_open(str(file), framework="pt")
-            self.keys = set(self.handle.keys())
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
-        if self.keys != set(digests):
-            missing, extra = sorted(set(digests) - self.keys), sorted(self.keys - set(digests))
-            raise CheckpointError(f"{file}: tensors do not match {CHECKPOINT_CONFIG} (missing {missing[:5]}, "
-                                  f"unexpected {extra[:5]})")
+        self.folder, self.digests, self.used = folder, meta["sha256"], set()
+        self.shards = meta.get("shards") or {WEIGHTS: list(self.digests)}
+        self.file = folder / (WEIGHTS if len(self.shards) == 1 else CHECKPOINT_CONFIG)  # named in errors
+        self.where: dict[str, Path] = {}
+        self.handles = {}
+        for name, listed in self.shards.items():
+            file = folder / name
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing")
+            try:
+                handle = safe_open(str(file), framework="pt")
+                keys = set(handle.keys())
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
+            if keys != set(listed):
+                missing, extra = sorted(set(listed) - keys), sorted(keys - set(listed))
+                raise CheckpointError(f"{file}: tensors do not match {CHECKPOINT_CONFIG} (missing {missing[:5]}, "
+                                      f"unexpected {extra[:5]})")
+            self.handles[file] = handle
+            self.where.update(dict.fromkeys(keys, file))
+        self.keys = set(self.where)
 
     def get(self, name: str, dtypes, shape=None) -> torch.Tensor:
         if name not in self.keys:
             raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
+        file = self.where[name]
         try:
-            t = self.handle.get_tensor(name)
+            t = self.handles[file].get_tensor(name)
         except Exception as e:
-            raise CheckpointError(f"{self.file}: tensor {name!r} could not be read ({e})") from None
+            raise CheckpointError(f"{file}: tensor {name!r} could not be read ({e})") from None
         if dtypes is not None and t.dtype not in dtypes:
-            raise CheckpointError(f"{self.file}: tensor {name!r} has dtype {t.dtype}, expected one of {dtypes}")
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected one of {dtypes}")
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{self.file}: tensor {name!r} has shape {tuple(t.shape)}, "
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"expected {tuple(shape)}")
         if _digest(t) != self.digests[name]:
-            raise CheckpointError(f"{self.file}: tensor {name!r} is corrupted (SHA-256 mismatch with "
+            raise CheckpointError(f"{file}: tensor {name!r} is corrupted (SHA-256 mismatch with "
                                   f"{CHECKPOINT_CONFIG})")
         self.used.add(name)
         # a copy in memory of torch's allocator: a tensor read from the file is aligned to its
@@ -455,7 +522,7 @@ def _open(path: str | os.PathLike) -> tuple[dict, Recipe, _Reader]:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from None
     recipe = _validate(meta, f)
     _check_files(folder, meta)
-    return meta, recipe, _Reader(folder / WEIGHTS, meta["sha256"])
+    return meta, recipe, _Reader(folder, meta)
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -496,7 +563,8 @@ def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtyp
     try:
         qt = QTensor(parts["codes"], parts["scale"], parts["zero_point"], scheme, torch.Size(shape))
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{reader.file}: quantized weight of {name!r} does not match '{scheme}' "
+        file = reader.where.get(f"{name}.weight.codes", reader.file)
+        raise CheckpointError(f"{file}: quantized weight of {name!r} does not match '{scheme}' "
                               f"and shape {shape}: {e}") from None
     if spec["kind"] == "embedding":
         return QuantEmbedding(qt, dtype, shell.padding_idx)
@@ -516,7 +584,8 @@ def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtyp
         try:
             mod.set_act_qparams(scale, zp)
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{reader.file}: static activation qparams of {name!r}: {e}") from None
+            file = reader.where.get(needed[0], reader.file)
+            raise CheckpointError(f"{file}: static activation qparams of {name!r}: {e}") from None
     return mod
 
 

@@ -106,11 +106,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         ('QuantLinear', 'Linear')
     """
     recipe = Recipe.get(recipe)
-    quantizer, transforms = build(recipe, calibrated=calibration is not None)
-    if recipe.needs_calibration and calibration is None:
-        raise ValueError(f"recipe '{recipe.name}' (method {recipe.method}"
-                         f"{', smoothquant' if recipe.smoothquant is not None else ''}) needs calibration data: "
-                         "pass calibration=lowbit.evaluation.calibration_set(tokenizer)")
+    quantizer, transforms = algorithms_for(recipe, calibration)
     if not inplace:
         model = _shallow_copy(model)
     todo = plan(model, recipe)
@@ -120,21 +116,56 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
     tied = _tied_embedding(model)
     record = {"method": recipe.method, "params": quantizer.params(),
               "transforms": {t.name: t.params() for t in transforms}}
-    if calibration is not None and (transforms or quantizer.observes or recipe.needs_calibration):
+    if calibrates(recipe, quantizer, transforms, calibration):
         linears = {n: s for n, s in todo.items() if s["kind"] == "linear"}
         run = calibrate_and_quantize(model, linears, quantizer, transforms, calibration, backend=backend,
-                                     progress=progress, act_observer=_act_observer(recipe))
-        record["calibration"] = {"samples": int(calibration.shape[0]), "length": int(calibration.shape[1]),
-                                 "sha256": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()[:16],
-                                 "seconds": round(run["seconds"], 1), "peak_rss_mb": round(run["peak_rss_mb"])}
+                                     progress=progress, act_observer=act_observer(recipe))
+        record["calibration"] = calibration_record(calibration, run)
         todo_rest = {n: s for n, s in todo.items() if s["kind"] != "linear"}
     else:
         todo_rest = todo
-    items = list(todo_rest.items())
+    quantize_modules(model, todo_rest, quantizer, backend, progress=progress, desc=f"quantizing ({recipe.name})")
+    if tied and hasattr(model, "config") and any(n == "lm_head" or v["kind"] == "embedding" for n, v in todo.items()):
+        # The tied pair now has separate storage (one or both quantized on their own).
+        model.config.tie_word_embeddings = False
+    model.lowbit_recipe = recipe
+    model.lowbit_modules = {**getattr(model, "lowbit_modules", {}), **todo}
+    model.lowbit_quantization = record
+    return model
+
+
+def algorithms_for(recipe: Recipe, calibration):
+    """The recipe's weight quantizer and transforms; refuses a recipe that calibrates
+    without ``calibration`` before any work."""
+    quantizer, transforms = build(recipe, calibrated=calibration is not None)
+    if recipe.needs_calibration and calibration is None:
+        raise ValueError(f"recipe '{recipe.name}' (method {recipe.method}"
+                         f"{', smoothquant' if recipe.smoothquant is not None else ''}) needs calibration data: "
+                         "pass calibration=lowbit.evaluation.calibration_set(tokenizer)")
+    return quantizer, transforms
+
+
+def calibrates(recipe: Recipe, quantizer, transforms, calibration) -> bool:
+    """Whether the decoder linears go through the calibration loop."""
+    return calibration is not None and bool(transforms or quantizer.observes or recipe.needs_calibration)
+
+
+def calibration_record(calibration: torch.Tensor, run: dict) -> dict:
+    """What ``lowbit.json`` records of a calibration run."""
+    return {"samples": int(calibration.shape[0]), "length": int(calibration.shape[1]),
+            "sha256": hashlib.sha256(calibration.cpu().numpy().tobytes()).hexdigest()[:16],
+            "seconds": round(run["seconds"], 1), "peak_rss_mb": round(run["peak_rss_mb"])}
+
+
+def quantize_modules(model: nn.Module, todo: dict[str, dict], quantizer, backend, *, progress=False,
+                     desc="quantizing") -> None:
+    """Replace each module of ``todo`` (``plan``'s output) by its quantized module,
+    rounded by ``quantizer`` without statistics."""
+    items = list(todo.items())
     if progress:
         from tqdm.auto import tqdm
 
-        items = tqdm(items, desc=f"quantizing ({recipe.name})", unit="module", leave=False)
+        items = tqdm(items, desc=desc, unit="module", leave=False)
     for name, spec in items:
         mod = model.get_submodule(name)
         try:
@@ -148,16 +179,9 @@ def quantize_model(model: nn.Module, recipe: Recipe | str, *, backend: str | Non
         except ValueError as e:  # name the module: "the weight holds NaN" alone says not which
             raise ValueError(f"cannot quantize module '{name}': {e}") from e
         _set_module(model, name, new)
-    if tied and hasattr(model, "config") and any(n == "lm_head" or v["kind"] == "embedding" for n, v in todo.items()):
-        # The tied pair now has separate storage (one or both quantized on their own).
-        model.config.tie_word_embeddings = False
-    model.lowbit_recipe = recipe
-    model.lowbit_modules = {**getattr(model, "lowbit_modules", {}), **todo}
-    model.lowbit_quantization = record
-    return model
 
 
-def _act_observer(recipe: Recipe):
+def act_observer(recipe: Recipe):
     """A factory of the recipe's activation observer (static per-tensor activation scales)."""
     if not recipe.static_activations:
         return None
