@@ -12,11 +12,12 @@ activations to make the next layer's inputs.  Algorithms never call the loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from ..kernels import reference
 from ..ops import quantize as _quantize
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
@@ -152,16 +153,9 @@ def fake_quantize_columns(w: torch.Tensor, scale: torch.Tensor, zero_point: torc
         >>> fake_quantize_columns(torch.tensor([[0.0, 0.3, 1.5]]), torch.tensor([0.1]), torch.tensor([0]), s)
         tensor([[0.0000, 0.3000, 1.5000]])
     """
-    sc = scale.float()[:, None]
-    if zero_point is None:
-        q = torch.round(w / sc).clamp(s.qmin, s.qmax)
-        return q * sc
-    z = zero_point.float()[:, None]
-    if s.zero_point_domain == "int":
-        q = (torch.round(w / sc) + z).clamp(s.qmin, s.qmax)
-    else:
-        q = torch.round(w / sc + z).clamp(s.qmin, s.qmax)
-    return (q - z) * sc
+    per_row = replace(s, granularity="channel", group_size=None)  # one block per row of w
+    q = reference.rounded_codes(w.float(), scale, zero_point, per_row).clamp(s.qmin, s.qmax)
+    return reference.dequantize(q, scale, zero_point, per_row, torch.float32)
 
 
 __all__ = ["Algorithm", "LinearGroup", "fake_quantize_columns"]
