@@ -10,14 +10,9 @@ rounding) before it is quantized.  Candidates: ``s = mean|x|^r / mean|w|^(1 - r)
 ("duo scaling", as AutoAWQ) or ``mean|x|^r``, for ``r`` on a grid, plus ``s = 1`` so
 the result is never worse than round to nearest on the calibration sample.
 
-The error of a candidate is measured where it matters, as AutoAWQ and llm-compressor
-do: for q/k/v at the output of the self-attention, for gate/up at the output of the
-MLP (``LinearGroup.parent``), on the first calibration sequences (``block_tokens``),
-with the group's weights fake-quantized and everything else float.  For a group that
-is its own block (o, down), or with ``loss="linear"``, it is the group's output error
-``sum((Wq - W) H (Wq - W)^T)`` with ``H = X^T X`` over a strided sample of the
-calibration tokens (``max_tokens``), which equals ``||X Wq^T - X W^T||^2`` on that
-sample at a fraction of the cost.
+The output error of a candidate is ``sum((Wq - W) H (Wq - W)^T)`` with
+``H = X^T X`` over a strided sample of the calibration tokens (``max_tokens``), which
+equals ``||X Wq^T - X W^T||^2`` on that sample at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..ops import dequantize, quantize
 from ..scheme import QuantScheme
@@ -61,23 +55,18 @@ class AWQ(Algorithm):
     Example::
 
         >>> AWQ().params()
-        {'grid': 20, 'duo_scaling': True, 'max_tokens': 8192, 'loss': 'block', 'block_tokens': 4096}
+        {'grid': 20, 'duo_scaling': True, 'max_tokens': 8192}
     """
 
     grid: int = 20
     duo_scaling: bool = True
     max_tokens: int = 8192
-    loss: str = "block"
-    block_tokens: int = 4096
 
     name = "awq"
     transforms = True
 
     def __post_init__(self):
-        if self.loss not in ("block", "linear"):
-            raise ValueError(f"awq loss must be 'block' or 'linear', got {self.loss!r}")
-        for label, v, low in [("grid", self.grid, 1), ("max_tokens", self.max_tokens, 16),
-                              ("block_tokens", self.block_tokens, 1)]:
+        for label, v, low in [("grid", self.grid, 1), ("max_tokens", self.max_tokens, 16)]:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"awq {label} must be an integer >= {low}, got {v!r}")
         if not isinstance(self.duo_scaling, bool):
@@ -86,18 +75,13 @@ class AWQ(Algorithm):
         self._abs: dict[int, torch.Tensor] = {}
         self._h: dict[int, torch.Tensor] = {}
         self._n: dict[int, int] = {}
-        self._seqs: dict[int, list[torch.Tensor]] = {}
+        self._seen = 0
         self.chosen: list[dict] = []
 
     def start(self, tokens: int) -> None:
         self.tokens = tokens
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
-        if self.loss == "block" and group.parent is not None and x.dim() == 3:
-            kept = self._seqs.setdefault(index, [])
-            room = -(-self.block_tokens // x.shape[1]) - sum(len(k) for k in kept)
-            if room > 0:
-                kept.append(x[:room].clone())
         x = x.reshape(-1, x.shape[-1]).float()
         self._abs[index] = self._abs.get(index, 0) + x.abs().sum(0)
         self._n[index] = self._n.get(index, 0) + x.shape[0]
@@ -113,14 +97,10 @@ class AWQ(Algorithm):
             members = [(m, g.schemes[n]) for n, m in zip(g.names, g.linears) if n in g.schemes]
             weights = [m.weight.detach().float() for m, _ in members]
             w_mean = torch.stack([_row_group_mean(w, s) for w, (_, s) in zip(weights, members)]).mean(0)
-            if gi in self._seqs:
-                loss = _block_loss(g, members, weights, torch.cat(self._seqs[gi]))
-            else:
-                h = self._h[gi].float()  # accumulated in float64; float32 ranks the candidates as well
+            h = self._h[gi].float()  # accumulated in float64; float32 ranks the candidates as well
 
-                def loss(s: torch.Tensor) -> float:
-                    return sum(output_error(w, _fake_quantize(w * s, sc) / s, h)
-                               for w, (_, sc) in zip(weights, members))
+            def loss(s: torch.Tensor) -> float:
+                return sum(output_error(w, _fake_quantize(w * s, sc) / s, h) for w, (_, sc) in zip(weights, members))
 
             best_s, best_r = torch.ones_like(x_mean), None
             best = loss(best_s)
@@ -144,29 +124,9 @@ class AWQ(Algorithm):
         self._abs.clear()
         self._h.clear()
         self._n.clear()
-        self._seqs.clear()
 
     def params(self) -> dict:
-        return {"grid": self.grid, "duo_scaling": self.duo_scaling, "max_tokens": self.max_tokens,
-                "loss": self.loss, "block_tokens": self.block_tokens}
-
-
-def _block_loss(g: LinearGroup, members, weights, x: torch.Tensor):
-    """The squared error of ``g.parent``'s output on ``x`` with the members' weights
-    fake-quantized at scales ``s`` (and everything else as it is), against its output now."""
-    ref = g.parent(x).float()
-
-    def loss(s: torch.Tensor) -> float:
-        old = [m.weight for m, _ in members]
-        try:
-            for (m, sc), w in zip(members, weights):
-                m.weight = nn.Parameter((_fake_quantize(w * s, sc) / s).to(m.weight.dtype), requires_grad=False)
-            return float(((g.parent(x).float() - ref) ** 2).sum())
-        finally:
-            for (m, _), w in zip(members, old):
-                m.weight = w
-
-    return loss
+        return {"grid": self.grid, "duo_scaling": self.duo_scaling, "max_tokens": self.max_tokens}
 
 
 __all__ = ["AWQ", "output_error"]

@@ -11,7 +11,6 @@ activations to make the next layer's inputs.  Algorithms never call the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,10 +28,7 @@ class LinearGroup:
     channels are that input (``prev``: an RMSNorm or a linear, None when a scale cannot
     be folded into it).  ``names`` and ``linears`` hold every consumer of the input (a
     folded scale must be compensated in all of them); ``schemes`` maps the names the
-    recipe quantizes to their weight scheme.  ``parent``: the group's input [batch,
-    length, in_features] -> the output of the block the group belongs to (self-attention
-    for q/k/v, the MLP for gate/up), where an algorithm can measure the error the
-    group's weights cause downstream; None: the group's own outputs are that block.
+    recipe quantizes to their weight scheme.
 
     Example::
 
@@ -46,7 +42,6 @@ class LinearGroup:
     linears: list[nn.Linear]
     prev: nn.Module | None
     schemes: dict[str, str] = field(default_factory=dict)
-    parent: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def in_features(self) -> int:

@@ -76,18 +76,6 @@ class _Inputs:
         self.mask = mask[None, None]
 
 
-def _set_parents(layer: nn.Module, groups: list[LinearGroup], inp: _Inputs) -> None:
-    """q/k/v's errors are measured at the self-attention's output, gate/up's at the MLP's."""
-    def attention(x):
-        t = x.shape[1]
-        rope = tuple(r[:, :t] for r in inp.rope)
-        return layer.self_attn(x, attention_mask=inp.mask[..., :t, :t], position_ids=inp.pos[:, :t],
-                               position_embeddings=rope)[0]
-
-    groups[0].parent = attention
-    groups[2].parent = layer.mlp
-
-
 def _run(layer: nn.Module, inp: _Inputs, batch: int, write: bool, index: int) -> None:
     """Every calibration sample through ``layer``, ``batch`` samples at a time; with
     ``write`` the outputs replace the inputs (the next layer's inputs)."""
@@ -173,7 +161,6 @@ def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: A
         layer = layers[i]
         schemes = {n: s["weight"] for n, s in todo.items() if n.startswith(f"{prefix}.{i}.")}
         groups = layer_groups(layer, f"{prefix}.{i}", schemes)
-        _set_parents(layer, groups, inp)
         for t in transforms:
             _observe(layer, groups, inp, batch, i, [t.observe])
             t.transform(groups)
