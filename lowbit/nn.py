@@ -53,6 +53,8 @@ def act_qparams_from_range(act_scheme: str | QuantScheme, min_val, max_val) -> t
         bounds.append(float(v))
     if bounds[0] > bounds[1]:
         raise ValueError(f"min_val={bounds[0]} is greater than max_val={bounds[1]}")
+    # A packed scheme's last dim must fill whole words; repeating min_val keeps min and max.
+    bounds += [bounds[0]] * max(s.pack_unit - 2, 0)
     return choose_qparams(torch.tensor(bounds, dtype=torch.float32), s)
 
 

@@ -39,6 +39,7 @@ import torch
 
 from .. import _validate
 from ..kernels import reference
+from ..nn import act_qparams_from_range
 from ..ops import choose_qparams
 from ..ops.quant import _check_input, as_scheme
 from ..recipe import ACT_OBSERVERS, WEIGHT_OBSERVERS  # the names a recipe accepts: one list
@@ -84,9 +85,8 @@ class Observer:
         return self._range(symmetric)
 
     def qparams(self, scheme: QuantScheme | str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scale [1] and zero point [1] (None when symmetric) of the per-tensor ``scheme``:
-        ``choose_qparams`` of a float32 tensor whose min and max are ``range()`` (rounded to
-        float32, the arithmetic lowbit applies to float32 activations), on the CPU."""
+        """Scale [1] and zero point [1] (None when symmetric) of the per-tensor ``scheme``
+        for activations in ``range()``: ``lowbit.nn.act_qparams_from_range``."""
         s = as_scheme(scheme)
         if s.granularity != "tensor":
             raise ValueError(
@@ -94,10 +94,7 @@ class Observer:
                 f"(granularity 'tensor', e.g. 'int8-sym-tensor'); got '{s}' with granularity "
                 f"{s.granularity!r}"
             )
-        lo, hi = self.range(symmetric=s.symmetric)
-        # A packed scheme's last dim must fill whole words; repeating lo keeps min and max.
-        t = torch.tensor([lo, hi] + [lo] * max(s.pack_unit - 2, 0), dtype=torch.float32)
-        return choose_qparams(t, s)
+        return act_qparams_from_range(s, *self.range(symmetric=s.symmetric))
 
     def _observe(self, x: torch.Tensor, lo: float, hi: float) -> None:
         raise NotImplementedError
