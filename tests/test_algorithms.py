@@ -238,14 +238,28 @@ def test_calibration_set_is_refused_when_bad(tmp_path):
     assert ids.shape == (3, 2) and torch.equal(ids, calibration_set(tok, short, samples=3, length=2, seed=1))
 
 
-def test_layer_groups_of_grouped_query_attention_do_not_fold_v_into_o():
+def test_grouped_query_attention_folds_one_scale_per_v_channel_into_o():
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(cfg)
-    groups = layer_groups(model.model.layers[0], "model.layers.0", {})
-    assert [g.prev is None for g in groups] == [False, True, False, False]
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    attn = model.model.layers[0].self_attn
+    o = layer_groups(model.model.layers[0], "model.layers.0", {})[1]
+    assert o.prev is attn.v_proj
+    # heads 0, 1 read kv head 0; heads 2, 3 kv head 1 (head_dim 16)
+    assert o.prev_channels.tolist() == [*range(16)] * 2 + [*range(16, 32)] * 2
+    s = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 0.5
+    with pytest.raises(ValueError, match="tie them first"):
+        o.fold(s)
+    tied = o.tie(s)
+    assert torch.allclose(tied[:16], (s[:16] * s[16:32]).sqrt())
+    x = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        before = model(x).logits
+        o.fold(tied)
+        # float32 rounding of the folded weights (2^-24 relative each) through one layer
+        assert torch.allclose(model(x).logits, before, atol=1e-5, rtol=0)
 
 
 def test_recipe_method_args_are_checked_before_any_work():

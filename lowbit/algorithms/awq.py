@@ -110,7 +110,7 @@ class AWQ(Algorithm):
                 if self.duo_scaling:
                     s = s / w_mean.clamp(min=1e-4).pow(1 - r)
                 s = s.clamp(min=1e-4)
-                s = s / (s.max() * s.min()).sqrt()
+                s = g.tie(s / (s.max() * s.min()).sqrt())
                 if not torch.isfinite(s).all():
                     continue
                 e = loss(s)

@@ -28,7 +28,10 @@ class LinearGroup:
     channels are that input (``prev``: an RMSNorm or a linear, None when a scale cannot
     be folded into it).  ``names`` and ``linears`` hold every consumer of the input (a
     folded scale must be compensated in all of them); ``schemes`` maps the names the
-    recipe quantizes to their weight scheme.
+    recipe quantizes to their weight scheme.  ``prev_channels`` [in_features]: which
+    output channel of ``prev`` each input channel is (None: the same one); with
+    grouped-query attention every v channel feeds the o channels of several heads, so a
+    scale must be the same on all of them (``tie``).
 
     Example::
 
@@ -42,6 +45,7 @@ class LinearGroup:
     linears: list[nn.Linear]
     prev: nn.Module | None
     schemes: dict[str, str] = field(default_factory=dict)
+    prev_channels: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -55,15 +59,35 @@ class LinearGroup:
         """The group's weights stacked [sum of out_features, in_features], float32."""
         return torch.cat([m.weight.detach().float() for m in self.linears])
 
+    def tie(self, s: torch.Tensor) -> torch.Tensor:
+        """``s`` [in_features] made equal on the input channels that come from one channel
+        of ``prev`` (their geometric mean), so that it can be folded; unchanged when
+        every input channel has its own."""
+        if self.prev_channels is None:
+            return s
+        idx = self.prev_channels
+        n = int(idx.max()) + 1
+        log_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, s.double().log())
+        count = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+        return (log_sum / count).exp()[idx].to(s.dtype)
+
     def fold(self, s: torch.Tensor) -> None:
         """Divide the input of the group by ``s`` [in_features] (in ``prev``'s output
         channels) and multiply every consumer's weight columns by ``s``: the float
         function is unchanged up to rounding.  New parameters replace the old ones
         (computed in float64, rounded once), so a model copy that shares its tensors
-        with the original (``quantize_model(..., inplace=False)``) leaves it untouched."""
+        with the original (``quantize_model(..., inplace=False)``) leaves it untouched.
+        With ``prev_channels``, ``s`` must be tied (``tie``)."""
         s = s.double()
         p = self.prev
-        results = [(p, p.weight.double() / (s[:, None] if isinstance(p, nn.Linear) else s))]
+        if self.prev_channels is not None:
+            if not torch.allclose(self.tie(s), s, rtol=1e-9, atol=0):
+                raise ValueError(f"the scales of {self.names} differ on input channels that share one channel "
+                                 "of the op before them; tie them first (LinearGroup.tie)")
+            s_prev = torch.ones(p.out_features, dtype=torch.float64).index_copy_(0, self.prev_channels, s)
+        else:
+            s_prev = s
+        results = [(p, p.weight.double() / (s_prev[:, None] if isinstance(p, nn.Linear) else s_prev))]
         results += [(c, c.weight.double() * s) for c in self.linears]
         for mod, scaled in results:
             if not bool((scaled.abs() <= torch.finfo(mod.weight.dtype).max).all()):
@@ -71,11 +95,11 @@ class LinearGroup:
                                  f"{mod.weight.dtype} (scales {float(s.min()):.3g}..{float(s.max()):.3g}); "
                                  "use a smaller alpha or a float32 model")
         if isinstance(p, nn.Linear):
-            _replace(p, "weight", p.weight.double() / s[:, None])
+            _replace(p, "weight", p.weight.double() / s_prev[:, None])
             if p.bias is not None:
-                _replace(p, "bias", p.bias.double() / s)
+                _replace(p, "bias", p.bias.double() / s_prev)
         else:
-            _replace(p, "weight", p.weight.double() / s)
+            _replace(p, "weight", p.weight.double() / s_prev)
         for m in self.linears:
             _replace(m, "weight", m.weight.double() * s)
 

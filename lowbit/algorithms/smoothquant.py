@@ -74,18 +74,18 @@ class SmoothQuant(Algorithm):
                 continue
             x_max, w = self._max[gi], g.weight()
             if self.alpha != "auto":
-                g.fold(self.scales(x_max, w, float(self.alpha)))
+                g.fold(g.tie(self.scales(x_max, w, float(self.alpha))))
                 continue
             x = torch.cat(self._sample[gi])
             ref = x @ w.T
             best_alpha, best = None, self._w8a8_error(x, w, ref, torch.ones(w.shape[1]))
             for a in AUTO_ALPHAS:
-                e = self._w8a8_error(x, w, ref, self.scales(x_max, w, a))
+                e = self._w8a8_error(x, w, ref, g.tie(self.scales(x_max, w, a)))
                 if e < best:
                     best, best_alpha = e, a
             self.chosen.append({"group": g.names[0], "alpha": best_alpha})
             if best_alpha is not None:
-                g.fold(self.scales(x_max, w, best_alpha))
+                g.fold(g.tie(self.scales(x_max, w, best_alpha)))
 
     @staticmethod
     def _w8a8_error(x, w, ref, s) -> float:

@@ -29,10 +29,10 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 
 def layer_groups(layer: nn.Module, prefix: str, schemes: dict[str, str]) -> list[LinearGroup]:
     """The linears of a Llama-family decoder layer grouped by the input they share, each
-    with the op its input comes out of: q/k/v after the input RMSNorm, o after v (when
-    every o input channel is one v output channel: not with grouped-query attention),
-    gate/up after the post-attention RMSNorm, down after up.  ``schemes``: the
-    recipe's weight scheme of each selected module (full names).
+    with the op its input comes out of: q/k/v after the input RMSNorm, o after v (with
+    grouped-query attention each v channel feeds the o channels of several heads:
+    ``LinearGroup.prev_channels``), gate/up after the post-attention RMSNorm, down after
+    up.  ``schemes``: the recipe's weight scheme of each selected module (full names).
 
     Example::
 
@@ -43,19 +43,29 @@ def layer_groups(layer: nn.Module, prefix: str, schemes: dict[str, str]) -> list
     """
     a, m = layer.self_attn, layer.mlp
     full = lambda n: f"{prefix}.{n}"  # noqa: E731
-    v_to_o = a.v_proj.out_features == a.o_proj.in_features
     spec = [
-        (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], layer.input_layernorm),
-        (["self_attn.o_proj"], a.v_proj if v_to_o else None),
-        (["mlp.gate_proj", "mlp.up_proj"], layer.post_attention_layernorm),
-        (["mlp.down_proj"], m.up_proj),
+        (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], layer.input_layernorm, None),
+        (["self_attn.o_proj"], a.v_proj, _v_channels_of_o(a)),
+        (["mlp.gate_proj", "mlp.up_proj"], layer.post_attention_layernorm, None),
+        (["mlp.down_proj"], m.up_proj, None),
     ]
     groups = []
-    for names, prev in spec:
+    for names, prev, channels in spec:
         mods = [layer.get_submodule(n) for n in names]
         groups.append(LinearGroup([full(n) for n in names], mods, prev,
-                                  {full(n): schemes[full(n)] for n in names if full(n) in schemes}))
+                                  {full(n): schemes[full(n)] for n in names if full(n) in schemes}, channels))
     return groups
+
+
+def _v_channels_of_o(attn: nn.Module) -> torch.Tensor | None:
+    """The v output channel of each o input channel: head h's dimension d reads v head
+    h // (heads per kv head), dimension d.  None when they are the same channels."""
+    d = attn.head_dim
+    heads, kv_heads = attn.o_proj.in_features // d, attn.v_proj.out_features // d
+    if heads == kv_heads:
+        return None
+    j = torch.arange(heads * d)
+    return (j // d) // (heads // kv_heads) * d + j % d
 
 
 class _Inputs:
