@@ -93,6 +93,10 @@ class _Source:
             setattr(module.get_submodule(owner) if owner else module, attr, nn.Parameter(t, requires_grad=False))
 
 
+def _meta(p: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+
+
 def quantize_streaming(src: str | os.PathLike, out: str | os.PathLike, recipe: Recipe | str, *,
                        calibration: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                        backend: str | None = None, progress: bool = False, overwrite: bool = False) -> Path:
@@ -163,6 +167,10 @@ def quantize_streaming(src: str | os.PathLike, out: str | os.PathLike, recipe: R
             digests.update({n: _digest(t) for n, t in tensors.items()})
 
         def enter(i: int) -> None:
+            if i == 0:  # the calibration tokens are embedded: the embedding comes back at the end
+                body.embed_tokens.weight = _meta(body.embed_tokens.weight)
+                if tied:
+                    model.lm_head.weight = body.embed_tokens.weight
             source.load(layers[i], f"{prefix}.{i}", dtype)
 
         def leave(i: int) -> None:
