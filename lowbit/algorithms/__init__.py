@@ -7,7 +7,8 @@ checkpoint) and the events it reacts to in the one layer-by-layer calibration lo
 * ``rtn``: round to nearest with min-max (or MSE-clipped) scales.
 * ``hqq``: half-quadratic optimization of each group's scale and zero point; no calibration.
 * ``gptq``: column-by-column rounding with error feedback through the inputs' Hessian.
-* ``awq``: activation-aware per-input-channel scales folded into the preceding op, then rtn.
+* ``awq``: activation-aware per-input-channel scales folded into the preceding op, then rtn
+  with the clipping range of each group searched on the inputs (``clip``, on by default).
 * ``smoothquant`` (recipe field, composes with any method): outliers moved from the
   activations into the weights before 8-bit activation quantization.
 
@@ -127,7 +128,7 @@ def build(recipe: Recipe, calibrated: bool = True) -> tuple[Algorithm, list[Algo
     try:
         if recipe.method == "awq":
             transforms.append(AWQ(**args))
-            quantizer = RTN(observer=recipe.observer, calibrated=calibrated)
+            quantizer = RTN(observer="mse" if transforms[-1].clip else recipe.observer, calibrated=calibrated)
         elif recipe.method == "rtn":
             quantizer = RTN(observer=recipe.observer, calibrated=calibrated, **args)
         elif recipe.method == "gptq":

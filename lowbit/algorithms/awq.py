@@ -49,18 +49,21 @@ def _row_group_mean(w: torch.Tensor, scheme: str) -> torch.Tensor:
 
 @dataclass
 class AWQ(Algorithm):
-    """AWQ as a calibration-loop transform; weights are then rounded to nearest
-    (min-max, or MSE-clipped with ``observer="mse"`` in the recipe: AWQ's clip search).
+    """AWQ as a calibration-loop transform; weights are then rounded to nearest.  With
+    ``clip`` (AutoAWQ's clip search) each group's clipping range is searched after the
+    scales are folded, minimizing the error weighted by the inputs (the ``"mse"``
+    observer), else the recipe's observer sets the ranges.
 
     Example::
 
         >>> AWQ().params()
-        {'grid': 20, 'duo_scaling': True, 'max_tokens': 8192}
+        {'grid': 20, 'duo_scaling': True, 'max_tokens': 8192, 'clip': True}
     """
 
     grid: int = 20
     duo_scaling: bool = True
     max_tokens: int = 8192
+    clip: bool = True
 
     name = "awq"
     transforms = True
@@ -69,13 +72,13 @@ class AWQ(Algorithm):
         for label, v, low in [("grid", self.grid, 1), ("max_tokens", self.max_tokens, 16)]:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"awq {label} must be an integer >= {low}, got {v!r}")
-        if not isinstance(self.duo_scaling, bool):
-            raise ValueError(f"awq duo_scaling must be true or false, got {self.duo_scaling!r}")
+        for label, v in [("duo_scaling", self.duo_scaling), ("clip", self.clip)]:
+            if not isinstance(v, bool):
+                raise ValueError(f"awq {label} must be true or false, got {v!r}")
         self.tokens = None
         self._abs: dict[int, torch.Tensor] = {}
         self._h: dict[int, torch.Tensor] = {}
         self._n: dict[int, int] = {}
-        self._seen = 0
         self.chosen: list[dict] = []
 
     def start(self, tokens: int) -> None:
@@ -126,7 +129,7 @@ class AWQ(Algorithm):
         self._n.clear()
 
     def params(self) -> dict:
-        return {"grid": self.grid, "duo_scaling": self.duo_scaling, "max_tokens": self.max_tokens}
+        return {"grid": self.grid, "duo_scaling": self.duo_scaling, "max_tokens": self.max_tokens, "clip": self.clip}
 
 
 __all__ = ["AWQ", "output_error"]
