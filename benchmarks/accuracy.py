@@ -41,11 +41,13 @@ def rows_spec() -> dict[str, dict]:
                         ("w4a16-sym-g32", "int4-sym-g32-f16"), ("w3a16-g64", "int3-asym-g64-f16")]:
         spec[f"{tag} rtn"] = dict(weight=weight)
         spec[f"{tag} hqq"] = dict(weight=weight, method="hqq")
-        spec[f"{tag} gptq"] = dict(weight=weight, method="gptq")
+        spec[f"{tag} gptq"] = dict(weight=weight, method="gptq", method_args={"act_order": False})
         spec[f"{tag} gptq act-order"] = dict(weight=weight, method="gptq", method_args={"act_order": True})
-        spec[f"{tag} awq"] = dict(weight=weight, method="awq")
-        spec[f"{tag} gptq mse"] = dict(weight=weight, method="gptq", observer="mse")
-        spec[f"{tag} awq mse"] = dict(weight=weight, method="awq", observer="mse")
+        spec[f"{tag} gptq mse"] = dict(weight=weight, method="gptq", observer="mse", method_args={"act_order": False})
+        spec[f"{tag} gptq act-order mse"] = dict(weight=weight, method="gptq", observer="mse",
+                                                 method_args={"act_order": True})
+        spec[f"{tag} awq no-clip"] = dict(weight=weight, method="awq", method_args={"clip": False})
+        spec[f"{tag} awq"] = dict(weight=weight, method="awq")  # clip search on
     spec["w8a8 rtn"] = dict(weight="int8-sym", activation="int8-sym-token")
     spec["w8a8 smoothquant-0.5"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant=0.5)
     spec["w8a8 smoothquant-auto"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant="auto")

@@ -290,7 +290,7 @@ def test_cli_quantize_with_gptq_records_the_method(tmp_path, capsys):
     assert "method gptq" in printed.out and "calibration: 3 x 16 tokens" in printed.err
     meta = read_metadata(out)
     assert meta["recipe"]["name"] == "w4a16-g32:gptq" and meta["recipe"]["method"] == "gptq"
-    assert meta["quantization"]["params"] == {"block_size": 128, "damp": 0.01, "act_order": False}
+    assert meta["quantization"]["params"] == {"block_size": 128, "damp": 0.01, "act_order": True}
     assert meta["quantization"]["calibration"]["length"] == 16
 
 

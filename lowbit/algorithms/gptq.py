@@ -189,13 +189,13 @@ class GPTQ(Algorithm):
 
     Example::
 
-        >>> GPTQ(act_order=True).params()
-        {'block_size': 128, 'damp': 0.01, 'act_order': True}
+        >>> GPTQ(act_order=False).params()
+        {'block_size': 128, 'damp': 0.01, 'act_order': False}
     """
 
     block_size: int = 128
     damp: float = 0.01
-    act_order: bool = False
+    act_order: bool = True
     observer: object = None
 
     name = "gptq"
