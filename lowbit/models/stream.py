@@ -6,9 +6,9 @@ read from the source files, its linears quantized (round to nearest and HQQ alon
 AWQ and SmoothQuant through the calibration loop, which carries the calibration
 activations from layer to layer), its tensors written to a shard of the output
 (``model-00001-of-000NN.safetensors``, one per layer) and the layer dropped.  The
-embedding, final norm and ``lm_head`` are read and written last.  Peak memory is then
-about one decoder layer, the embedding and ``lm_head``, and the calibration
-activations, whatever the number of layers.  The output folder is staged beside its
+embedding, then the final norm with ``lm_head``, are read and written last, each in its
+own shard.  Peak memory is then about the largest of one decoder layer, the embedding
+and ``lm_head``, plus the calibration activations, whatever the number of layers.  The output folder is staged beside its
 destination and renamed into place at the end (``checkpoint.staging``): a crash leaves
 no half-written checkpoint.
 """
@@ -33,7 +33,9 @@ INDEX = "model.safetensors.index.json"
 
 
 class _Source:
-    """The tensors of a Hugging Face folder's safetensors files, read one at a time."""
+    """The tensors of a Hugging Face folder's safetensors files.  Their headers are read
+    once; a file is mapped only while tensors are copied out of it, so the pages read
+    do not stay resident for the rest of the run."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
@@ -51,17 +53,20 @@ class _Source:
         else:
             raise FileNotFoundError(f"{folder}: no model.safetensors or {INDEX}; streaming reads safetensors "
                                     "weights only (convert .bin weights with transformers first)")
-        self.handles, self.where = {}, {}
+        self.where: dict[str, Path] = {}
+        self.info: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, safetensors dtype)
         for file in sorted(set(files.values())) if files else [folder / "model.safetensors"]:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: missing ({INDEX} names it)")
             try:
-                self.handles[file] = safe_open(str(file), framework="pt")
+                with safe_open(str(file), framework="pt") as h:
+                    for name in h.keys():
+                        if files is None or files.get(name) == file:
+                            sl = h.get_slice(name)
+                            self.where[name] = file
+                            self.info[name] = (tuple(sl.get_shape()), sl.get_dtype())
             except Exception as e:  # safetensors raises its own error types
                 raise ValueError(f"{file}: unreadable or truncated safetensors file ({e})") from None
-            for name in self.handles[file].keys():
-                if files is None or files.get(name) == file:
-                    self.where[name] = file
 
     def check(self, model: nn.Module, tied: bool) -> None:
         """Every parameter of ``model`` (built empty) is in the files, with its shape."""
@@ -70,27 +75,34 @@ class _Source:
                 continue
             if name not in self.where:
                 raise ValueError(f"the model's tensor {name!r} is in none of the safetensors files")
-            shape = tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+            shape = self.info[name][0]
             if shape != tuple(p.shape):
                 raise ValueError(f"{self.where[name]}: tensor {name!r} has shape {shape}, the config says "
                                  f"{tuple(p.shape)}")
 
     def dtype(self) -> torch.dtype:
         """The dtype of the first floating-point tensor of the files."""
-        for name, file in self.where.items():
-            t = self.handles[file].get_slice(name)
-            dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
+        for _, kind in self.info.values():
+            dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(kind)
             if dt is not None:
                 return dt
         return torch.float32
 
-    def load(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
-        """Give ``module`` (named ``prefix`` in the model) its parameters from the files."""
-        for name, p in list(module.named_parameters()):
-            full = f"{prefix}.{name}"
-            t = self.handles[self.where[full]].get_tensor(full).to(dtype)
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, attr, nn.Parameter(t, requires_grad=False))
+    def load(self, module: nn.Module, prefix: str, dtype: torch.dtype, names: dict[str, str] | None = None) -> None:
+        """Give ``module`` (named ``prefix`` in the model) its parameters from the files, in
+        ``dtype``; ``names`` maps a parameter to another tensor of the files (tied ones)."""
+        from safetensors import safe_open
+
+        wanted = {n: (names or {}).get(n, f"{prefix}.{n}") for n, _ in module.named_parameters()}
+        for file in sorted({self.where[full] for full in wanted.values()}):
+            with safe_open(str(file), framework="pt") as h:
+                for name, full in wanted.items():
+                    if self.where[full] != file:
+                        continue
+                    t = h.get_tensor(full).to(dtype=dtype, copy=True)  # a copy: the mapping goes away
+                    owner, _, attr = name.rpartition(".")
+                    setattr(module.get_submodule(owner) if owner else module, attr,
+                            nn.Parameter(t, requires_grad=False))
 
 
 def _meta(p: torch.Tensor) -> nn.Parameter:
@@ -155,7 +167,7 @@ def quantize_streaming(src: str | os.PathLike, out: str | os.PathLike, recipe: R
     prefix = "model.layers"
     shards: dict[str, list[str]] = {}
     digests: dict[str, str] = {}
-    count = len(layers) + 1
+    count = len(layers) + 2
     record = {"method": recipe.method, "params": quantizer.params(),
               "transforms": {t.name: t.params() for t in transforms}}
 
@@ -195,17 +207,22 @@ def quantize_streaming(src: str | os.PathLike, out: str | os.PathLike, recipe: R
                 quantize_modules(model, {n: s for n, s in in_layers.items() if n.startswith(f"{prefix}.{i}.")},
                                  quantizer, backend)
                 leave(i)
-        # the rest: embedding, final norm, lm_head
-        for name, mod in [("model.embed_tokens", body.embed_tokens), ("model.norm", body.norm),
-                          ("lm_head", model.lm_head)]:
-            if not (tied and name == "lm_head"):
-                source.load(mod, name, dtype)
-        if tied:
-            model.lm_head.weight = body.embed_tokens.weight
-        quantize_modules(model, {n: s for n, s in todo.items() if n not in in_layers}, quantizer, backend)
-        if tied and any(n not in in_layers for n in todo):
-            model.config.tie_word_embeddings = False
-        write(count - 1, _unique_state(model))
+        # the rest, one shard each: the embedding; the final norm and lm_head
+        rest = {n: s for n, s in todo.items() if n not in in_layers}
+        source.load(body.embed_tokens, "model.embed_tokens", dtype)
+        quantize_modules(model, {n: s for n, s in rest.items() if n != "lm_head"}, quantizer, backend)
+        write(count - 2, {f"model.embed_tokens.{n}": t for n, t in _unique_state(body.embed_tokens).items()})
+        if tied and "lm_head" not in rest:  # saved once, as the embedding
+            source.load(body.norm, "model.norm", dtype)
+            write(count - 1, {f"model.norm.{n}": t for n, t in _unique_state(body.norm).items()})
+        else:
+            body.embed_tokens = nn.Module()  # written: free it before lm_head comes in
+            source.load(body.norm, "model.norm", dtype)
+            source.load(model.lm_head, "lm_head", dtype, {"weight": "model.embed_tokens.weight"} if tied else None)
+            quantize_modules(model, {n: s for n, s in rest.items() if n == "lm_head"}, quantizer, backend)
+            if tied:
+                model.config.tie_word_embeddings = False
+            write(count - 1, {n: t for n, t in _unique_state(model).items() if not n.startswith("model.layers.")})
         model.lowbit_recipe = recipe
         model.lowbit_modules = todo
         model.lowbit_quantization = record
