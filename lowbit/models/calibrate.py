@@ -164,7 +164,8 @@ def calibrate_and_quantize(model: nn.Module, todo: dict[str, dict], quantizer: A
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, desc=f"calibrating ({quantizer.name}, {ids.shape[0]} x {ids.shape[1]} tokens)", unit="layer")
+        steps = "+".join([t.name for t in transforms] + [quantizer.name])
+        it = tqdm(it, desc=f"calibrating ({steps}, {ids.shape[0]} x {ids.shape[1]} tokens)", unit="layer")
     for i in it:
         if enter is not None:
             enter(i)

@@ -162,7 +162,7 @@ def quantize_modules(model: nn.Module, todo: dict[str, dict], quantizer, backend
     """Replace each module of ``todo`` (``plan``'s output) by its quantized module,
     rounded by ``quantizer`` without statistics."""
     items = list(todo.items())
-    if progress:
+    if progress and items:
         from tqdm.auto import tqdm
 
         items = tqdm(items, desc=desc, unit="module", leave=False)
