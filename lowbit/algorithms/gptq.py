@@ -49,21 +49,49 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
     until H factors.
 
     With ``J`` the reversal permutation, ``J H J = L L^T`` gives ``H = R R^T`` with
-    ``R = J L J`` upper triangular, so ``H^-1 = (R^-1)^T R^-1`` and ``U = R^-1``: one
-    Cholesky factorization and one triangular inverse."""
+    ``R = J L J`` upper triangular, so ``H^-1 = (R^-1)^T R^-1`` and
+    ``U = R^-1 = J L^-1 J``: one Cholesky factorization and one triangular inverse.
+    At most three K x K float32 matrices live at a time (1.5 GB at K = 11008)."""
     mean = float(h.diagonal().double().mean())
     h = h.to(torch.float32)
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     while True:
-        l, info = torch.linalg.cholesky_ex((h + damp * mean * eye).flip(0, 1))
+        m = h.flip(0, 1)  # J H J (a copy); J I J = I, so the dampening goes on its diagonal
+        m.diagonal().add_(damp * mean)
+        l, info = torch.linalg.cholesky_ex(m)
+        del m
         if int(info) == 0:
-            u = torch.linalg.solve_triangular(l.flip(0, 1), eye, upper=True)
+            eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+            l_inv = torch.linalg.solve_triangular(l, eye, upper=False)
+            del l, eye
+            u = l_inv.flip(0, 1)
+            del l_inv
             if torch.isfinite(u).all():
                 return u, damp
         if damp >= 1e6:
             raise ValueError(f"{what}: the Hessian does not factor even with dampening {damp:g} x mean(diag)")
         log.warning("%s: Hessian not positive definite with dampening %g; retrying with %g", what, damp, damp * 10)
         damp *= 10
+
+
+def _order(diag: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The dead columns (a zero Hessian diagonal: the input is always 0), the diagonal
+    with 1 there, and the act-order permutation (decreasing diagonal) or None."""
+    dead = diag == 0
+    d = diag.masked_fill(dead, 1.0)
+    return dead, d, torch.argsort(d, descending=True, stable=True) if act_order else None
+
+
+def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "gptq") -> tuple[torch.Tensor, float]:
+    """``inverse_factor`` of ``h`` with a dead column's diagonal set to 1, its rows and
+    columns in act-order when asked: the ``factor`` ``gptq_quantize`` takes (one per
+    Hessian, shared by the weights that read the same input)."""
+    dead, _, perm = _order(h.diagonal(), act_order)
+    a = h.to(torch.float32, copy=True)
+    a.diagonal()[dead] = 1.0
+    if perm is not None:
+        a = a[perm[:, None], perm]
+    return inverse_factor(a, damp, what)
+
 
 
 def _check_params(block_size, damp) -> None:
@@ -83,8 +111,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
 
     ``observer(w_block [N, C], per_channel_scheme, x_sq [C]) -> (scale, zero_point)``
     replaces min-max scales (e.g. MSE-optimal clipping).  ``factor``: the
-    ``(U, damp)`` of ``inverse_factor`` for this ``h`` (and order), when several weights
-    share one Hessian.
+    ``(U, damp)`` of ``hessian_factor`` for this ``h`` and ``act_order``, when several
+    weights share one Hessian; ``h`` may then be its diagonal [K] alone.
 
     Example::
 
@@ -102,9 +130,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"{what}: w must be a 2-D float tensor [N, K]")
     n, k = w.shape
-    if not isinstance(h, torch.Tensor) or tuple(h.shape) != (k, k):
-        raise ValueError(f"{what}: the Hessian must be [{k}, {k}], got {tuple(getattr(h, 'shape', ()))}")
-    if not (torch.isfinite(h).all() and torch.isfinite(w).all()):
+    shapes = [(k, k)] + ([(k,)] if factor is not None else [])
+    if not isinstance(h, torch.Tensor) or tuple(h.shape) not in shapes:
+        raise ValueError(f"{what}: the Hessian must be [{k}, {k}]{' (or its diagonal)' if factor else ''}, got "
+                         f"{tuple(getattr(h, 'shape', ()))}")
+    if not (bool(torch.isfinite(torch.stack(torch.aminmax(h))).all()) and torch.isfinite(w).all()):
         raise ValueError(f"{what}: the weight or the Hessian holds NaN or Inf")
     if s.granularity not in ("group", "channel"):
         raise ValueError(f"{what}: GPTQ quantizes per channel or per group, not '{s.granularity}' ('{s}')")
@@ -112,16 +142,13 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
         raise ValueError(f"{what}: group_size={s.group_size} of '{s}' does not divide in_features={k}")
     _check_params(block_size, damp)
     W = w.detach().to(torch.float32).clone()
-    H = h.detach().to(torch.float64).clone()
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1.0
+    dead, diag, perm = _order((h if h.dim() == 1 else h.diagonal()).double(), act_order)
     W[:, dead] = 0.0
     group = s.group_size if s.granularity == "group" else k
     if s.granularity == "group" and block_size % group:
         block_size = group * max(1, block_size // group)
-    x_sq = H.diagonal().float()
+    x_sq = diag.float()
 
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else None
     scales = torch.empty(n, k // group, dtype=s.scale_dtype, device=w.device)
     zps = None if s.symmetric else torch.empty(n, k // group, dtype=s.zero_point_dtype if s.zero_point_domain == "float"
                                                else torch.int32, device=w.device)
@@ -131,10 +158,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
             scales[:, g] = sc
             if zps is not None:
                 zps[:, g] = zp
-    if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-    U, used = factor if factor is not None else inverse_factor(H, float(damp), what)
+    U, used = factor if factor is not None else hessian_factor(h.double(), float(damp), act_order, what)
     U = U.to(torch.float32)
+    if perm is not None:
+        W = W[:, perm]
     col_group = (perm if perm is not None else torch.arange(k)) // group
 
     # The loop works on W transposed ([K, N]: column j of W is the contiguous row j).
@@ -212,24 +239,21 @@ class GPTQ(Algorithm):
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        hx = (x.T @ x).double()
-        self._h[index] = self._h[index] + hx if index in self._h else hx
+        if index not in self._h:
+            self._h[index] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+        self._h[index].add_(x.T @ x)  # float32 products of a batch, summed in float64
         self._n[index] = self._n.get(index, 0) + x.shape[0]
 
     def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
-        if index is None or index not in self._h:
+        if index is None or (index not in self._h and index not in self._factor):
             return super().quantize(name, linear, scheme, index)
-        h = self._h[index] / self._n[index]
         if index not in self._factor:  # one factorization per Hessian (q, k and v share theirs)
-            hd = h.clone()
-            hd.diagonal()[hd.diagonal() == 0] = 1.0
-            if self.act_order:
-                perm = torch.argsort(hd.diagonal(), descending=True, stable=True)
-                hd = hd[perm][:, perm]
-            self._factor[index] = inverse_factor(hd, float(self.damp), "gptq")
-        qt, info = gptq_quantize(linear.weight.detach(), h, scheme, block_size=self.block_size, damp=self.damp,
-                                 act_order=self.act_order, observer=self.observer, what="gptq",
-                                 factor=self._factor[index])
+            h = self._h.pop(index).div_(self._n[index])  # only the diagonal is kept: memory
+            self._factor[index] = (*hessian_factor(h, float(self.damp), self.act_order, "gptq"), h.diagonal().clone())
+            del h
+        u, used, diag = self._factor[index]
+        qt, info = gptq_quantize(linear.weight.detach(), diag, scheme, block_size=self.block_size, damp=self.damp,
+                                 act_order=self.act_order, observer=self.observer, what="gptq", factor=(u, used))
         self.log.append({"module": name, **info})
         return qt
 
