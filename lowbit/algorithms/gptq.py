@@ -81,12 +81,14 @@ def _order(diag: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Ten
     return dead, d, torch.argsort(d, descending=True, stable=True) if act_order else None
 
 
-def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "gptq") -> tuple[torch.Tensor, float]:
+def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "gptq", *,
+                   overwrite: bool = False) -> tuple[torch.Tensor, float]:
     """``inverse_factor`` of ``h`` with a dead column's diagonal set to 1, its rows and
     columns in act-order when asked: the ``factor`` ``gptq_quantize`` takes (one per
-    Hessian, shared by the weights that read the same input)."""
+    Hessian, shared by the weights that read the same input).  ``overwrite``: a float32
+    ``h`` may be changed instead of copied (memory)."""
     dead, _, perm = _order(h.diagonal(), act_order)
-    a = h.to(torch.float32, copy=True)
+    a = h.to(torch.float32, copy=not overwrite)
     a.diagonal()[dead] = 1.0
     if perm is not None:
         a = a[perm[:, None], perm]
@@ -248,8 +250,12 @@ class GPTQ(Algorithm):
         if index is None or (index not in self._h and index not in self._factor):
             return super().quantize(name, linear, scheme, index)
         if index not in self._factor:  # one factorization per Hessian (q, k and v share theirs)
-            h = self._h.pop(index).div_(self._n[index])  # only the diagonal is kept: memory
-            self._factor[index] = (*hessian_factor(h, float(self.damp), self.act_order, "gptq"), h.diagonal().clone())
+            self._factor.clear()  # the loop quantizes group after group: the earlier ones are done
+            h = self._h.pop(index).div_(self._n[index])
+            diag = h.diagonal().clone()  # all that is kept of H once factored
+            h = h.to(torch.float32)  # the float64 sum goes (a Llama-2-7B down_proj's: 970 MB)
+            self._factor[index] = (*hessian_factor(h, float(self.damp), self.act_order, "gptq", overwrite=True),
+                                   diag)
             del h
         u, used, diag = self._factor[index]
         qt, info = gptq_quantize(linear.weight.detach(), diag, scheme, block_size=self.block_size, damp=self.damp,
