@@ -53,6 +53,8 @@ def rows_spec() -> dict[str, dict]:
     spec["w8a8 smoothquant-auto"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant="auto")
     spec["w8a8 static smoothquant-0.5"] = dict(weight="int8-sym", activation="int8-sym-tensor", smoothquant=0.5)
     spec["w8a8 static rtn"] = dict(weight="int8-sym", activation="int8-sym-tensor")
+    spec["w8a8 static smoothquant-0.5 percentile"] = dict(weight="int8-sym", activation="int8-sym-tensor",
+                                                          smoothquant=0.5, act_observer="percentile")
     return spec
 
 
