@@ -51,7 +51,7 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
     With ``J`` the reversal permutation, ``J H J = L L^T`` gives ``H = R R^T`` with
     ``R = J L J`` upper triangular, so ``H^-1 = (R^-1)^T R^-1`` and
     ``U = R^-1 = J L^-1 J``: one Cholesky factorization and one triangular inverse.
-    At most three K x K float32 matrices live at a time (1.5 GB at K = 11008)."""
+    Besides ``h``, at most two K x K float32 matrices live at a time (1 GB at K = 11008)."""
     mean = float(h.diagonal().double().mean())
     h = h.to(torch.float32)
     while True:
@@ -60,9 +60,10 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
         l, info = torch.linalg.cholesky_ex(m)
         del m
         if int(info) == 0:
-            eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-            l_inv = torch.linalg.solve_triangular(l, eye, upper=False)
-            del l, eye
+            # L^-1 solved into the identity in place (column-major, as LAPACK works: no copy)
+            l_inv = torch.eye(h.shape[0], dtype=h.dtype, device=h.device).mT
+            torch.linalg.solve_triangular(l, l_inv, upper=False, out=l_inv)
+            del l
             u = l_inv.flip(0, 1)
             del l_inv
             if torch.isfinite(u).all():
@@ -81,18 +82,18 @@ def _order(diag: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Ten
     return dead, d, torch.argsort(d, descending=True, stable=True) if act_order else None
 
 
-def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "gptq", *,
-                   overwrite: bool = False) -> tuple[torch.Tensor, float]:
+def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "gptq") -> tuple[torch.Tensor, float]:
     """``inverse_factor`` of ``h`` with a dead column's diagonal set to 1, its rows and
     columns in act-order when asked: the ``factor`` ``gptq_quantize`` takes (one per
-    Hessian, shared by the weights that read the same input).  ``overwrite``: a float32
-    ``h`` may be changed instead of copied (memory)."""
+    Hessian, shared by the weights that read the same input)."""
+    return inverse_factor(_prepared(h.to(torch.float32, copy=True), act_order), damp, what)
+
+
+def _prepared(h: torch.Tensor, act_order: bool) -> torch.Tensor:
+    """``h`` (changed in place) with a dead column's diagonal set to 1, reordered."""
     dead, _, perm = _order(h.diagonal(), act_order)
-    a = h.to(torch.float32, copy=not overwrite)
-    a.diagonal()[dead] = 1.0
-    if perm is not None:
-        a = a[perm[:, None], perm]
-    return inverse_factor(a, damp, what)
+    h.diagonal()[dead] = 1.0
+    return h if perm is None else h[perm[:, None], perm]
 
 
 
@@ -251,11 +252,13 @@ class GPTQ(Algorithm):
             return super().quantize(name, linear, scheme, index)
         if index not in self._factor:  # one factorization per Hessian (q, k and v share theirs)
             self._factor.clear()  # the loop quantizes group after group: the earlier ones are done
+            # memory: one K x K matrix at a time besides the factorization's (a Llama-2-7B
+            # down_proj's float64 sum is 970 MB); all that is kept of H is its diagonal
             h = self._h.pop(index).div_(self._n[index])
-            diag = h.diagonal().clone()  # all that is kept of H once factored
-            h = h.to(torch.float32)  # the float64 sum goes (a Llama-2-7B down_proj's: 970 MB)
-            self._factor[index] = (*hessian_factor(h, float(self.damp), self.act_order, "gptq", overwrite=True),
-                                   diag)
+            diag = h.diagonal().clone()
+            h = h.to(torch.float32)  # the float64 sum goes here
+            h = _prepared(h, self.act_order)
+            self._factor[index] = (*inverse_factor(h, float(self.damp), "gptq"), diag)
             del h
         u, used, diag = self._factor[index]
         qt, info = gptq_quantize(linear.weight.detach(), diag, scheme, block_size=self.block_size, damp=self.damp,
