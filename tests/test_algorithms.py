@@ -353,3 +353,16 @@ def test_calibrated_lm_head_unties_the_embedding():
     q = lowbit.quantize_model(model, Recipe(weight="int4-asym-g32", method="gptq", lm_head="int8-sym"),
                               inplace=False, calibration=_calib())
     assert q.config.tie_word_embeddings is False
+
+
+def test_add_gram_in_row_blocks_is_the_float32_product_summed_in_float64(monkeypatch):
+    from lowbit.algorithms import base
+
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(0))
+    whole = add_gram_ref = (x.T @ x).double()
+    monkeypatch.setattr(base, "GRAM_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows at a time: 6 blocks, the last short
+    acc = base.add_gram(None, x)
+    # each row block is its own float32 GEMM: equal to the whole product's rows up to
+    # float32 summation order (K = 64 products, |x| ~ 1: well under 1e-4)
+    assert torch.allclose(acc, whole, atol=1e-4, rtol=0)
+    assert torch.allclose(base.add_gram(acc, x), 2 * add_gram_ref, atol=2e-4, rtol=0)

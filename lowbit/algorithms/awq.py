@@ -23,7 +23,7 @@ import torch
 
 from ..ops import dequantize, quantize
 from ..scheme import QuantScheme
-from .base import Algorithm, LinearGroup, token_sample
+from .base import Algorithm, LinearGroup, add_gram, token_sample
 
 
 def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
@@ -89,8 +89,7 @@ class AWQ(Algorithm):
         self._abs[index] = self._abs.get(index, 0) + x.abs().sum(0)
         self._n[index] = self._n.get(index, 0) + x.shape[0]
         xs = token_sample(x, self.tokens, self.max_tokens, self._n[index] // x.shape[0])
-        h = (xs.T @ xs).double()
-        self._h[index] = self._h[index] + h if index in self._h else h
+        self._h[index] = add_gram(self._h.get(index), xs)
 
     def transform(self, groups: list[LinearGroup]) -> None:
         for gi, g in enumerate(groups):

@@ -109,6 +109,32 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value.detach().to(old.dtype), requires_grad=False))
 
 
+# Rows of X^T X computed at a time by add_gram: their float32 product and its float64
+# copy stay at about 64 MB and 128 MB, whatever K (a whole 11008 x 11008 product would
+# be 485 MB, plus 970 MB to add it into a float64 sum).
+GRAM_BLOCK_BYTES = 1 << 26
+
+
+def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``acc + x^T x`` for ``x`` [rows, K] (float32 products of the batch, summed into the
+    float64 ``acc`` [K, K] in place; None starts a sum), a block of rows at a time.
+
+    Example::
+
+        >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> add_gram(None, x)
+        tensor([[10., 14.],
+                [14., 20.]], dtype=torch.float64)
+    """
+    k = x.shape[1]
+    if acc is None:
+        acc = torch.zeros(k, k, dtype=torch.float64, device=x.device)
+    step = max(1, GRAM_BLOCK_BYTES // (4 * max(k, 1)))
+    for r0 in range(0, k, step):
+        acc[r0:r0 + step] += x[:, r0:r0 + step].T @ x
+    return acc
+
+
 def token_sample(x: torch.Tensor, tokens: int | None, max_tokens: int, batch: int) -> torch.Tensor:
     """About ``max_tokens`` of the ``tokens`` calibration rows, taken from the rows ``x``
     [rows, K] of one batch at a stride, with an offset that moves from batch to batch (so
@@ -177,4 +203,4 @@ def fake_quantize_columns(w: torch.Tensor, scale: torch.Tensor, zero_point: torc
     return reference.dequantize(q, scale, zero_point, per_row, torch.float32)
 
 
-__all__ = ["Algorithm", "LinearGroup", "fake_quantize_columns"]
+__all__ = ["Algorithm", "LinearGroup", "fake_quantize_columns", "add_gram"]

@@ -26,7 +26,7 @@ from ..ops import quantize
 from ..ops.quant import as_scheme
 from ..qtensor import QTensor
 from ..scheme import QuantScheme
-from .base import Algorithm, LinearGroup
+from .base import Algorithm, LinearGroup, add_gram
 
 log = logging.getLogger("lowbit.gptq")
 
@@ -242,9 +242,7 @@ class GPTQ(Algorithm):
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        if index not in self._h:
-            self._h[index] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
-        self._h[index].add_(x.T @ x)  # float32 products of a batch, summed in float64
+        self._h[index] = add_gram(self._h.get(index), x)
         self._n[index] = self._n.get(index, 0) + x.shape[0]
 
     def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
