@@ -57,11 +57,18 @@ def has_values(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.device.type != "meta"
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a tensor with values holds no NaN or Inf: aminmax propagates NaN and shows
+    Inf in one pass without a mask (12x faster than isfinite().all() on a 45M-element
+    weight)."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+
+
 def finite(name: str, t: torch.Tensor) -> None:
     """Refuse NaN/Inf in a tensor to be quantized: they would poison its scale."""
-    # aminmax propagates NaN and shows Inf in one pass without a mask (12x faster than
-    # isfinite().all() on a 45M-element weight)
-    if has_values(t) and t.is_floating_point() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+    if has_values(t) and not all_finite(t):
         bad = (~torch.isfinite(t)).nonzero()[0].tolist()
         raise ValueError(
             f"{name} contains NaN or Inf (first at index {bad}: {t[tuple(bad)].item()}); "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._validate import all_finite
 from ..kernels import reference
 from ..ops import quantize
 from ..ops.quant import as_scheme
@@ -86,15 +87,16 @@ def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "g
     """``inverse_factor`` of ``h`` with a dead column's diagonal set to 1, its rows and
     columns in act-order when asked: the ``factor`` ``gptq_quantize`` takes (one per
     Hessian, shared by the weights that read the same input)."""
-    return inverse_factor(_prepared(h.to(torch.float32, copy=True), act_order), damp, what)
+    dead, _, perm = _order(h.diagonal().double(), act_order)
+    return inverse_factor(_prepared(h.to(torch.float32, copy=True), dead, perm), damp, what)
 
 
-def _prepared(h: torch.Tensor, act_order: bool) -> torch.Tensor:
-    """``h`` (changed in place) with a dead column's diagonal set to 1, reordered."""
-    dead, _, perm = _order(h.diagonal(), act_order)
+def _prepared(h: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """``h`` (changed in place) with the dead columns' diagonal set to 1, reordered by
+    ``perm``: both from ``_order`` of the float64 diagonal, the order ``gptq_quantize``
+    permutes the weight in (a float32 diagonal could order near-ties differently)."""
     h.diagonal()[dead] = 1.0
     return h if perm is None else h[perm[:, None], perm]
-
 
 
 def _check_params(block_size, damp) -> None:
@@ -137,7 +139,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
     if not isinstance(h, torch.Tensor) or tuple(h.shape) not in shapes:
         raise ValueError(f"{what}: the Hessian must be [{k}, {k}]{' (or its diagonal)' if factor else ''}, got "
                          f"{tuple(getattr(h, 'shape', ()))}")
-    if not (bool(torch.isfinite(torch.stack(torch.aminmax(h))).all()) and torch.isfinite(w).all()):
+    if not (all_finite(h) and all_finite(w)):
         raise ValueError(f"{what}: the weight or the Hessian holds NaN or Inf")
     if s.granularity not in ("group", "channel"):
         raise ValueError(f"{what}: GPTQ quantizes per channel or per group, not '{s.granularity}' ('{s}')")
@@ -161,7 +163,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
             scales[:, g] = sc
             if zps is not None:
                 zps[:, g] = zp
-    U, used = factor if factor is not None else hessian_factor(h.double(), float(damp), act_order, what)
+    U, used = factor if factor is not None else hessian_factor(h, float(damp), act_order, what)
     U = U.to(torch.float32)
     if perm is not None:
         W = W[:, perm]
@@ -254,8 +256,9 @@ class GPTQ(Algorithm):
             # down_proj's float64 sum is 970 MB); all that is kept of H is its diagonal
             h = self._h.pop(index).div_(self._n[index])
             diag = h.diagonal().clone()
+            dead, _, perm = _order(diag, self.act_order)
             h = h.to(torch.float32)  # the float64 sum goes here
-            h = _prepared(h, self.act_order)
+            h = _prepared(h, dead, perm)
             self._factor[index] = (*inverse_factor(h, float(self.damp), "gptq"), diag)
             del h
         u, used, diag = self._factor[index]
