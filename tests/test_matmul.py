@@ -91,6 +91,18 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+@pytest.mark.parametrize("m", [3, 45, 200])
+def test_cpu_weight_tiles_cover_w_in_tiles_or_in_one(monkeypatch, m):
+    # A 4 KiB tile budget is 16 rows of K = 64 (float32): m = 3 and 40 run 13 and 4 tiles
+    # (a tail each), m = 200 one tile as large as x; all within the weight-only bound.
+    monkeypatch.setattr(cpu, "TILE_BYTES", 4096)
+    qt = lowbit.quantize(torch.randn(200, 64), "int4-asym-g32")
+    x = torch.randn(m, 64)
+    y = cpu._tiles(x, qt.codes, qt.scale, qt.zero_point, 4, 32, torch.float32)
+    y_ref = linear(x, qt, backend="reference")
+    assert bool(((y.double() - y_ref.double()).abs() <= weight_only_tolerance(x, qt, y_ref)).all())
+
+
 @pytest.fixture
 def bf16_matmul_precision():
     """float32 activations may take the bf16 paths only below torch's "highest" precision."""
