@@ -93,7 +93,7 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
 
 @pytest.mark.parametrize("m", [3, 45, 200])
 def test_cpu_weight_tiles_cover_w_in_tiles_or_in_one(monkeypatch, m):
-    # A 4 KiB tile budget is 16 rows of K = 64 (float32): m = 3 and 40 run 13 and 4 tiles
+    # A 4 KiB tile budget is 16 rows of K = 64 (float32): m = 3 and 45 run 13 and 5 tiles
     # (a tail each), m = 200 one tile as large as x; all within the weight-only bound.
     monkeypatch.setattr(cpu, "TILE_BYTES", 4096)
     qt = lowbit.quantize(torch.randn(200, 64), "int4-asym-g32")
