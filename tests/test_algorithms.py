@@ -360,8 +360,9 @@ def test_add_gram_in_row_blocks_is_the_float32_product_summed_in_float64(monkeyp
 
     x = torch.randn(64, 40, generator=torch.Generator().manual_seed(0))
     whole = add_gram_ref = (x.T @ x).double()
-    monkeypatch.setattr(base, "GRAM_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows at a time: 6 blocks, the last short
+    monkeypatch.setattr(base, "GRAM_BLOCK_ROWS", 7)  # 7 rows at a time: 6 blocks, the last short
     acc = base.add_gram(None, x)
+    assert torch.equal(acc, acc.T)  # the lower triangle is the mirror of the upper
     # each row block is its own float32 GEMM: equal to the whole product's rows up to
     # float32 summation order (K = 64 products, |x| ~ 1: well under 1e-4)
     assert torch.allclose(acc, whole, atol=1e-4, rtol=0)

@@ -109,15 +109,17 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value.detach().to(old.dtype), requires_grad=False))
 
 
-# Rows of X^T X computed at a time by add_gram: their float32 product and its float64
-# copy stay at about 64 MB and 128 MB, whatever K (a whole 11008 x 11008 product would
-# be 485 MB, plus 970 MB to add it into a float64 sum).
-GRAM_BLOCK_BYTES = 1 << 26
+# Rows of X^T X computed at a time by add_gram: only the blocks on and right of the
+# diagonal are multiplied (the rest is their mirror), which halves the work; blocks of 128
+# rows keep each product a few MB whatever K, and the GEMMs efficient.
+GRAM_BLOCK_ROWS = 128
 
 
 def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``acc + x^T x`` for ``x`` [rows, K] (float32 products of the batch, summed into the
-    float64 ``acc`` [K, K] in place; None starts a sum), a block of rows at a time.
+    symmetric float64 ``acc`` [K, K] in place; None starts a sum).  Only the upper block
+    triangle is multiplied, a block of ``GRAM_BLOCK_ROWS`` rows at a time; the lower one
+    is copied from it, so the sum is exactly symmetric.
 
     Example::
 
@@ -129,9 +131,12 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     k = x.shape[1]
     if acc is None:
         acc = torch.zeros(k, k, dtype=torch.float64, device=x.device)
-    step = max(1, GRAM_BLOCK_BYTES // (4 * max(k, 1)))
-    for r0 in range(0, k, step):
-        acc[r0:r0 + step] += x[:, r0:r0 + step].T @ x
+    for r0 in range(0, k, GRAM_BLOCK_ROWS):
+        r1 = min(k, r0 + GRAM_BLOCK_ROWS)
+        acc[r0:r1, r0:] += x[:, r0:r1].T @ x[:, r0:]
+        d = acc[r0:r1, r0:r1]
+        d.copy_(d.triu() + d.triu(1).T)  # exactly symmetric, as the GEMM's (i, j) and (j, i) need not be
+        acc[r1:, r0:r1] = acc[r0:r1, r1:].T
     return acc
 
 
