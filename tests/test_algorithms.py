@@ -163,6 +163,24 @@ def test_folding_leaves_the_float_model_unchanged(transform):
     assert not torch.allclose(norm, torch.ones_like(norm))
 
 
+def test_an_observing_pass_stops_once_down_proj_has_seen_its_input():
+    # GPTQ's pass hands down_proj's input to the Hessian, then stops: the float down_proj
+    # never runs (the pass that makes the next layer's inputs runs its quantized successor)
+    from lowbit.algorithms import GPTQ
+    from lowbit.models import plan
+
+    model = _tiny_llama()
+    runs = []
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_hook(lambda *_: runs.append(1))
+    gptq = GPTQ()
+    calibrate_and_quantize(model, plan(model, "w4a16-g32"), gptq, [], _calib())
+    assert runs == []
+    assert [e["module"] for e in gptq.log if e["module"].endswith("down_proj")] == \
+        ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert isinstance(model.model.layers[1].mlp.down_proj, lowbit.nn.QuantLinear)
+
+
 def test_fold_on_a_copy_leaves_the_original_untouched():
     model = _tiny_llama()
     before = {n: p.clone() for n, p in model.named_parameters()}

@@ -32,7 +32,8 @@ def layer_groups(layer: nn.Module, prefix: str, schemes: dict[str, str]) -> list
     with the op its input comes out of: q/k/v after the input RMSNorm, o after v (with
     grouped-query attention each v channel feeds the o channels of several heads:
     ``LinearGroup.prev_channels``), gate/up after the post-attention RMSNorm, down after
-    up.  ``schemes``: the recipe's weight scheme of each selected module (full names).
+    up, in the order the layer runs them (an observing pass stops at the last).  ``schemes``:
+    the recipe's weight scheme of each selected module (full names).
 
     Example::
 
@@ -86,13 +87,21 @@ class _Inputs:
         self.mask = mask[None, None]
 
 
+class _Seen(Exception):
+    """Raised by an observing pass once the layer's last group has seen its input: the
+    rest of the layer (down_proj's GEMM, the residual) would be computed for nothing."""
+
+
 def _run(layer: nn.Module, inp: _Inputs, batch: int, write: bool, index: int) -> None:
     """Every calibration sample through ``layer``, ``batch`` samples at a time; with
     ``write`` the outputs replace the inputs (the next layer's inputs)."""
     h = inp.h
     for b0 in range(0, h.shape[0], batch):
         x = h[b0:b0 + batch]
-        y = layer(x, attention_mask=inp.mask, position_ids=inp.pos, position_embeddings=inp.rope)
+        try:
+            y = layer(x, attention_mask=inp.mask, position_ids=inp.pos, position_embeddings=inp.rope)
+        except _Seen:
+            continue
         y = y[0] if isinstance(y, tuple) else y
         if write:
             if not torch.isfinite(y).all():
@@ -102,7 +111,8 @@ def _run(layer: nn.Module, inp: _Inputs, batch: int, write: bool, index: int) ->
 
 
 def _observe(layer, groups, inp, batch, index, listeners) -> None:
-    """One pass of ``layer`` that hands each group's input to every listener."""
+    """One pass of ``layer`` that hands each group's input to every listener; it stops
+    at the last group (``layer_groups`` lists them in the order the layer runs them)."""
     hooks = []
     for gi, g in enumerate(groups):
         def hook(_mod, args, gi=gi, g=g):
@@ -111,6 +121,8 @@ def _observe(layer, groups, inp, batch, index, listeners) -> None:
                 raise ValueError(f"calibration: the input of '{g.names[0]}' holds NaN or Inf")
             for fn in listeners:
                 fn(gi, g, x)
+            if gi == len(groups) - 1:
+                raise _Seen
         hooks.append(g.linears[0].register_forward_pre_hook(hook))
     try:
         _run(layer, inp, batch, False, index)
