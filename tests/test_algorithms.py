@@ -385,3 +385,43 @@ def test_add_gram_in_row_blocks_is_the_float32_product_summed_in_float64(monkeyp
     # float32 summation order (K = 64 products, |x| ~ 1: well under 1e-4)
     assert torch.allclose(acc, whole, atol=1e-4, rtol=0)
     assert torch.allclose(base.add_gram(acc, x), 2 * add_gram_ref, atol=2e-4, rtol=0)
+
+
+@pytest.mark.skipif(not lowbit.kernels.cpu.available(), reason="lowbit._C not built")
+@pytest.mark.parametrize("zp", [None, "int", "float"])
+@pytest.mark.parametrize("a, b", [(0, 40), (8, 16), (39, 40)])
+def test_cpu_gptq_columns_kernel_is_bit_exact_with_the_python_loop(zp, a, b):
+    from lowbit.algorithms.gptq import _columns
+
+    gen = torch.Generator().manual_seed(a + b)
+    n, bsz = 301, 40  # N not a multiple of the threads' 256-row chunks
+    w = torch.randn(bsz, n, generator=gen)
+    u = torch.linalg.cholesky(torch.eye(bsz) * 3 + 0.1 * torch.randn(bsz, bsz, generator=gen).abs()).mT  # upper
+    u = u.T.contiguous().T  # column-major, as inverse_factor's
+    scale = (torch.rand(b - a, n, generator=gen) * 0.3 + 0.05)
+    z = None if zp is None else torch.randint(0, 16, (b - a, n), generator=gen).float()
+    if zp == "float":
+        z = z + torch.rand(b - a, n, generator=gen)
+    qmin, qmax = (0.0, 15.0) if zp else (-8.0, 7.0)
+    runs = []
+    for fn in (_columns, lowbit.kernels.cpu._C.gptq_columns):
+        w1, q1, e1 = w.clone(), torch.zeros(bsz, n), torch.zeros(bsz, n)
+        fn(w1, q1, e1, u, a, b, scale, z, qmin, qmax, zp == "int")
+        runs.append((w1, q1, e1))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    assert not torch.equal(runs[0][0][b:], w[b:]) or b == bsz  # the later columns were updated
+
+
+@pytest.mark.skipif(not lowbit.kernels.cpu.available(), reason="lowbit._C not built")
+@pytest.mark.parametrize("scheme, act_order", [("int4-asym-g32", True), ("int4-asym-g32", False),
+                                               ("int4-sym-channel", False), ("int3-asym-g64-zpfloat-f16", False)])
+def test_gptq_with_the_cpu_kernel_gives_the_python_loops_codes(monkeypatch, scheme, act_order):
+    from lowbit.algorithms import gptq
+
+    x, w = _correlated(512, 128), torch.randn(48, 128)
+    h = x.T @ x / 512
+    fast, _ = gptq.gptq_quantize(w, h, scheme, act_order=act_order, block_size=64)
+    monkeypatch.setattr(gptq, "_columns_kernel", lambda _w: gptq._columns)
+    slow, _ = gptq.gptq_quantize(w, h, scheme, act_order=act_order, block_size=64)
+    assert torch.equal(fast.codes, slow.codes) and torch.equal(fast.scale, slow.scale)

@@ -99,6 +99,38 @@ def _prepared(h: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor | None) ->
     return h if perm is None else h[perm[:, None], perm]
 
 
+def _columns(W1, Q1, E1, U1, a: int, b: int, scale, zero_point, qmin: float, qmax: float, int_zp: bool) -> None:
+    """GPTQ's loop over columns ``a..b-1`` of one block, in place: ``W1``, ``Q1``, ``E1``
+    [B, N] are the block's rows of the transposed weight, its quantized values and its
+    scaled errors, ``U1`` [B, B] the block of the inverse-Hessian factor, ``scale`` (and
+    ``zero_point``) [b - a, N] the quantization grid of each column.  Each column is
+    quantized with lowbit's arithmetic (``lowbit.scheme``, as ``fake_quantize_columns``)
+    and its error spread over the block's later columns.  The plain version of
+    ``lowbit._C.gptq_columns`` (csrc/cpu/gptq.cpp), which does the same float32
+    operations in the same order: the two agree bit for bit."""
+    for i in range(a, b):
+        w, q, sc = W1[i], Q1[i], scale[i - a]
+        z = None if zero_point is None else zero_point[i - a]
+        torch.div(w, sc, out=q)
+        if z is None:
+            q.round_().clamp_(qmin, qmax)
+        elif int_zp:
+            q.round_().add_(z).clamp_(qmin, qmax).sub_(z)
+        else:
+            q.add_(z).round_().clamp_(qmin, qmax).sub_(z)
+        q.mul_(sc)
+        err = torch.sub(w, q, out=E1[i]).div_(U1[i, i])
+        W1[i + 1:].sub_(U1[i, i + 1:, None] * err)  # not addr_: its tail elements are fused multiply-adds
+
+
+def _columns_kernel(w: torch.Tensor):
+    """``lowbit._C.gptq_columns`` for CPU tensors when the extension is built (the Python
+    loop costs ~90 us of call overhead per column), else ``_columns``."""
+    from ..kernels import cpu
+
+    return cpu._C.gptq_columns if w.device.type == "cpu" and cpu.available() else _columns
+
+
 def _check_params(block_size, damp) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"gptq block_size must be a positive integer, got {block_size!r}")
@@ -172,35 +204,28 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
     # The loop works on W transposed ([K, N]: column j of W is the contiguous row j).
     Wt = W.T.contiguous()
     Qt = torch.empty_like(Wt)
-    qmin, qmax = float(s.qmin), float(s.qmax)
+    columns = _columns_kernel(Wt)
+    limits = (float(s.qmin), float(s.qmax), s.zero_point_domain == "int")
+    static = act_order or group == k
+    rows_sc = scales.float().T.contiguous() if static else None  # [groups, N]: one group's scales a row
+    rows_zp = zps.float().T.contiguous() if static and zps is not None else None
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = Wt[i1:i2]
+        W1, Q1, U1 = Wt[i1:i2], Qt[i1:i2], U[i1:i2, i1:i2]
         E1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            g = int(col_group[j])
-            if not (act_order or group == k) and j % group == 0:  # reached a new group: its scale now
-                sc, zp = _qparams(W1[i:i + group].T, s, observer, x_sq[j:j + group])
+        if static:
+            g = col_group[i1:i2]
+            columns(W1, Q1, E1, U1, 0, i2 - i1, rows_sc.index_select(0, g),
+                    None if rows_zp is None else rows_zp.index_select(0, g), *limits)
+        else:  # a group's scale when the loop reaches it, from the updated weights (blocks hold whole groups)
+            for a in range(0, i2 - i1, group):
+                g = (i1 + a) // group
+                sc, zp = _qparams(W1[a:a + group].T, s, observer, x_sq[i1 + a:i1 + a + group])
                 scales[:, g] = sc
                 if zps is not None:
                     zps[:, g] = zp
-            if i == 0 or j % group == 0 or act_order:
-                sc32 = scales[:, g].float()
-                z32 = None if zps is None else zps[:, g].float()
-            w = W1[i]
-            # lowbit's quantize then dequantize (lowbit.scheme), as base.fake_quantize_columns, in place
-            if z32 is None:
-                q = torch.round(w / sc32).clamp_(qmin, qmax).mul_(sc32)
-            elif s.zero_point_domain == "int":
-                q = torch.round(w / sc32).add_(z32).clamp_(qmin, qmax).sub_(z32).mul_(sc32)
-            else:
-                q = torch.round(w / sc32 + z32).clamp_(qmin, qmax).sub_(z32).mul_(sc32)
-            Qt[j] = q
-            err = E1[i]
-            torch.sub(w, q, out=err).div_(U1[i, i])
-            W1[i:].addr_(U1[i, i:], err, alpha=-1)
+                rows = lambda t: t[:, g].float().contiguous().expand(group, n)  # noqa: E731  (stride 0: one row)
+                columns(W1, Q1, E1, U1, a, a + group, rows(scales), None if zps is None else rows(zps), *limits)
         Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
     Q = Qt.T
     if perm is not None:

@@ -43,5 +43,9 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
                        at::ScalarType out_dtype);
 at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
+// gptq.cpp
+void gptq_columns(at::Tensor& W, at::Tensor& Q, at::Tensor& E, const at::Tensor& U, int64_t a, int64_t b,
+                  const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, double qmin, double qmax,
+                  bool int_zero_point);
 // decode.cpp
 void bind_decode(pybind11::module& m);
