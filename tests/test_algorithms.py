@@ -166,7 +166,6 @@ def test_folding_leaves_the_float_model_unchanged(transform):
 def test_an_observing_pass_stops_once_down_proj_has_seen_its_input():
     # GPTQ's pass hands down_proj's input to the Hessian, then stops: the float down_proj
     # never runs (the pass that makes the next layer's inputs runs its quantized successor)
-    from lowbit.algorithms import GPTQ
     from lowbit.models import plan
 
     model = _tiny_llama()
