@@ -51,6 +51,8 @@ def rows_spec() -> dict[str, dict]:
     spec["w8a8 rtn"] = dict(weight="int8-sym", activation="int8-sym-token")
     spec["w8a8 smoothquant-0.5"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant=0.5)
     spec["w8a8 smoothquant-auto"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant="auto")
+    spec["w8a8 gptq smoothquant-auto"] = dict(weight="int8-sym", activation="int8-sym-token", smoothquant="auto",
+                                              method="gptq")
     spec["w8a8 static smoothquant-0.5"] = dict(weight="int8-sym", activation="int8-sym-tensor", smoothquant=0.5)
     spec["w8a8 static rtn"] = dict(weight="int8-sym", activation="int8-sym-tensor")
     spec["w8a8 static smoothquant-0.5 percentile"] = dict(weight="int8-sym", activation="int8-sym-tensor",

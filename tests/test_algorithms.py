@@ -424,3 +424,19 @@ def test_gptq_with_the_cpu_kernel_gives_the_python_loops_codes(monkeypatch, sche
     monkeypatch.setattr(gptq, "_columns_kernel", lambda _w: gptq._columns)
     slow, _ = gptq.gptq_quantize(w, h, scheme, act_order=act_order, block_size=64)
     assert torch.equal(fast.codes, slow.codes) and torch.equal(fast.scale, slow.scale)
+
+
+def test_inverse_factor_consumes_h_only_when_asked_and_retries_on_its_copy(caplog):
+    from lowbit.algorithms.gptq import inverse_factor
+
+    x = _correlated(256, 32)
+    h = (x.T @ x / 256)
+    h[0, 1] = h[1, 0] = 2 * (h[0, 0] * h[1, 1]).sqrt()  # not positive semi-definite: the first tries fail
+    kept = h.clone()
+    u1, d1 = inverse_factor(h, 1e-12)
+    assert torch.equal(h, kept)
+    u2, d2 = inverse_factor(h, 1e-12, consume=True)
+    assert h.untyped_storage().size() == 0  # released
+    assert d1 == d2 > 1e-12 and torch.equal(u1, u2)
+    assert torch.allclose(u1.T @ u1 @ (kept + d1 * kept.diagonal().mean() * torch.eye(32)), torch.eye(32), atol=1e-3)
+    assert "retrying" in caplog.text

@@ -115,9 +115,9 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
 GRAM_BLOCK_ROWS = 128
 
 
-def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def add_gram(acc: torch.Tensor | None, x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``acc + x^T x`` for ``x`` [rows, K] (float32 products of the batch, summed into the
-    symmetric float64 ``acc`` [K, K] in place; None starts a sum).  Only the upper block
+    symmetric ``acc`` [K, K] in place; None starts a sum in ``dtype``).  Only the upper block
     triangle is multiplied, a block of ``GRAM_BLOCK_ROWS`` rows at a time; the lower one
     is copied from it, so the sum is exactly symmetric.
 
@@ -130,7 +130,7 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """
     k = x.shape[1]
     if acc is None:
-        acc = torch.zeros(k, k, dtype=torch.float64, device=x.device)
+        acc = torch.zeros(k, k, dtype=dtype, device=x.device)
     for r0 in range(0, k, GRAM_BLOCK_ROWS):
         r1 = min(k, r0 + GRAM_BLOCK_ROWS)
         acc[r0:r1, r0:] += x[:, r0:r1].T @ x[:, r0:]

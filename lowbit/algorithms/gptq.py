@@ -2,7 +2,9 @@
 column's rounding error over the columns not yet quantized through the inverse
 Hessian of the layer's input, ``H = E[x x^T]`` from calibration activations.
 
-Numerics: ``H`` accumulates in float64; dampening adds ``damp * mean(diag H)`` to its
+Numerics: ``H`` accumulates in float32 (each batch's X^T X is a float32 GEMM over
+thousands of rows; summing a few dozen of them in float64 would add nothing but twice
+the memory); dampening adds ``damp * mean(diag H)`` to its
 diagonal and is raised tenfold (with a logged warning) whenever the Cholesky
 factorization fails, so a rank-deficient Hessian never stops it; input columns that
 calibration never excites (``H[i, i] == 0``) get weight 0, as their input is always
@@ -43,7 +45,7 @@ def _qparams(w: torch.Tensor, s: QuantScheme, observer, x_sq: torch.Tensor | Non
     return observer(w.contiguous(), one, x_sq)
 
 
-def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[torch.Tensor, float]:
+def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq", consume: bool = False) -> tuple[torch.Tensor, float]:
     """Upper triangular ``U`` with ``U^T U = (H + damp * mean(diag H) * I)^-1`` (float32,
     as GPTQ's own implementation: the dampening bounds the condition number, and
     float64 would cost 2-3x the time), raising the dampening tenfold (with a warning)
@@ -52,26 +54,41 @@ def inverse_factor(h: torch.Tensor, damp: float, what: str = "gptq") -> tuple[to
     With ``J`` the reversal permutation, ``J H J = L L^T`` gives ``H = R R^T`` with
     ``R = J L J`` upper triangular, so ``H^-1 = (R^-1)^T R^-1`` and
     ``U = R^-1 = J L^-1 J``: one Cholesky factorization and one triangular inverse.
-    Besides ``h``, at most two K x K float32 matrices live at a time (1 GB at K = 11008)."""
+    Besides ``h``, three K x K float32 matrices live at most (1.45 GB at K = 11008: the
+    damped copy is kept until the factor is known to be finite, for the retry); with
+    ``consume`` (``h`` is scratch the caller gives up) ``h``'s storage is released once
+    its flipped copy exists.
+
+    Example::
+
+        >>> h = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+        >>> u, used = inverse_factor(h, 1e-6)
+        >>> torch.allclose(u.T @ u, torch.linalg.inv(h), atol=1e-5), used
+        (True, 1e-06)
+    """
     mean = float(h.diagonal().double().mean())
-    h = h.to(torch.float32)
+    m = h.to(torch.float32).flip(0, 1)  # J H J (a copy); J I J = I, so the dampening goes on its diagonal
+    if consume:
+        h.untyped_storage().resize_(0)
+    m.diagonal().add_(damp * mean)
     while True:
-        m = h.flip(0, 1)  # J H J (a copy); J I J = I, so the dampening goes on its diagonal
-        m.diagonal().add_(damp * mean)
         l, info = torch.linalg.cholesky_ex(m)
-        del m
         if int(info) == 0:
             # L^-1 solved into the identity in place (column-major, as LAPACK works: no copy)
-            l_inv = torch.eye(h.shape[0], dtype=h.dtype, device=h.device).mT
+            l_inv = torch.eye(l.shape[0], dtype=l.dtype, device=l.device).mT
             torch.linalg.solve_triangular(l, l_inv, upper=False, out=l_inv)
             del l
             u = l_inv.flip(0, 1)
             del l_inv
-            if torch.isfinite(u).all():
+            if all_finite(u):
                 return u, damp
+            del u
+        else:
+            del l
         if damp >= 1e6:
             raise ValueError(f"{what}: the Hessian does not factor even with dampening {damp:g} x mean(diag)")
         log.warning("%s: Hessian not positive definite with dampening %g; retrying with %g", what, damp, damp * 10)
+        m.diagonal().add_(9 * damp * mean)  # damp -> 10 damp
         damp *= 10
 
 
@@ -88,7 +105,7 @@ def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, what: str = "g
     columns in act-order when asked: the ``factor`` ``gptq_quantize`` takes (one per
     Hessian, shared by the weights that read the same input)."""
     dead, _, perm = _order(h.diagonal().double(), act_order)
-    return inverse_factor(_prepared(h.to(torch.float32, copy=True), dead, perm), damp, what)
+    return inverse_factor(_prepared(h.to(torch.float32, copy=True), dead, perm), damp, what, consume=True)
 
 
 def _prepared(h: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
@@ -269,7 +286,7 @@ class GPTQ(Algorithm):
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        self._h[index] = add_gram(self._h.get(index), x)
+        self._h[index] = add_gram(self._h.get(index), x, torch.float32)
         self._n[index] = self._n.get(index, 0) + x.shape[0]
 
     def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
@@ -277,14 +294,13 @@ class GPTQ(Algorithm):
             return super().quantize(name, linear, scheme, index)
         if index not in self._factor:  # one factorization per Hessian (q, k and v share theirs)
             self._factor.clear()  # the loop quantizes group after group: the earlier ones are done
-            # memory: one K x K matrix at a time besides the factorization's (a Llama-2-7B
-            # down_proj's float64 sum is 970 MB); all that is kept of H is its diagonal
+            # memory: H is scratch, released inside inverse_factor (a Llama-2-7B down_proj's
+            # is 485 MB); all that is kept of it is its diagonal
             h = self._h.pop(index).div_(self._n[index])
-            diag = h.diagonal().clone()
+            diag = h.diagonal().double()
             dead, _, perm = _order(diag, self.act_order)
-            h = h.to(torch.float32)  # the float64 sum goes here
             h = _prepared(h, dead, perm)
-            self._factor[index] = (*inverse_factor(h, float(self.damp), "gptq"), diag)
+            self._factor[index] = (*inverse_factor(h, float(self.damp), "gptq", consume=True), diag)
             del h
         u, used, diag = self._factor[index]
         qt, info = gptq_quantize(linear.weight.detach(), diag, scheme, block_size=self.block_size, damp=self.damp,
