@@ -5,11 +5,11 @@ Per input channel ``j`` of a group of linears that read one input:
 ``s_j = max|x_j|^alpha / max|W_j|^(1 - alpha)`` (``max|W_j|`` over every row of the
 group); ``1 / s`` is folded into the op that produces the input (an RMSNorm weight or
 the previous linear's rows) and ``s`` into the weights' columns, so the float model's
-function is unchanged before quantization.  ``alpha="auto"`` tries a small grid per
-group (and no smoothing at all) and keeps the one whose W8A8 output (int8 per-token
-activations, int8 per-channel weights, fake-quantized: SmoothQuant's own target,
-whatever the recipe's schemes) is closest to the float output on a sample of the
-calibration tokens.
+function is unchanged before quantization.  ``alpha="auto"`` tries a grid per group
+(refined around its best point; and no smoothing at all) and keeps the one whose
+W8A8 output (int8 per-token activations, int8 per-channel weights, fake-quantized:
+SmoothQuant's own target, whatever the recipe's schemes) is closest to the float
+output on a sample of the calibration tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import torch
 from ..ops import dequantize, fake_quantize, quantize
 from .base import Algorithm, LinearGroup, token_sample
 
-AUTO_ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+# alpha="auto": a grid over (0, 1), then the two alphas half a step either side of the best.
+AUTO_ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+AUTO_REFINE = 0.05
 
 
 @dataclass
@@ -78,11 +80,15 @@ class SmoothQuant(Algorithm):
                 continue
             x = torch.cat(self._sample[gi])
             ref = x @ w.T
-            best_alpha, best = None, self._w8a8_error(x, w, ref, torch.ones(w.shape[1]))
-            for a in AUTO_ALPHAS:
-                e = self._w8a8_error(x, w, ref, g.tie(self.scales(x_max, w, a)))
-                if e < best:
-                    best, best_alpha = e, a
+            err = lambda a: self._w8a8_error(x, w, ref, g.tie(self.scales(x_max, w, a)))  # noqa: E731
+            tried = {a: err(a) for a in AUTO_ALPHAS}
+            a0 = min(tried, key=tried.get)
+            for a in (round(a0 - AUTO_REFINE, 3), round(a0 + AUTO_REFINE, 3)):
+                if 0 <= a <= 1 and a not in tried:
+                    tried[a] = err(a)
+            best_alpha = min(tried, key=tried.get)
+            if tried[best_alpha] >= self._w8a8_error(x, w, ref, torch.ones(w.shape[1])):
+                best_alpha = None  # smoothing does not help this group
             self.chosen.append({"group": g.names[0], "alpha": best_alpha})
             if best_alpha is not None:
                 g.fold(g.tie(self.scales(x_max, w, best_alpha)))
@@ -102,4 +108,4 @@ class SmoothQuant(Algorithm):
         return {"alpha": self.alpha}
 
 
-__all__ = ["SmoothQuant", "AUTO_ALPHAS"]
+__all__ = ["SmoothQuant", "AUTO_ALPHAS", "AUTO_REFINE"]
