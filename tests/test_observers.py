@@ -218,6 +218,31 @@ def test_mse_clip_picks_each_blocks_best_ratio_on_the_grid(scheme):
     torch.testing.assert_close(reference.to_blocks(e, s).double().sum(1), best, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g32", "int4-sym-g64", "int3-asym-channel"])
+def test_h_blocks_pick_each_blocks_best_output_error_on_correlated_inputs(scheme):
+    """With h_blocks the error of a block is the layer output's: against a plain loop over
+    the grid measuring ||X_b dw_b||^2 on the inputs themselves, per row and group."""
+    s = QuantScheme.parse(scheme)
+    k = 128
+    x = torch.randn(512, k, generator=gen(20)) @ (torch.randn(k, k, generator=gen(21)) / k**0.5)
+    w = student_t((8, k), 3, seed=22)
+    g = s.block_len(w.shape)
+    h = x.T.double() @ x.double()
+    blocks = torch.stack([h[i:i + g, i:i + g] for i in range(0, k, g)])
+
+    def out_err(qp):  # [rows * groups]
+        d = (lowbit.dequantize(lowbit.quantize(w, s, *qp)) - w).double()
+        return torch.stack([(x[:, i:i + g].double() @ d[:, i:i + g].T).square().sum(0)
+                            for i in range(0, k, g)], 1).reshape(-1)
+
+    best = torch.stack([out_err(clipped_qparams(w, s, r)) for r in torch.linspace(0.6, 1.0, 9).tolist()]).min(0)
+    chosen = mse_clip_qparams(w, s, grid=9, min_ratio=0.6, h_blocks=blocks.float())
+    torch.testing.assert_close(out_err(chosen), best.values, rtol=1e-4, atol=0)
+    # the diagonal alone (x_sq) ignores the correlations: it loses on the output error
+    diag = mse_clip_qparams(w, s, grid=9, min_ratio=0.6, x_sq=h.diagonal().float())
+    assert float(out_err(diag).sum()) > float(out_err(chosen).sum())
+
+
 @pytest.mark.parametrize("scheme", ["int4-sym", "int4-sym-g32", "int4-asym-g32", "int3-asym-g64"])
 def test_x_sq_weighting_changes_the_choice_when_one_input_channel_dominates(scheme):
     """Gaussian rows whose extreme value sits in input channel 0.  Weight error alone
@@ -275,6 +300,9 @@ def test_weight_qparams_dispatches_by_observer_name():
     ({"norm": -1.0}, "norm must be a finite number > 0"),
     ({"x_sq": torch.ones(32)}, r"x_sq must have shape \(64,\)"),
     ({"x_sq": -torch.ones(64)}, "x_sq must be finite and >= 0"),
+    ({"h_blocks": torch.ones(2, 16, 16)}, r"h_blocks must have shape \(2, 32, 32\)"),
+    ({"h_blocks": torch.ones(2, 32, 32), "norm": 3.0}, "h_blocks weighs the error .* with norm 2"),
+    ({"h_blocks": torch.full((2, 32, 32), float("inf"))}, "h_blocks must be finite"),
 ])
 def test_mse_clip_refuses_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):

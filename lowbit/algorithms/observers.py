@@ -299,7 +299,7 @@ def clipped_qparams(w: torch.Tensor, scheme: QuantScheme | str,
 
 
 def mse_clip_qparams(w: torch.Tensor, scheme: QuantScheme | str, *, grid: int = 20, min_ratio: float = 0.5,
-                     x_sq: torch.Tensor | None = None,
+                     x_sq: torch.Tensor | None = None, h_blocks: torch.Tensor | None = None,
                      norm: float = 2.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale and zero point of ``w`` [N, K] whose clip ratio minimizes, block by block,
     the quantization error ``sum(|w - dequantize(quantize(w))|^norm * x_sq)``.
@@ -313,8 +313,11 @@ def mse_clip_qparams(w: torch.Tensor, scheme: QuantScheme | str, *, grid: int = 
     the error of each column: for a layer ``y = w @ x`` the output error of row n is
     ``E[(dw_n . x)^2] = dw_n^T E[x x^T] dw_n``, which the diagonal of ``E[x x^T]`` turns
     into a sum over columns, separable by block (exact for ``norm=2`` with uncorrelated
-    inputs).  Without ``x_sq`` the weight error alone is measured.  GPTQ's ``mse``
-    option searches the same way (its grid 100, ratios down to 0.2, norm 2.4).
+    inputs).  ``h_blocks`` [K / g, g, g] instead, the diagonal blocks of ``E[x x^T]``
+    along K for the scheme's groups of ``g`` input channels, makes it exact for
+    correlated inputs too: block ``b`` of row n costs ``dw^T H_b dw`` (``norm`` 2 only).
+    Without either the weight error alone is measured.  GPTQ's ``mse`` option searches
+    the same way (its grid 100, ratios down to 0.2, norm 2.4).
 
     Vectorized over the blocks; one pass over w per ratio.  Returns tensors of the
     scheme's dtypes and of shape ``scheme.scale_shape(w.shape)``.
@@ -347,10 +350,26 @@ def mse_clip_qparams(w: torch.Tensor, scheme: QuantScheme | str, *, grid: int = 
         if _validate.has_values(x_sq) and not bool((torch.isfinite(x_sq) & (x_sq >= 0)).all()):
             raise ValueError("x_sq must be finite and >= 0 (mean squares of the input activations)")
         weight = reference.to_blocks(x_sq.to(cdt).expand(w.shape), s)
+    hb = None
+    if h_blocks is not None:
+        if x_sq is not None or norm != 2 or s.granularity not in ("group", "channel") or w.dim() != 2:
+            raise ValueError("h_blocks weighs the error of a 2-D weight per group or channel along K, with norm 2 "
+                             "and without x_sq")
+        g = s.block_len(w.shape)
+        _validate.tensor("h_blocks", h_blocks, dtypes=_validate.FLOAT_DTYPES)
+        _validate.shape("h_blocks", h_blocks, [w.shape[1] // g, g, g], "the diagonal blocks of E[x x^T], one per group")
+        _validate.same_device("w", w, h_blocks=h_blocks)
+        if not _validate.all_finite(h_blocks):
+            raise ValueError("h_blocks must be finite (blocks of the inputs' E[x x^T])")
+        hb = h_blocks.to(cdt)
 
     def error(scale, zp):  # [B]: the error of each block with these stored qparams
         deq = reference.dequantize(reference.quantize(w, scale, zp, s), scale, zp, s, cdt)
-        e = (reference.to_blocks(deq, s) - blocks).abs().pow(norm)
+        d = reference.to_blocks(deq, s) - blocks
+        if hb is not None:  # [N * G, g] -> [G, N, g]; dw^T H_b dw per row and block
+            dg = d.reshape(w.shape[0], hb.shape[0], -1).transpose(0, 1)
+            return (torch.bmm(dg, hb) * dg).sum(-1).transpose(0, 1).reshape(-1)
+        e = d.abs().pow(norm)
         return (e if weight is None else e * weight).sum(dim=1)
 
     shape = s.scale_shape(w.shape)
