@@ -29,8 +29,9 @@ from torch import nn
 
 from ..qtensor import QTensor
 from ..recipe import METHODS, Recipe
+from ..scheme import QuantScheme
 from .awq import AWQ
-from .base import Algorithm, LinearGroup, add_gram
+from .base import Algorithm, LinearGroup
 from .gptq import GPTQ, gptq_quantize
 from .smoothquant import SmoothQuant
 
@@ -39,6 +40,13 @@ def _mse_observer(w: torch.Tensor, scheme, x_sq: torch.Tensor | None):
     from .observers import weight_qparams
 
     return weight_qparams(w, scheme, "mse", x_sq=x_sq)
+
+
+def _block_len(group: LinearGroup) -> int:
+    """The group size shared by the weight schemes of ``group``'s quantized linears, else 1."""
+    sizes = {s.group_size if s.granularity == "group" else 1
+             for s in (QuantScheme.parse(v) if isinstance(v, str) else v for v in group.schemes.values())}
+    return sizes.pop() if len(sizes) == 1 else 1
 
 
 # RTN's calibrated MSE clipping (``observer="mse"``, AWQ's clip search): the clip ratios
@@ -73,8 +81,17 @@ class RTN(Algorithm):
         self._n: dict[int, int] = {}
 
     def observe(self, index: int, group: LinearGroup, x: torch.Tensor) -> None:
+        # only the diagonal [g, g] blocks of X^T X that the clip search reads: g is the
+        # group's weight group size (1, the mean squares alone, unless every quantized
+        # linear of the group has the same group size)
         x = x.reshape(-1, x.shape[-1]).float()
-        self._h[index] = add_gram(self._h.get(index), x, torch.float32)
+        g = _block_len(group)
+        if g == 1:
+            h = (x * x).sum(0).reshape(-1, 1, 1)
+        else:
+            xb = x.reshape(x.shape[0], -1, g).transpose(0, 1)  # [K / g, rows, g]
+            h = xb.transpose(1, 2) @ xb
+        self._h[index] = self._h[index].add_(h) if index in self._h else h
         self._n[index] = self._n.get(index, 0) + x.shape[0]
 
     def quantize(self, name: str, linear: nn.Linear, scheme, index: int | None) -> QTensor:
@@ -87,13 +104,11 @@ class RTN(Algorithm):
         w = linear.weight.detach().float()
         if index not in self._h:
             return quantize(w, scheme, *_mse_observer(w, scheme, None))
-        s, h, k = as_scheme(scheme), self._h[index], w.shape[1]
+        s, blocks = as_scheme(scheme), self._h[index] / self._n[index]  # diagonal blocks of E[x x^T]
         clip = {"grid": CLIP_GRID, "min_ratio": CLIP_MIN_RATIO}
-        if s.granularity == "group":  # the diagonal [g, g] blocks of E[x x^T], one per group
-            g = s.group_size
-            blocks = h.view(k // g, g, k // g, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1) / self._n[index]
+        if s.granularity == "group" and blocks.shape[-1] == s.group_size:
             return quantize(w, s, *mse_clip_qparams(w, s, h_blocks=blocks, **clip))
-        return quantize(w, s, *mse_clip_qparams(w, s, x_sq=h.diagonal() / self._n[index], **clip))
+        return quantize(w, s, *mse_clip_qparams(w, s, x_sq=blocks.diagonal(dim1=1, dim2=2).reshape(-1), **clip))
 
     def end_layer(self) -> None:
         self._h.clear()
