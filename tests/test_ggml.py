@@ -58,9 +58,22 @@ def test_dequantize_is_bit_identical_with_gguf_on_random_bytes(name):
         raw[10] = 0  # an all-zero block
     with np.errstate(all="ignore"):
         theirs = gguf_dequantize(raw, GT[name]).reshape(64, -1)
-    ours = ggml.dequantize(torch.from_numpy(raw), name, [64, t.block_size])
+    ours = ggml.dequantize(torch.from_numpy(raw), name, [64, t.block_size], backend="reference")
     assert same_bits(ours.numpy(), theirs)
 
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_cpu_kernel_equals_the_reference(name):
+    """Every bit of every value, on random bytes (NaN scales included: there only the
+    NaN-ness must agree, a payload may differ); then on finite blocks, all bits."""
+    t = ggml.block_type(name)
+    raw = torch.randint(0, 256, (3000, t.type_size), dtype=torch.uint8)
+    ref = ggml.dequantize(raw, name, [3000, t.block_size], backend="reference")
+    fast = ggml.dequantize(raw, name, [3000, t.block_size], backend="cpu")
+    nan = ref.isnan()
+    assert torch.equal(nan, fast.isnan())
+    assert torch.equal(ref[~nan].view(torch.int32), fast[~nan].view(torch.int32))
+    assert nan.any() and not nan.all()  # the random bytes did reach NaN and finite scales
 
 def test_dequantize_every_tensor_of_the_bundled_model():
     from lowbit.models.gguf_file import read_gguf
@@ -71,7 +84,8 @@ def test_dequantize_every_tensor_of_the_bundled_model():
         shape = [int(n) for n in reversed(t.shape)]
         raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8))
         theirs = gguf_dequantize(t.data, t.tensor_type).reshape(shape)
-        assert same_bits(ggml.dequantize(raw, t.tensor_type.name, shape).numpy(), theirs), t.name
+        for backend in ("reference", "cpu"):
+            assert same_bits(ggml.dequantize(raw, t.tensor_type.name, shape, backend=backend).numpy(), theirs), t.name
         kinds.add(t.tensor_type.name)
     assert kinds == {"F32", "Q4_1", "Q8_0"}
 

@@ -141,9 +141,13 @@ CODE_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}  # x = d * (q - offset) for the
 
 
 # -- dequantize --------------------------------------------------------------------------
-def dequantize(raw: torch.Tensor, name: str, shape) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, name: str, shape, *, backend: str | None = None) -> torch.Tensor:
     """float32 tensor of logical ``shape`` from the raw bytes ``raw`` (uint8) of a ggml
     tensor of type ``name``; bit-identical with ``gguf.quants.dequantize``.
+
+    ``backend``: "reference" (the plain PyTorch below) or "cpu" (lowbit's C++ kernel,
+    ``csrc/cpu/ggml.cpp``: the same bits, except that a NaN from non-finite scales may
+    carry another payload); None picks "cpu" for CPU data when the extension is built.
 
     Example::
 
@@ -154,6 +158,15 @@ def dequantize(raw: torch.Tensor, name: str, shape) -> torch.Tensor:
     """
     t = block_type(name)
     blocks = _blocks(raw, t, shape)
+    if backend not in (None, "reference", "cpu"):
+        raise ValueError(f"backend must be None, 'reference' or 'cpu', got {backend!r}")
+    if t.block_size > 1 and backend != "reference" and raw.device.type == "cpu":
+        from ..kernels.cpu import _C
+
+        if _C is not None:
+            return _C.ggml_dequantize(blocks.reshape(-1).contiguous(), t.name).reshape(list(shape))
+        if backend == "cpu":
+            raise RuntimeError("backend='cpu' needs lowbit's C++ extension, which did not load")
     if t.name == "F32":
         out = blocks.contiguous().view(torch.float32)
     elif t.name == "F16":

@@ -390,7 +390,7 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
         >>> import tempfile, pathlib, lowbit
         >>> from lowbit.formats.gguf_export import export_gguf
         >>> model, tok = lowbit.load_model()
-        >>> q = lowbit.quantize_model(model, "int4-sym-g32-f16")
+        >>> q = lowbit.quantize_model(model, lowbit.Recipe(weight="int4-sym-g32-f16"))
         >>> out = export_gguf(q, tok, pathlib.Path(tempfile.mkdtemp()) / "m.gguf")
         >>> sorted({(t.ggml_type, t.exact) for t in out.tensors})
         [('F32', True), ('Q4_0', True)]

@@ -1,5 +1,5 @@
 // Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
-// gemm_bf16.cpp, gemm_int8.cpp and gptq.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
+// gemm_bf16.cpp, gemm_int8.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,5 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
   m.def("gptq_columns", &gptq_columns, "GPTQ's column loop in one block, bit-exact with algorithms.gptq._columns");
+  m.def("ggml_dequantize", &ggml_dequantize, "ggml block types (GGUF data) to float32, bit-exact with formats.ggml");
   m.def("w4a8_gemm_panels", &w4a8_gemm_panels, "w4a8_gemm for many rows: gemm_int8.cpp's panels and tiles");
 }

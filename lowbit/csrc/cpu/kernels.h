@@ -47,5 +47,7 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
 void gptq_columns(at::Tensor& W, at::Tensor& Q, at::Tensor& E, const at::Tensor& U, int64_t a, int64_t b,
                   const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, double qmin, double qmax,
                   bool int_zero_point);
+// ggml.cpp
+at::Tensor ggml_dequantize(const at::Tensor& raw, const std::string& type);
 // decode.cpp
 void bind_decode(pybind11::module& m);
