@@ -9,6 +9,7 @@ Example::
     $ lowbit eval --compare w8a16 w4a16-g64 w8a8 --json          # several recipes in one table
     $ lowbit generate smollm2-w4a16 "Tell me about Paris."       # chat, fast decode
     $ lowbit info smollm2-w4a16                                  # what a checkpoint holds
+    $ lowbit export smollm2-w4a16 --format gguf -o smollm2.gguf  # for llama.cpp
     $ lowbit demo                                                # weight error of every linear at several schemes
 """
 
@@ -233,6 +234,66 @@ def _quantize_streaming(model, r, output, dtype, force, backend, calib, calib_sa
         print(f"  {n:4d} x weight {w}" + (f", activations {a}" if a else ""))
     print(f"saved to {out}")
     return {"recipe": r.name, "modules": len(meta["modules"]), "path": str(out)}
+
+
+def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: str | None = None,
+               float_type: str | None = None, strict: bool = False, force: bool = False,
+               recipe: str | None = None) -> dict:
+    r"""Write MODEL (a lowbit checkpoint, or a float model, quantized on the fly with
+    ``recipe`` when given) as another tool's format; prints, per source scheme, the
+    ggml type, whether the tensors are stored exactly, the worst error and the file's
+    bits per weight.
+
+    Example::
+
+        >>> import tempfile, lowbit
+        >>> from lowbit.cli import export_cmd
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = export_cmd(None, d + "/m.gguf", type="q8_0", float_type="q8_0")  # doctest: +ELLIPSIS
+        source   ggml type  tensors  stored                max rel error  bits/weight
+        float32  Q8_0       211      quantized from float  ...e-03       8.500
+        float32  F32        61       float                 0 (exact)      32.000
+        272 tensors, 210 not exact; 8.506 bits per weight over the whole file
+        wrote .../m.gguf (144.8 MB) in ...s
+
+    (The embedding, stored as Q8_0 in the bundled GGUF, comes back exactly: ggml's Q8_0
+    quantizer finds the same codes and scales again; the Q4_1 linears do not.)
+    """
+    import warnings
+
+    import lowbit
+    from lowbit.formats.gguf_export import TARGET_TYPES, export_gguf
+
+    if format != "gguf":
+        raise ValueError(f"--format must be 'gguf', got {format!r} (compressed-tensors is not written yet)")
+    for label, value in (("--type", type), ("--float-type", float_type)):
+        if value is not None and value.upper() not in TARGET_TYPES:
+            raise ValueError(f"{label} must be one of {[t.lower() for t in TARGET_TYPES]}, got {value!r}")
+    out = os.path.abspath(output)
+    if os.path.isdir(out):
+        raise IsADirectoryError(f"output {output!r} is a folder; expected a .gguf file path")
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"output {output!r} exists; pass --force to replace it")
+    if not os.path.isdir(os.path.dirname(out)):
+        raise FileNotFoundError(f"output folder {os.path.dirname(out)!r} does not exist")
+    r = lowbit.Recipe.get(recipe) if recipe is not None else None
+    t0 = time.perf_counter()
+    m, tok = lowbit.load_model(model)
+    _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
+    if r is not None:
+        lowbit.quantize_model(m, r, progress=True)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as seen:  # the table below says the same, per scheme
+        warnings.simplefilter("always")
+        result = export_gguf(m, tok, out, type=type, float_type=float_type, strict=strict, overwrite=force)
+    for w in seen:
+        if "not stored exactly" not in str(w.message):
+            _err(f"warning: {w.message}")
+    print(result.table())
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+    inexact = sum(not t.exact for t in result.tensors)
+    return {"path": out, "tensors": len(result.tensors), "inexact": inexact,
+            "bits_per_weight": result.bits_per_weight}
 
 
 def _check_output(output: str, force: bool) -> None:
@@ -684,6 +745,33 @@ tokens/s go to stderr.  The prompt is wrapped in the model's chat template unles
     p.add_argument("--seed", type=int_at_least(0), help="with --sample: random seed (default: 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (default: apply it)")
 
+    p = _command(sub, "export", "write a model for another tool: GGUF for llama.cpp", """
+Write MODEL (a lowbit checkpoint, a float model, or a float model quantized on the fly
+with --recipe) as a GGUF file llama.cpp loads.  A weight whose scheme maps onto a ggml
+type keeps its codes: symmetric codes of up to 4 bits are Q4_0, 8-bit ones Q8_0, both
+exactly when the scales are float16 (the -f16 schemes); asymmetric 4-bit codes are Q4_1
+with the min rounded to float16.  Anything else is re-quantized with ggml's quantizer.
+The table at the end gives, per source scheme, the ggml type, how it was stored, the
+worst relative error against lowbit's own weights, and the bits per weight; --strict
+refuses to write a file in which any tensor is not exact.  The file is written to a
+temporary name and renamed, so an interrupted export leaves no partial file.""", """
+  lowbit export smollm2-gptq -o smollm2.gguf --strict   # after lowbit quantize --recipe q4_0 --method gptq -o smollm2-gptq
+  lowbit export --recipe q4_0 -o smollm2-q4_0.gguf --strict
+  lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf""")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("-o", "--output", required=True, help="file to write (required)")
+    p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (default: %(default)s)")
+    p.add_argument("--type", type=str.lower, choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16", "f32"],
+                   help="ggml type of every decoder linear weight (default: per weight, from its scheme: "
+                        "Q4_0/Q4_1 up to 4 bits, Q8_0 for 8 bits, float weights stay float)")
+    p.add_argument("--float-type", type=str.lower, choices=["q8_0", "f16", "bf16", "f32"],
+                   help="ggml type of a float embedding / output weight (default: its own dtype)")
+    p.add_argument("--recipe", help="quantize a float MODEL with this preset or recipe file first "
+                                    "(default: export the model as it is)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse (write nothing) unless every tensor is stored exactly (default: convert and report)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file (default: refuse)")
+
     p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
 holds: the source model, the recipe, the schemes of its modules, the float dtype, the
@@ -753,6 +841,9 @@ def main(argv: list[str] | None = None) -> int:
                              raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
             elif args.command == "info":
                 info_cmd(args.path)
+            elif args.command == "export":
+                export_cmd(args.model, args.output, format=args.format, type=args.type, float_type=args.float_type,
+                           strict=args.strict, force=args.force, recipe=args.recipe)
     except (OSError, ValueError, TypeError) as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -330,6 +330,10 @@ RECIPE_PRESETS: dict[str, Recipe] = {
         # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min): lands
         # back on its grid, so it measures the pipeline rather than a second rounding
         _preset("q4_1", "int4-asym-g32-zpfloat-f16"),
+        # exactly GGUF's Q4_0 and Q8_0 (groups of 32, float16 scales, symmetric codes):
+        # `lowbit export` stores them with their codes and scales unchanged
+        _preset("q4_0", "int4-sym-g32-f16"),
+        _preset("q8_0", "int8-sym-g32-f16"),
         # llama.cpp's 4-bit files keep the output projection at 8 bits
         _preset("w4a16-g128-head8", "int4-asym-g128-f16", lm_head="int8-sym"),
         _preset("w8a16-head8", "int8-sym", lm_head="int8-sym"),

@@ -143,3 +143,21 @@ def test_help_imports_no_kernels():
             "print('lowbit._C' in sys.modules, 'lowbit.kernels' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "False False"
+
+
+def test_export_writes_an_exact_gguf_and_refuses_what_it_must(capsys, tmp_path):
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--recipe", "q4_0", "-o", str(out), "--strict"]) == 0
+    text = capsys.readouterr().out
+    assert "int4-sym-g32-f16  Q4_0       210      codes kept  0 (exact)" in text
+    assert "272 tensors, 0 not exact" in text
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert out.stat().st_mode & 0o644 == 0o644  # not the temporary file's private mode
+    before = out.stat().st_mtime_ns
+    assert main(["export", "-o", str(out)]) == 2  # exists, no --force
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert main(["export", "--recipe", "w4a16-g32", "-o", str(tmp_path / "n.gguf"), "--strict"]) == 2
+    assert "is not stored exactly as Q4_1" in capsys.readouterr().err
+    assert out.stat().st_mtime_ns == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert main(["export", "-o", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err

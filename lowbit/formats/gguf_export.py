@@ -466,6 +466,9 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; a new file gets the usual mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
