@@ -7,7 +7,7 @@
 Each input is a small valid file with a few seeded random edits, read the way a user
 reads it:
 
-    gguf        lowbit.models.gguf_file.read_gguf on a tiny Llama GGUF (tests/test_bad_gguf.py's)
+    gguf        lowbit.formats.gguf_file.read_gguf on a tiny Llama GGUF (tests/test_bad_gguf.py's)
     gguf-load   lowbit.load_model on the same file: the check, then transformers' conversion
     gguf-stock  gguf.GGUFReader alone, as lowbit read GGUF files before read_gguf: the
                 baseline (not run unless named: its hangs each cost --timeout seconds)
@@ -101,7 +101,7 @@ def build_seeds(folder: Path) -> None:
 def header_size(seed_file: Path) -> int:
     """Bytes at the start of a seed file that hold its structure (the rest is tensor data)."""
     if seed_file.suffix == ".gguf":
-        from lowbit.models.gguf_file import read_gguf
+        from lowbit.formats.gguf_file import read_gguf
 
         return int(read_gguf(seed_file).data_offset)
     if seed_file.suffix == ".safetensors":
@@ -206,7 +206,7 @@ def make_input(seeds: Path, loader: str, index: int, seed: int, out: Path) -> tu
 
 def load(loader: str, path: Path, cache: Path) -> None:
     import lowbit
-    from lowbit.models.gguf_file import read_gguf
+    from lowbit.formats.gguf_file import read_gguf
 
     if loader == "gguf":
         read_gguf(path)

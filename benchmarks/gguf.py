@@ -47,7 +47,7 @@ def dequant_speed(rounds: int) -> None:
     import gguf
 
     from lowbit.formats import ggml
-    from lowbit.models.gguf_file import read_gguf
+    from lowbit.formats.gguf_file import read_gguf
 
     cases = {}
     for t in read_gguf().tensors:

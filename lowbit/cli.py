@@ -494,7 +494,7 @@ def info_cmd(path: str) -> dict:
 def _gguf_info(path: str) -> dict:
     """Print and return what a GGUF file holds: the model, its layers and context, and
     its tensors by storage type."""
-    from .models.gguf_file import read_gguf  # checked: damage is a GGUFError naming the file
+    from .formats.gguf_file import read_gguf  # checked: damage is a GGUFError naming the file
 
     reader = read_gguf(path, model_checks=False)
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")
 
 import lowbit  # noqa: E402
-from lowbit.models.gguf_file import LLAMA_KEYS, GGUFError, read_gguf, read_gguf_linear_weights  # noqa: E402
+from lowbit.formats.gguf_file import LLAMA_KEYS, GGUFError, read_gguf, read_gguf_linear_weights  # noqa: E402
 
 VT = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType

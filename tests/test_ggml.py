@@ -76,7 +76,7 @@ def test_cpu_kernel_equals_the_reference(name):
     assert nan.any() and not nan.all()  # the random bytes did reach NaN and finite scales
 
 def test_dequantize_every_tensor_of_the_bundled_model():
-    from lowbit.models.gguf_file import read_gguf
+    from lowbit.formats.gguf_file import read_gguf
 
     reader = read_gguf()
     kinds = set()

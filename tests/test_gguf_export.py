@@ -27,7 +27,7 @@ def quantized(model, scheme: str, **kw):
 
 
 def read(path):
-    from lowbit.models.gguf_file import read_gguf
+    from lowbit.formats.gguf_file import read_gguf
 
     return read_gguf(path)
 

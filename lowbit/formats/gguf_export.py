@@ -313,7 +313,7 @@ def tokenizer_pre(source: str | None) -> str:
     """llama.cpp's pre-tokenizer name: read from the GGUF file the model came from when
     there is one, otherwise "default" (with a warning)."""
     if source and str(source).endswith(".gguf") and Path(source).is_file():
-        from ..models.gguf_file import read_gguf
+        from .gguf_file import read_gguf
 
         f = read_gguf(source, model_checks=False).fields.get("tokenizer.ggml.pre")
         if f is not None:

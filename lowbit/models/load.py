@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
-from .gguf_file import GGUFError, bundled_model_path, read_gguf
+from ..formats.gguf_file import GGUFError, bundled_model_path, read_gguf
 
 def cache_dir() -> Path:
     """Where converted models are cached (``$LOWBIT_CACHE`` or ``~/.cache/lowbit``)."""

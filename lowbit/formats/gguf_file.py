@@ -51,7 +51,7 @@ class GGUFError(ValueError):
     Example::
 
         >>> import tempfile, pathlib
-        >>> from lowbit.models.gguf_file import GGUFError, read_gguf
+        >>> from lowbit.formats.gguf_file import GGUFError, read_gguf
         >>> bad = pathlib.Path(tempfile.mkdtemp()) / "bad.gguf"
         >>> _ = bad.write_bytes(b"GGML" + bytes(20))
         >>> try:
@@ -96,7 +96,7 @@ def read_gguf(path: str | Path | None = None, *, model_checks: bool = True):
 
     Example::
 
-        >>> from lowbit.models.gguf_file import read_gguf
+        >>> from lowbit.formats.gguf_file import read_gguf
         >>> reader = read_gguf()
         >>> reader.fields["llama.block_count"].contents(), len(reader.tensors)
         (30, 272)
