@@ -8,6 +8,8 @@ Codes and values::
                        x ~= (q - zero_point) * scale
     float zero point : q = clamp(round_half_to_even(x / scale + zero_point), qmin, qmax)
                        x ~= (q - zero_point) * scale          (zero_point is a float)
+    min zero point   : q = clamp(round_half_to_even((x - zero_point) / scale), qmin, qmax)
+                       x ~= q * scale + zero_point            (zero_point is the block's min)
 
 * Symmetric schemes use signed codes ``[-2^(b-1), 2^(b-1) - 1]`` and no zero point.
   ``scale = max|x| / ((qmax - qmin) / 2)`` (4 bit: ``max|x| / 7.5``), so the whole
@@ -17,14 +19,17 @@ Codes and values::
   representable) and ``zero_point = qmin - round(range_min / scale)`` is an integer
   in the code range, stored as uint8.  With a "float" zero point (the scale-and-min form of GGUF
   Q4_1/Q4_K and HQQ) the range is ``[x_min, x_max]`` and
-  ``zero_point = qmin - x_min / scale`` is stored in ``scale_dtype``.
+  ``zero_point = qmin - x_min / scale`` is stored in ``scale_dtype``.  With a "min" zero
+  point (GGUF's Q4_1/Q5_1 and the K-quants' ``d * q + m``, computed in that order: a
+  product, then a sum) the zero point is ``x_min`` rounded *down* to ``scale_dtype`` and
+  the range ``[zero_point, x_max]``; GGUF blocks load into it without rounding.
 * Arithmetic is float32 (float64 for float64 inputs).  The scale is computed in that
   type and rounded *up* to ``scale_dtype``, so storing it in bfloat16 never clips the
   range; quantization then divides by the stored scale, so quantize and dequantize
   agree on the grid.  An all-zero block gets scale 1 (finite, non-zero).
-* Dequantization computes ``(q - zero_point) * scale`` in float32 (float64 for
-  float64 output) and rounds once to the output dtype; every backend gives the same
-  bits.
+* Dequantization computes ``(q - zero_point) * scale`` (``q * scale + zero_point`` in the
+  "min" domain) in float32 (float64 for float64 output) and rounds once to the output
+  dtype; every backend gives the same bits.
 
 Shapes::
 
@@ -43,7 +48,7 @@ For 4 bits that is the "u32x8" layout (8 values per int32, element j in bits
 4j..4j+3) and the "u8x2" layout (2 per byte, even element in the low nibble).
 3-bit codes straddle words: 32 values fill 3 int32 words (8 values fill 3 bytes).
 
-String form: ``int{bits}-{sym|asym}[-g{G}|-channel|-token|-tensor][-zpfloat]
+String form: ``int{bits}-{sym|asym}[-g{G}|-channel|-token|-tensor][-zpfloat|-zpmin]
 [-{f32|f16|bf16}][-{u32|u8}]``; defaults (group for a ``-gG``, otherwise channel,
 int zero point, float32 scales, u32 packing) are left out of ``str(scheme)``.
 
@@ -67,7 +72,7 @@ import torch
 
 BITS = (2, 3, 4, 8)
 GRANULARITIES = ("tensor", "channel", "token", "group")
-ZERO_POINT_DOMAINS = ("int", "float")
+ZERO_POINT_DOMAINS = ("int", "float", "min")
 PACKINGS = ("u32", "u8")
 SCALE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in SCALE_DTYPES.items()}
@@ -84,8 +89,9 @@ class QuantScheme:
         granularity: "tensor", "channel", "token" or "group".
         group_size: elements per group along the last dim (granularity "group" only).
         scale_dtype: float32, float16 or bfloat16.
-        zero_point_domain: "int" (integer zero point in the code range) or "float"
-            (float offset, asymmetric only).
+        zero_point_domain: "int" (integer zero point in the code range), "float"
+            (float offset) or "min" (the block's minimum, added after the scale); the
+            last two asymmetric only.
         packing: container of sub-byte codes, "u32" (int32 words) or "u8" (bytes);
             ignored for 8 bits.
 
@@ -140,7 +146,7 @@ class QuantScheme:
             )
         if self.symmetric and self.zero_point_domain != "int":
             raise ValueError(
-                "QuantScheme.zero_point_domain='float' needs symmetric=False: "
+                f"QuantScheme.zero_point_domain={self.zero_point_domain!r} needs symmetric=False: "
                 "symmetric schemes have no zero point"
             )
         if self.packing not in PACKINGS:
@@ -258,8 +264,8 @@ class QuantScheme:
             parts.append(f"g{self.group_size}")
         elif self.granularity != "channel":
             parts.append(self.granularity)
-        if self.zero_point_domain == "float":
-            parts.append("zpfloat")
+        if self.zero_point_domain != "int":
+            parts.append("zp" + self.zero_point_domain)
         if self.scale_dtype != torch.float32:
             parts.append(_DTYPE_NAMES[self.scale_dtype])
         if self.is_packed and self.packing != "u32":
@@ -289,7 +295,7 @@ class QuantScheme:
         if not m or len(parts) < 2 or parts[1] not in ("sym", "asym"):
             raise ValueError(
                 f"cannot parse scheme {text!r}: expected 'int<bits>-<sym|asym>[-g<N>|-channel|"
-                f"-token|-tensor][-zpfloat][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(SCHEME_PRESETS)}"
+                f"-token|-tensor][-zpfloat|-zpmin][-f32|-f16|-bf16][-u32|-u8]' or a preset {sorted(SCHEME_PRESETS)}"
             )
         kw: dict = {"bits": int(m.group(1)), "symmetric": parts[1] == "sym"}
         seen: dict[str, str] = {}  # what each part set: one part per kind, no silent "last one wins"
@@ -298,8 +304,8 @@ class QuantScheme:
                 kind, value = "granularity", {"granularity": "group", "group_size": int(p[1:])}
             elif p in GRANULARITIES:
                 kind, value = "granularity", {"granularity": p}
-            elif p == "zpfloat":
-                kind, value = "zero point domain", {"zero_point_domain": "float"}
+            elif p in ("zpfloat", "zpmin"):
+                kind, value = "zero point domain", {"zero_point_domain": p[2:]}
             elif p in SCALE_DTYPES:
                 kind, value = "scale dtype", {"scale_dtype": SCALE_DTYPES[p]}
             elif p in PACKINGS:

@@ -181,6 +181,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme | str, *
         True
     """
     s = as_scheme(scheme)
+    if s.zero_point_domain == "min":
+        raise ValueError(f"gptq_quantize: scheme '{s}' has a 'min' zero point, which GPTQ's column loop does not "
+                         "round yet; use an 'int' or 'float' zero point")
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"{what}: w must be a 2-D float tensor [N, K]")
     n, k = w.shape

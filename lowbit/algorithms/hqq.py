@@ -95,6 +95,9 @@ def hqq_qparams(w: torch.Tensor, scheme: QuantScheme | str, *, iters: int = 20, 
         True
     """
     s = as_scheme(scheme)
+    if s.zero_point_domain == "min":
+        raise ValueError(f"hqq_qparams: scheme '{s}' has a 'min' zero point, which HQQ does not optimize yet; "
+                         "use an 'int' or 'float' zero point")
     _check_args(w, s, iters, lp_norm, beta, kappa, early_stop)
     scale, zero_point = choose_qparams(w, s)  # RTN: the first iterate, and the floor of every block
     if w.numel() == 0:

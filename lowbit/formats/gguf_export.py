@@ -181,6 +181,8 @@ def _keep_codes(qt, target: str) -> torch.Tensor:
     if s.symmetric:  # signed codes into an unsigned min type: q + 2^(b-1), m = -2^(b-1) * scale
         half = 1 << (s.bits - 1)
         q, m = q + half, -half * scale
+    elif s.zero_point_domain == "min":  # lowbit's q * scale + min is ggml's d * q + m
+        m = qt.zero_point.to(torch.float32)
     else:
         m = -(qt.zero_point.to(torch.float32) * scale)
     return ggml.pack_simple(target, q, _block_params(qt, scale).to(torch.float16),

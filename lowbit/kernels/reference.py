@@ -45,6 +45,9 @@ def block_qparams(xb: torch.Tensor, bits: int, symmetric: bool, zero_point_domai
     elif zero_point_domain == "int":
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         scale = divide(hi - lo, qmax - qmin)
+    elif zero_point_domain == "min":
+        lo = round_down_to(lo, scale_dtype).to(lo.dtype)  # the stored min never cuts the range
+        scale = divide(hi - lo, qmax - qmin)
     else:
         # Floor the scale so |zero_point| = |lo| / scale stays below 2^15 (fits float16).
         scale = torch.maximum(divide(hi - lo, qmax - qmin), torch.maximum(-lo, hi) * 2.0**-15)
@@ -55,6 +58,8 @@ def block_qparams(xb: torch.Tensor, bits: int, symmetric: bool, zero_point_domai
     s = scale.to(lo.dtype)
     if zero_point_domain == "int":
         return scale, (qmin - torch.round(lo / s)).clamp(qmin, qmax).to(torch.int32)
+    if zero_point_domain == "min":
+        return scale, lo.to(scale_dtype)  # exact: lo was rounded to scale_dtype
     return scale, (qmin - lo / s).to(scale_dtype)
 
 
@@ -69,6 +74,11 @@ def choose_qparams(x: torch.Tensor, s: QuantScheme) -> tuple[torch.Tensor, torch
         return ones, torch.zeros(shape, dtype=zp_dtype, device=x.device)
     scale, zp = block_qparams(to_blocks(x, s), s.bits, s.symmetric, s.zero_point_domain, s.scale_dtype)
     return scale.reshape(shape), None if zp is None else zp.reshape(shape)
+
+
+def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to ``dtype`` rounding down (toward -inf)."""
+    return -round_up_to(-x, dtype)
 
 
 def round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,14 +105,20 @@ def rounded_codes(x, scale, zero_point, s: QuantScheme) -> torch.Tensor:
         return torch.round(xb / sc)
     if s.zero_point_domain == "int":
         return torch.round(xb / sc) + zero_point.reshape(-1, 1).to(cdt)
+    if s.zero_point_domain == "min":
+        return torch.round((xb - zero_point.reshape(-1, 1).to(cdt)) / sc)
     return torch.round(xb / sc + zero_point.reshape(-1, 1).to(cdt))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, s: QuantScheme,
                out_dtype: torch.dtype) -> torch.Tensor:
-    """(q - zero_point) * scale in float32 (float64 for float64 output), rounded once."""
+    """(q - zero_point) * scale (q * scale + zero_point in the "min" domain) in float32
+    (float64 for float64 output), rounded once to ``out_dtype``."""
     cdt = compute_dtype(out_dtype)
     qb = to_blocks(q, s).to(cdt)
+    if zero_point is not None and s.zero_point_domain == "min":
+        out = qb * scale.reshape(-1, 1).to(cdt) + zero_point.reshape(-1, 1).to(cdt)
+        return out.to(out_dtype).reshape(q.shape)
     if zero_point is not None:
         qb = qb - zero_point.reshape(-1, 1).to(cdt)
     return (qb * scale.reshape(-1, 1).to(cdt)).to(out_dtype).reshape(q.shape)

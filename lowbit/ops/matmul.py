@@ -208,7 +208,8 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
     w = qweight.scheme
     # The matmul ops take 8-bit codes or u32x8 words: 2/3-bit codes, and 4-bit codes of a K
     # that fills no whole u32 word (u8 packing), are dequantized first.
-    matmul_form = w.bits == 8 or (w.bits == 4 and k % 8 == 0)
+    # A "min" zero point (q * s + m) is dequantized first too: the matmul kernels take (q - z) * s.
+    matmul_form = (w.bits == 8 or (w.bits == 4 and k % 8 == 0)) and w.zero_point_domain != "min"
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
             raise ValueError("act_scale / act_zero_point need an act_scheme")

@@ -155,7 +155,7 @@ class CpuBackend(Backend):
         return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype)
 
     def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
-        if scheme.bits == 3:  # 3-bit codes straddle words
+        if scheme.bits == 3 or scheme.zero_point_domain == "min":  # straddling words; q * s + m: not in C++ yet
             return super().dequantize(codes, scale, zero_point, scheme, shape, out_dtype)
         rows_per_scale, group = scheme.scale_map(shape)
         cdt = reference.compute_dtype(out_dtype)
@@ -338,8 +338,8 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
     """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
     weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
     plan's kernel is not one decode.cpp runs, or the activations are not 8-bit per token."""
-    if act is not None and act.granularity != "token":
-        return None
+    if (act is not None and act.granularity != "token") or weight.zero_point_domain == "min":
+        return None  # decode.cpp computes (q - z) * s, not q * s + m
     kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
         return None

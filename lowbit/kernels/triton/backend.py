@@ -40,7 +40,7 @@ class TritonBackend(Backend):
         return word_packing.unpack(packed, bits, packing, signed)
 
     def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
-        if scheme.bits == 3:  # 3-bit codes straddle words
+        if scheme.bits == 3 or scheme.zero_point_domain == "min":  # straddling words; q * s + m: not yet
             return super().dequantize(codes, scale, zero_point, scheme, shape, out_dtype)
         return elementwise.dequantize_packed(codes, scale, zero_point, scheme, shape, out_dtype)
 
