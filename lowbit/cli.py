@@ -412,7 +412,9 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     from lowbit.runtime import check_positions
 
     r = lowbit.Recipe.get(recipe) if recipe else None
-    m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend)
+    # A GGUF file runs on its own quantized tensors unless a recipe quantizes its float weights.
+    m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend,
+                               gguf="float" if r is not None else "native")
     ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
     check_positions(m, ids.numel(), max_new_tokens)
     if r is not None:  # a calibrated method calibrates on the default text (lowbit quantize has the options)

@@ -30,7 +30,6 @@ def test_min_is_below_the_block_and_values_are_within_half_a_step(scheme):
     roundings of q * s + m: a few ulps)."""
     x = torch.randn(16, 256) * 3 + 1
     qt = lowbit.quantize(x, scheme)
-    s = qt.scheme
     blocks = x.reshape(qt.scale.numel(), -1)
     zp = qt.zero_point.float().reshape(-1)
     scale = qt.scale.float().reshape(-1)

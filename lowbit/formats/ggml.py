@@ -377,3 +377,46 @@ def pack_simple(name: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
         raise ValueError(f"pack_simple takes Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0, got {t.name}")
     head = [_u8(d)] + ([_u8(m)] if t.name in ("Q4_1", "Q5_1") else [])
     return torch.cat(head + [body], dim=1)
+
+
+# -- ggml blocks as lowbit QTensors --------------------------------------------------------
+LOSSLESS_SCHEMES = {"Q4_0": "int4-sym-g32-f16", "Q4_1": "int4-asym-g32-zpmin-f16", "Q8_0": "int8-sym-g32-f16"}
+
+
+def as_qtensor(raw: torch.Tensor, name: str, shape):
+    """The ggml tensor ``raw`` (uint8) of type ``name`` and logical ``shape`` [N, K] as a
+    lowbit QTensor holding the same codes and float16 scales (and mins), or None when
+    no lowbit scheme stores the type without loss (``LOSSLESS_SCHEMES``: Q4_0, Q4_1,
+    Q8_0).  ``lowbit.dequantize`` of the result equals ``dequantize(raw, name, shape)``
+    bit for bit (tested).
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> raw = quantize(torch.randn(4, 64), "Q4_1")
+        >>> qt = as_qtensor(raw, "Q4_1", [4, 64])
+        >>> qt.scheme, torch.equal(lowbit.dequantize(qt), dequantize(raw, "Q4_1", [4, 64]))
+        (QuantScheme('int4-asym-g32-zpmin-f16'), True)
+    """
+    from ..ops import pack_bits
+    from ..qtensor import QTensor
+    from ..scheme import QuantScheme
+
+    t = block_type(name)
+    if t.name not in LOSSLESS_SCHEMES:
+        return None
+    shape = [int(n) for n in shape]
+    if len(shape) != 2:
+        raise ValueError(f"as_qtensor takes a 2-D [N, K] tensor, got shape {shape}")
+    blocks = _blocks(raw, t, shape)
+    d, m, q = _simple_parts(blocks, t.name)
+    n, k = shape
+    s = QuantScheme.parse(LOSSLESS_SCHEMES[t.name])
+    scale = d.to(torch.float16).reshape(n, k // 32)  # exact: read from float16
+    if t.name == "Q8_0":
+        return QTensor(q.to(torch.int8).reshape(n, k), scale, None, s, torch.Size(shape))
+    if t.name == "Q4_0":
+        codes = pack_bits((q - 8).to(torch.int8).reshape(n, k), 4, "u32")
+        return QTensor(codes, scale, None, s, torch.Size(shape))
+    codes = pack_bits(q.to(torch.uint8).reshape(n, k), 4, "u32")
+    return QTensor(codes, scale, m.to(torch.float16).reshape(n, k // 32), s, torch.Size(shape))

@@ -91,8 +91,11 @@ def _gguf_note(reader) -> str:
     return "dequantized from GGUF tensors " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
 
 
+GGUF_MODES = ("float", "native")
+
+
 def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-               backend: str | None = None, progress: bool = True):
+               backend: str | None = None, progress: bool = True, *, gguf: str = "float"):
     """Load a causal LM and its tokenizer, offline.
 
     Args:
@@ -100,6 +103,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
             Hugging Face model folder, or a folder written by ``lowbit.save_quantized``.
         dtype: dtype of the float parts (activations, norms, unquantized weights).
         backend: kernel backend of a quantized checkpoint's modules (None: automatic).
+        gguf: how a GGUF file loads: "float" (dequantized once into a float32 folder in
+            ``cache_dir()``, then loaded: what quantizing with a recipe starts from) or
+            "native" (its Q4_0 / Q4_1 / Q8_0 tensors kept as lowbit ``QuantLinear`` /
+            ``QuantEmbedding`` modules with the file's own codes, other types
+            dequantized; see ``lowbit.models.gguf_native``).  Both give the same
+            weights bit for bit.
 
     Returns ``(model, tokenizer)``; the model is in eval mode.  GGUF files are converted
     once to a float32 folder in ``cache_dir()`` (the bundled model: about 15 s), later
@@ -114,7 +123,15 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     """
     if dtype not in FLOAT_DTYPES_BY_NAME.values():
         raise TypeError(f"dtype must be one of {list(FLOAT_DTYPES_BY_NAME.values())}, got {dtype}")
+    if gguf not in GGUF_MODES:
+        raise ValueError(f"gguf must be one of {GGUF_MODES}, got {gguf!r}")
     p = resolve_model_path(path)
+    if p.is_file() and gguf == "native":
+        from .gguf_native import load_gguf_native
+
+        model, tok = load_gguf_native(p, dtype, _gguf_cache_entry(p))
+        model.lowbit_source = str(p)
+        return model, tok
     if p.is_dir() and (p / CHECKPOINT_CONFIG).is_file():
         from .checkpoint import load_quantized
 

@@ -5,6 +5,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
+  m.def("dequantize_min", &dequantize_min, "unpack-and-dequantize rows of codes in the 'min' zero-point domain");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");

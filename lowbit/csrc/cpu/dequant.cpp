@@ -2,9 +2,10 @@
 //
 // The arithmetic is the one of lowbit/scheme.py, which this file does not restate
 // beyond the line that matters: out = Out((Acc(q) - Acc(zero_point)) * Acc(scale)),
-// Acc = float (double for float64 output), one rounding to the output dtype.  Each
-// element is one product with no additions after it, so no FMA contraction can change
-// the bits and the result equals the reference exactly.
+// or Out(Acc(q) * Acc(scale) + Acc(min)) in the "min" zero-point domain (a product, then
+// a sum), Acc = float (double for float64 output), one rounding to the output dtype.
+// Contraction is off for this file (the pragma below), so the product of the min form is
+// rounded before the sum, as in the reference, and the result equals it exactly.
 //
 // A tensor is seen as R rows of K logical values (K = last dim).  Row r, column k
 // uses scale[(r / rows_per_scale) * (K / group) + k / group]; every granularity is
@@ -22,6 +23,8 @@
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
+
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -68,7 +71,7 @@ inline void store(const Acc* src, Out* dst, int64_t n) {
   }
 }
 
-template <typename Word, int BITS, bool SIGNED, bool HAS_ZP, typename Acc, typename Out>
+template <typename Word, int BITS, bool SIGNED, bool HAS_ZP, typename Acc, typename Out, bool MIN_FORM = false>
 void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, int64_t R,
                   int64_t K, int64_t group, int64_t rows_per_scale) {
   using C = Codes<Word, BITS, SIGNED>;
@@ -95,7 +98,7 @@ void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, 
 #pragma GCC unroll 16
             for (int j = 0; j < C::PER; ++j) {
               const Acc q = static_cast<Acc>(C::get(word, j));
-              vals[w * C::PER + j] = HAS_ZP ? (q - z) * s : q * s;
+              vals[w * C::PER + j] = MIN_FORM ? q * s + z : HAS_ZP ? (q - z) * s : q * s;
             }
           }
           if constexpr (!std::is_same_v<Out, Acc>) store<Out, Acc>(buf, dst, nw * C::PER);
@@ -130,7 +133,49 @@ void dispatch_out(const at::Tensor& codes, const at::Tensor& scale, const c10::o
   }
 }
 
+template <typename Word, int BITS>
+void dispatch_min(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn, at::Tensor& out,
+                  int64_t R, int64_t K, int64_t group, int64_t rows_per_scale) {
+  const Word* c = codes.data_ptr<Word>();
+  void* o = out.data_ptr();
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      return dequant_rows<Word, BITS, false, true, float, float, true>(c, scale.data_ptr<float>(), mn.data_ptr<float>(),
+                                                                      static_cast<float*>(o), R, K, group, rows_per_scale);
+    case at::kBFloat16:
+      return dequant_rows<Word, BITS, false, true, float, c10::BFloat16, true>(
+          c, scale.data_ptr<float>(), mn.data_ptr<float>(), static_cast<c10::BFloat16*>(o), R, K, group, rows_per_scale);
+    case at::kHalf:
+      return dequant_rows<Word, BITS, false, true, float, c10::Half, true>(
+          c, scale.data_ptr<float>(), mn.data_ptr<float>(), static_cast<c10::Half*>(o), R, K, group, rows_per_scale);
+    case at::kDouble:
+      return dequant_rows<Word, BITS, false, true, double, double, true>(
+          c, scale.data_ptr<double>(), mn.data_ptr<double>(), static_cast<double*>(o), R, K, group, rows_per_scale);
+    default: TORCH_CHECK(false, "lowbit._C.dequantize_min: unsupported out dtype ", out.scalar_type());
+  }
+}
+
 }  // namespace
+
+// The "min" zero-point domain: unsigned codes, out = q * scale + min (see dequantize below
+// for the shapes; scale and min already in the compute dtype).
+at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
+                          int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype) {
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && mn.is_contiguous(),
+              "lowbit._C.dequantize_min: contiguous inputs expected");
+  const int64_t word_bits = codes.element_size() * 8;
+  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+  at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
+  if (R == 0 || K == 0) return out;
+  const auto t = codes.scalar_type();
+  if (bits == 8 && t == at::kByte) dispatch_min<uint8_t, 8>(codes, scale, mn, out, R, K, group, rows_per_scale);
+  else if (bits == 4 && t == at::kInt) dispatch_min<int32_t, 4>(codes, scale, mn, out, R, K, group, rows_per_scale);
+  else if (bits == 4 && t == at::kByte) dispatch_min<uint8_t, 4>(codes, scale, mn, out, R, K, group, rows_per_scale);
+  else if (bits == 2 && t == at::kInt) dispatch_min<int32_t, 2>(codes, scale, mn, out, R, K, group, rows_per_scale);
+  else if (bits == 2 && t == at::kByte) dispatch_min<uint8_t, 2>(codes, scale, mn, out, R, K, group, rows_per_scale);
+  else TORCH_CHECK(false, "lowbit._C.dequantize_min: no kernel for bits=", bits, " codes ", t);
+  return out;
+}
 
 // codes: [R, K * bits / word_bits] (packed) or [R, K]; scale, zero_point: flat, already in the
 // compute dtype (float32, float64 for float64 output); returns [R, K] of out_dtype.

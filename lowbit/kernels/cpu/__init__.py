@@ -155,10 +155,14 @@ class CpuBackend(Backend):
         return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype)
 
     def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
-        if scheme.bits == 3 or scheme.zero_point_domain == "min":  # straddling words; q * s + m: not in C++ yet
+        if scheme.bits == 3:  # 3-bit codes straddle words
             return super().dequantize(codes, scale, zero_point, scheme, shape, out_dtype)
         rows_per_scale, group = scheme.scale_map(shape)
         cdt = reference.compute_dtype(out_dtype)
+        if scheme.zero_point_domain == "min":  # q * scale + min
+            out = _C.dequantize_min(codes.contiguous(), scale.to(cdt).contiguous(), zero_point.to(cdt).contiguous(),
+                                    scheme.bits, shape[-1] if shape else 1, group, rows_per_scale, out_dtype)
+            return out.reshape(shape)
         zp = None if zero_point is None else zero_point.to(cdt).contiguous()
         out = _C.dequantize(codes.contiguous(), scale.to(cdt).contiguous(), zp, scheme.bits, scheme.symmetric,
                             shape[-1] if shape else 1, group, rows_per_scale, out_dtype)

@@ -1,0 +1,70 @@
+"""GGUF files loaded into lowbit modules without a float copy (``load_model(gguf="native")``)."""
+
+import warnings
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.evaluation import evaluate
+from lowbit.formats.gguf_export import export_gguf
+from lowbit.nn import QuantEmbedding, QuantLinear
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def both():
+    native, tok = lowbit.load_model(gguf="native", progress=False)
+    floating, _ = lowbit.load_model(progress=False)
+    return native, floating, tok
+
+
+def test_the_bundled_model_keeps_its_own_4_bit_weights(both):
+    native, floating, _ = both
+    linears = {n: m for n, m in native.named_modules() if isinstance(m, QuantLinear) and n != "lm_head"}
+    assert len(linears) == 210 and {str(m.qweight.scheme) for m in linears.values()} == {"int4-asym-g32-zpmin-f16"}
+    for name, m in linears.items():  # the file's Q4_1 values, bit for bit (q/k rows back in HF order)
+        assert torch.equal(lowbit.dequantize(m.qweight), floating.get_submodule(name).weight), name
+    emb = native.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and str(emb.weight.scheme) == "int8-sym-g32-f16"
+    assert torch.equal(lowbit.dequantize(emb.weight.qtensor()), floating.model.embed_tokens.weight)
+    assert native.lm_head.weight.codes is emb.weight.codes  # tied: one copy
+    assert native.lowbit_gguf == {"native": {"Q8_0": 1, "Q4_1": 210}, "dequantized": {}}
+    size = lowbit.evaluation.weight_bytes(native)["weight_bytes"]
+    assert size < 100e6 < lowbit.evaluation.weight_bytes(floating)["weight_bytes"] / 5
+
+
+def test_its_perplexity_is_that_of_its_float_dequantization(both):
+    """Same weights; only the output projection's matmul (int8 codes against float32)
+    sums in another order."""
+    native, floating, tok = both
+    a = evaluate({"native": native}, tok, ctx=128, max_windows=2, speed=False)[0]["perplexity"]
+    b = evaluate({"float": floating}, tok, ctx=128, max_windows=2, speed=False)[0]["perplexity"]
+    assert abs(a / b - 1) < 1e-5
+
+
+def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path):
+    _, floating, tok = both
+    q = lowbit.quantize_model(floating, "q4_0", inplace=False)
+    export_gguf(q, tok, tmp_path / "m.gguf", strict=True)
+    back, _ = lowbit.load_model(tmp_path / "m.gguf", gguf="native")
+    for name, m in q.named_modules():
+        if isinstance(m, QuantLinear):
+            a, b = m.qweight, back.get_submodule(name).qweight
+            assert a.scheme == b.scheme and torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale), name
+
+
+def test_types_without_a_lossless_scheme_are_dequantized_and_counted(both, tmp_path):
+    _, floating, tok = both
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_gguf(floating, tok, tmp_path / "m.gguf", type="q5_0", float_type="f16")
+    back, _ = lowbit.load_model(tmp_path / "m.gguf", gguf="native")
+    assert back.lowbit_gguf == {"native": {}, "dequantized": {"F16": 1, "Q5_0": 210}}
+    assert isinstance(back.model.layers[0].mlp.up_proj, torch.nn.Linear)
+
+
+def test_bad_mode_is_named():
+    with pytest.raises(ValueError, match="gguf must be one of \\('float', 'native'\\), got 'fast'"):
+        lowbit.load_model(gguf="fast")
