@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 DEMO_SCHEMES = [
     # SmolLM2's in_features are 576 and 1536: group sizes must divide 576 = 9 * 64.
     "int8-sym", "int8-asym", "int4-asym-channel", "int4-sym-g64", "int4-asym-g64", "int4-asym-g32",
-    "int4-asym-g32-zpfloat-f16", "int3-asym-g64", "int2-asym-g64", "int2-asym-g64-zpfloat",
+    "int4-asym-g32-zpfloat-f16", "int4-asym-g32-zpmin-f16", "int3-asym-g64", "int2-asym-g64", "int2-asym-g64-zpfloat",
 ]
 
 
@@ -100,16 +100,17 @@ def demo(model: str | None = None, schemes: list[str] | None = None, limit: int 
             worst = max(worst, float((per_block / (qt.scale.double().reshape(-1) / 2)).max()))
         rel = math.sqrt(err2 / ref2)
         row = dict(scheme=str(s), bits_per_weight=nbytes * 8 / numel, rel_error=rel,
-                   sqnr_db=-20 * math.log10(max(rel, 1e-300)), worst_err_over_half_step=worst,
+                   sqnr_db=-20 * math.log10(rel) if rel > 0 else math.inf, worst_err_over_half_step=worst,
                    quantize_seconds=seconds)
         rows.append(row)
         say(f"{row['scheme']:<28}{row['bits_per_weight']:>12.3f}{rel:>12.2e}{row['sqnr_db']:>9.1f}"
             f"{worst:>17.4f}{seconds:>12.2f}")
     if "Q4_1" in kinds:
         say()
-        say("The weights were stored as GGUF Q4_1 (4-bit, group 32, fp16 scale and min), so the")
-        say("float zero point scheme int4-asym-g32-zpfloat-f16 lands back on their grid almost")
-        say("exactly, while an integer zero point (int4-asym-g32) adds a second rounding.")
+        say("The weights were stored as GGUF Q4_1 (4-bit, group 32, fp16 scale and min: d * q + m), so")
+        say("the min zero point scheme int4-asym-g32-zpmin-f16 (the same form) lands back on their grid")
+        say("exactly, the float zero point one ((q - z) * s) almost, and an integer zero point")
+        say("(int4-asym-g32) adds a second rounding.")
     return rows
 
 

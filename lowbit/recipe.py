@@ -327,9 +327,9 @@ RECIPE_PRESETS: dict[str, Recipe] = {
         _preset("w4a8-g128", "int4-asym-g128-f16", "int8-asym-token"),
         # int4 dequantization in the graph of a Llama model: int4 affine g64 packed 8 per uint32 on the 7 linears
         _preset("int4-g64", "int4-asym-g64"),
-        # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min): lands
-        # back on its grid, so it measures the pipeline rather than a second rounding
-        _preset("q4_1", "int4-asym-g32-zpfloat-f16"),
+        # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min, d * q + m):
+        # lands exactly back on its grid, so it measures the pipeline, not a second rounding
+        _preset("q4_1", "int4-asym-g32-zpmin-f16"),
         # exactly GGUF's Q4_0 and Q8_0 (groups of 32, float16 scales, symmetric codes):
         # `lowbit export` stores them with their codes and scales unchanged
         _preset("q4_0", "int4-sym-g32-f16"),

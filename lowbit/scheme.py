@@ -416,7 +416,7 @@ SCHEME_PRESETS: dict[str, QuantScheme] = {
     "w4-g128": QuantScheme(4, True, "group", 128),
     "w4a-g64": QuantScheme(4, False, "group", 64),
     "w4a-g128": QuantScheme(4, False, "group", 128),
-    "q4_1": QuantScheme(4, False, "group", 32, torch.float16, "float"),  # GGUF Q4_1 form
+    "q4_1": QuantScheme(4, False, "group", 32, torch.float16, "min"),  # GGUF Q4_1: d * q + m
     "w2-g64": QuantScheme(2, False, "group", 64),
     "w3-g64": QuantScheme(3, False, "group", 64),
     # activations
