@@ -9,6 +9,7 @@ reads it:
 
     gguf        lowbit.formats.gguf_file.read_gguf on a tiny Llama GGUF (tests/test_bad_gguf.py's)
     gguf-load   lowbit.load_model on the same file: the check, then transformers' conversion
+    gguf-native lowbit.load_model(..., gguf="native"): the check, then lowbit's own modules
     gguf-stock  gguf.GGUFReader alone, as lowbit read GGUF files before read_gguf: the
                 baseline (not run unless named: its hangs each cost --timeout seconds)
     checkpoint  lowbit.load_model on a lowbit checkpoint folder of a tiny random Llama
@@ -52,13 +53,15 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADERS = ("gguf", "gguf-load", "checkpoint", "recipe", "gguf-stock")
-DEFAULT_LOADERS = LOADERS[:4]
+LOADERS = ("gguf", "gguf-load", "gguf-native", "checkpoint", "recipe", "gguf-stock")
+DEFAULT_LOADERS = LOADERS[:5]
 # the file (or folder) a loader is given, in the seed folder
 TARGET = {"gguf": "tiny-llama.gguf", "gguf-load": "tiny-llama.gguf", "gguf-stock": "tiny-llama.gguf",
+          "gguf-native": "tiny-llama.gguf",
           "checkpoint": "ckpt", "recipe": "recipe.json"}
 # the files of that target whose bytes get edited
 EDITED = {"gguf": ["tiny-llama.gguf"], "gguf-load": ["tiny-llama.gguf"], "gguf-stock": ["tiny-llama.gguf"],
+          "gguf-native": ["tiny-llama.gguf"],
           "checkpoint": ["ckpt/lowbit.json", "ckpt/model.safetensors"], "recipe": ["recipe.json"]}
 LATE = "passed lowbit's GGUF checks"  # load.py's message when transformers fails after read_gguf
 
@@ -210,10 +213,10 @@ def load(loader: str, path: Path, cache: Path) -> None:
 
     if loader == "gguf":
         read_gguf(path)
-    elif loader == "gguf-load":
+    elif loader in ("gguf-load", "gguf-native"):
         os.environ["LOWBIT_CACHE"] = str(cache)
         try:
-            lowbit.load_model(path, progress=False)
+            lowbit.load_model(path, progress=False, gguf="native" if loader == "gguf-native" else "float")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     elif loader == "gguf-stock":

@@ -68,7 +68,11 @@ def gguf_tokenizer(path: Path, entry: Path, transformers):
     for folder in (entry, Path(f"{entry}-tokenizer")):
         if (folder / "tokenizer.json").is_file():
             return transformers.AutoTokenizer.from_pretrained(folder)
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # what read_gguf's checks missed still names the file
+        raise GGUFError(f"{path}: passed lowbit's GGUF checks but transformers could not convert its tokenizer: "
+                        f"{type(e).__name__}: {e}") from e
     target = Path(f"{entry}-tokenizer")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
@@ -87,11 +91,23 @@ def gguf_tokenizer(path: Path, entry: Path, transformers):
 def load_gguf_native(path: Path, dtype: torch.dtype, entry: Path):
     """(model, tokenizer) of a llama GGUF file with its quantized tensors kept as they are
     stored; see the module docstring.  ``model.lowbit_gguf`` counts the tensors loaded
-    natively and those dequantized, by ggml type."""
-    from ..nn import QuantEmbedding, QuantLinear
-
+    natively and those dequantized, by ggml type.  A file ``read_gguf`` accepts but that
+    still cannot be built raises ``GGUFError`` naming it."""
     transformers = quiet_transformers()
     reader = read_gguf(path)
+    try:
+        model = _build(reader, path, dtype, transformers)
+    except GGUFError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise GGUFError(f"{path}: passed lowbit's GGUF checks but cannot be built natively: "
+                        f"{type(e).__name__}: {e}") from e
+    return model, gguf_tokenizer(path, entry, transformers)
+
+
+def _build(reader, path: Path, dtype: torch.dtype, transformers):
+    from ..nn import QuantEmbedding, QuantLinear
+
     config = _config(reader, path, transformers)
     tensors = {t.name: t for t in reader.tensors}
     with torch.device("meta"):
@@ -153,4 +169,4 @@ def load_gguf_native(path: Path, dtype: torch.dtype, entry: Path):
     model.eval()
     model.requires_grad_(False)
     model.lowbit_gguf = {"native": dict(native), "dequantized": dict(dequantized)}
-    return model, gguf_tokenizer(path, entry, transformers)
+    return model
