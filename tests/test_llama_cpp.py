@@ -17,7 +17,7 @@ from lowbit.formats.gguf_export import export_gguf  # noqa: E402
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("gguf_bench", Path(__file__).parents[1] / "benchmarks" / "gguf.py")
+    spec = importlib.util.spec_from_file_location("gguf_bench", Path(__file__).parents[1] / "benchmarks" / "gguf_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,7 +1,7 @@
 """GGUF side by side: lowbit's ggml dequantization against the gguf package's, and
 lowbit's GGUF exports run by llama.cpp against the same models run by lowbit.
 
-    HF_HUB_OFFLINE=1 python benchmarks/gguf.py [--windows 16] [--rounds 3] [--no-llama]
+    HF_HUB_OFFLINE=1 python benchmarks/gguf_bench.py [--windows 16] [--rounds 3] [--no-llama]
 
 Part 1 (always): every tensor type of the bundled model plus random Q4_0/Q5_1/Q4_K/Q6_K
 tensors at its ffn shape, dequantized by ``gguf.quants.dequantize`` (numpy) and by
@@ -27,17 +27,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-# This file is called gguf.py: without its folder on the path, `import gguf` finds the package.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 EXPORTS = [("int4-sym-g32-f16", "Q4_0"), ("int8-sym-g32-f16", "Q8_0"), ("q4_1", "Q4_1")]
 QUESTION = "What is the capital of France?"
@@ -149,7 +145,9 @@ def llama_rows(n_windows: int, threads: int) -> None:
         ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                       return_tensors="pt")
         ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
-        lowbit_answer = tok.decode(Runner(q).generate(ids.reshape(-1), 32).tokens, skip_special_tokens=True)
+        tokens = Runner(q).generate(ids.reshape(-1), 32).tokens
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        lowbit_answer = tok.decode(tokens[:tokens.index(end)] if end in tokens else tokens)
         rows.append((scheme, out, exact, ours, theirs, same_tokens, lp, ld, speed, answer, lowbit_answer))
         del llm
     for f in tmp.iterdir():
