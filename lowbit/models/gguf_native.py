@@ -110,7 +110,9 @@ def _build(reader, path: Path, dtype: torch.dtype, transformers):
 
     config = _config(reader, path, transformers)
     tensors = {t.name: t for t in reader.tensors}
-    with torch.device("meta"):
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights():  # every weight comes from the file
         model = transformers.LlamaForCausalLM(config)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     native, dequantized = Counter(), Counter()
