@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine (each creates or refreshes .venv):
-#   make demo   set up, then quantize the bundled model, save it, evaluate it against float, generate
+#   make demo   set up, then quantize the bundled model, save it, evaluate it against float, generate,
+#               export it as GGUF for llama.cpp
 #   make test   set up, then run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -26,6 +27,7 @@ demo: $(STAMP)
 	$(LOWBIT) info $(CKPT)
 	$(LOWBIT) eval $(CKPT) --compare w8a16 w4a16-g128 w8a8
 	$(LOWBIT) generate $(CKPT) "What is the capital of France?"
+	$(LOWBIT) export $(CKPT) -o $(CKPT).gguf --strict --force
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -188,3 +188,16 @@ def test_float_model_with_a_type(bundled, tmp_path):
     w = model.model.layers[0].mlp.up_proj.weight.detach()
     expected = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), expected.view(np.uint8).reshape(-1))
+
+
+def test_the_bundled_model_round_trips_byte_for_byte(bundled, tmp_path):
+    """GGUF Q4_1 -> float -> lowbit's q4_1 preset (the 'min' zero point) -> GGUF Q4_1:
+    every linear tensor's bytes equal the original file's."""
+    model, tok = bundled
+    export_gguf(lowbit.quantize_model(model, "q4_1", inplace=False), tok, tmp_path / "m.gguf", strict=True)
+    old = {t.name: t for t in read(None).tensors}
+    new = {t.name: t for t in read(tmp_path / "m.gguf").tensors}
+    linears = [n for n, t in old.items() if t.tensor_type.name == "Q4_1"]
+    assert len(linears) == 210
+    for n in linears:
+        assert np.array_equal(np.asarray(new[n].data).view(np.uint8), np.asarray(old[n].data).view(np.uint8)), n
