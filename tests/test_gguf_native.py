@@ -49,6 +49,8 @@ def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path):
     q = lowbit.quantize_model(floating, "q4_0", inplace=False)
     export_gguf(q, tok, tmp_path / "m.gguf", strict=True)
     back, _ = lowbit.load_model(tmp_path / "m.gguf", gguf="native")
+    again = export_gguf(back, tok, tmp_path / "again.gguf", strict=True)  # the tied head is written once
+    assert [t.name for t in again.tensors].count("output.weight") == 0
     for name, m in q.named_modules():
         if isinstance(m, QuantLinear):
             a, b = m.qweight, back.get_submodule(name).qweight
@@ -68,3 +70,21 @@ def test_types_without_a_lossless_scheme_are_dequantized_and_counted(both, tmp_p
 def test_bad_mode_is_named():
     with pytest.raises(ValueError, match="gguf must be one of \\('float', 'native'\\), got 'fast'"):
         lowbit.load_model(gguf="fast")
+
+
+def test_native_model_exports_to_the_same_bytes(both, tmp_path):
+    """GGUF -> lowbit modules -> GGUF: every tensor's bytes are the original file's (the
+    tied Q8_0 embedding written once, the Q4_1 linears with their own codes)."""
+    import numpy as np
+
+    from lowbit.formats.gguf_file import read_gguf
+
+    native, _, tok = both
+    out = export_gguf(native, tok, tmp_path / "m.gguf", strict=True)
+    assert {t.ggml_type for t in out.tensors} == {"F32", "Q4_1", "Q8_0"}
+    old = {t.name: t for t in read_gguf(None).tensors}
+    new = {t.name: t for t in read_gguf(tmp_path / "m.gguf").tensors}
+    assert set(new) == set(old)
+    for name, t in old.items():
+        assert new[name].tensor_type == t.tensor_type
+        assert np.array_equal(np.asarray(new[name].data).view(np.uint8), np.asarray(t.data).view(np.uint8)), name

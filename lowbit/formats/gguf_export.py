@@ -270,12 +270,12 @@ def _weights(model: nn.Module):
             warnings.warn(f"{name}: activation quantization ({mod.act_scheme}) is not stored in GGUF; "
                           "llama.cpp picks its own activation format", stacklevel=3)
         w = mod.weight.qtensor() if isinstance(mod, (QuantLinear, QuantEmbedding)) else mod.weight
-        if not isinstance(mod, (QuantLinear, QuantEmbedding)):
-            if w is None:
-                continue
-            if id(w) in seen:  # tied to a tensor already written (lm_head and the embedding)
-                continue
-            seen[id(w)] = base
+        if w is None:
+            continue
+        storage = w.codes if isinstance(mod, (QuantLinear, QuantEmbedding)) else w
+        if id(storage) in seen:  # tied to a tensor already written (lm_head and the embedding)
+            continue
+        seen[id(storage)] = base
         out.append((base + ".weight", name, w))
     return out
 
