@@ -88,3 +88,16 @@ def test_native_model_exports_to_the_same_bytes(both, tmp_path):
     for name, t in old.items():
         assert new[name].tensor_type == t.tensor_type
         assert np.array_equal(np.asarray(new[name].data).view(np.uint8), np.asarray(t.data).view(np.uint8)), name
+
+
+def test_the_tokenizer_is_converted_once_and_cached(tmp_path, monkeypatch):
+    """Without a float conversion in the cache, the first native load converts the
+    tokenizer through transformers and caches it alone (no float weights written)."""
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path))
+    _, tok = lowbit.load_model(gguf="native", progress=False)
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    assert len(entries) == 1 and entries[0].endswith("-tokenizer")
+    assert not list(tmp_path.glob("*/model.safetensors"))
+    _, again = lowbit.load_model(gguf="native", progress=False)
+    assert again("Hello, world").input_ids == tok("Hello, world").input_ids
+    assert sorted(p.name for p in tmp_path.iterdir()) == entries

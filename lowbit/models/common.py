@@ -3,6 +3,12 @@ dtypes a model loads in, and transformers without its noise."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import torch
 
 CHECKPOINT_CONFIG = "lowbit.json"
@@ -21,3 +27,21 @@ def quiet_transformers(progress: bool = False):
     else:
         transformers.utils.logging.disable_progress_bar()
     return transformers
+
+
+@contextlib.contextmanager
+def cache_entry(entry: Path):
+    """Write a cache folder atomically: yields a temporary sibling folder to fill, renamed
+    to ``entry`` when the block ends; removed if it fails, or if another process wrote
+    ``entry`` first (its entry is kept)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process won the race: keep its entry
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -12,9 +12,6 @@ cached next to the float conversions (``load.cache_dir()``).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -26,7 +23,7 @@ from torch import nn
 from ..formats import ggml
 from ..formats.gguf_export import _rows, gguf_name, rope_rows
 from ..formats.gguf_file import GGUFError, read_gguf
-from .common import quiet_transformers
+from .common import cache_entry, quiet_transformers
 
 
 def _field(reader, key, default=None):
@@ -73,18 +70,8 @@ def gguf_tokenizer(path: Path, entry: Path, transformers):
     except Exception as e:  # what read_gguf's checks missed still names the file
         raise GGUFError(f"{path}: passed lowbit's GGUF checks but transformers could not convert its tokenizer: "
                         f"{type(e).__name__}: {e}") from e
-    target = Path(f"{entry}-tokenizer")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
+    with cache_entry(Path(f"{entry}-tokenizer")) as tmp:
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race: keep its entry
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return tok
 
 

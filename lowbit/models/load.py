@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
+from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, cache_entry, quiet_transformers
 from ..formats.gguf_file import GGUFError, bundled_model_path, read_gguf
 
 def cache_dir() -> Path:
@@ -63,22 +61,13 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     except Exception as e:  # what read_gguf's checks missed still names the file
         raise GGUFError(f"{gguf}: passed lowbit's GGUF checks but transformers could not load it: "
                         f"{type(e).__name__}: {e}") from e
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
-    try:
+    with cache_entry(entry) as tmp:
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the float copy is no longer GGUF-quantized
         config["lowbit_source"] = {"gguf": str(gguf), "note": note}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head copy
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, entry)
-        except OSError:  # another process won the race: keep its entry
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return entry
 
 
