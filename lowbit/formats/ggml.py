@@ -66,7 +66,13 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def block_type(name: str) -> BlockType:
-    """The ``BlockType`` called ``name`` (case-insensitive); a ValueError lists the known ones."""
+    """The ``BlockType`` called ``name`` (case-insensitive); a ValueError lists the known ones.
+
+    Example::
+
+        >>> block_type("q4_k"), block_type("Q4_K").bits_per_weight
+        (BlockType(name='Q4_K', block_size=256, type_size=144), 4.5)
+    """
     t = TYPES.get(str(name).upper())
     if t is None:
         raise ValueError(f"unknown ggml type {name!r}: expected one of {list(TYPES)}")

@@ -313,7 +313,14 @@ def _metadata(model, tokenizer, source: str | None) -> list[tuple[str, tuple]]:
 
 def tokenizer_pre(source: str | None) -> str:
     """llama.cpp's pre-tokenizer name: read from the GGUF file the model came from when
-    there is one, otherwise "default" (with a warning)."""
+    there is one, otherwise "default" (with a warning).
+
+    Example::
+
+        >>> from lowbit.models import bundled_model_path
+        >>> tokenizer_pre(str(bundled_model_path()))
+        'smollm'
+    """
     if source and str(source).endswith(".gguf") and Path(source).is_file():
         from .gguf_file import read_gguf
 
