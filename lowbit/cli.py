@@ -280,7 +280,7 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
     r = lowbit.Recipe.get(recipe) if recipe is not None else None
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model)
-    _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
+    _err(f"loaded {model or 'the bundled model'} in {time.perf_counter() - t0:.1f}s")
     if r is not None:
         lowbit.quantize_model(m, r, progress=True)
     t0 = time.perf_counter()
