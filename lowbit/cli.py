@@ -263,20 +263,11 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
     import warnings
 
     import lowbit
-    from lowbit.formats.gguf_export import TARGET_TYPES, export_gguf
+    from lowbit.formats.gguf_export import check_arguments, export_gguf
 
     if format != "gguf":
         raise ValueError(f"--format must be 'gguf', got {format!r} (compressed-tensors is not written yet)")
-    for label, value in (("--type", type), ("--float-type", float_type)):
-        if value is not None and value.upper() not in TARGET_TYPES:
-            raise ValueError(f"{label} must be one of {[t.lower() for t in TARGET_TYPES]}, got {value!r}")
-    out = os.path.abspath(output)
-    if os.path.isdir(out):
-        raise IsADirectoryError(f"output {output!r} is a folder; expected a .gguf file path")
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"output {output!r} exists; pass --force to replace it")
-    if not os.path.isdir(os.path.dirname(out)):
-        raise FileNotFoundError(f"output folder {os.path.dirname(out)!r} does not exist")
+    out = os.path.abspath(check_arguments(output, type, float_type, force, "--force")[0])  # before loading the model
     r = lowbit.Recipe.get(recipe) if recipe is not None else None
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model)

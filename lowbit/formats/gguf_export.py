@@ -167,17 +167,19 @@ def _codes_fit(qt, target: str) -> str | None:
     return None
 
 
-def _keep_codes(qt, target: str) -> torch.Tensor:
+def _keep_codes(qt, target: str) -> torch.Tensor | None:
     """Blocks of ``target`` holding ``qt``'s codes; its scale (and -zero_point * scale as
-    the min) rounded to float16."""
+    the min) rounded to float16.  None when one of them overflows float16 (every stored
+    value is then finite: |d * q| <= 65504 * 255)."""
     from ..ops import unpack_bits
 
     s = qt.scheme
     q = qt.codes if not s.is_packed else unpack_bits(qt.codes, s.bits, s.packing, signed=s.symmetric)
     q = q.to(torch.int32).reshape(-1, 32)
     scale = qt.scale.to(torch.float32)
+    d = _block_params(qt, scale).to(torch.float16)
     if target in ("Q4_0", "Q5_0", "Q8_0"):  # symmetric codes: x = d * (q - offset)
-        return ggml.pack_simple(target, q + ggml.CODE_OFFSET[target], _block_params(qt, scale).to(torch.float16))
+        return ggml.pack_simple(target, q + ggml.CODE_OFFSET[target], d) if bool(d.isfinite().all()) else None
     if s.symmetric:  # signed codes into an unsigned min type: q + 2^(b-1), m = -2^(b-1) * scale
         half = 1 << (s.bits - 1)
         q, m = q + half, -half * scale
@@ -185,8 +187,8 @@ def _keep_codes(qt, target: str) -> torch.Tensor:
         m = qt.zero_point.to(torch.float32)
     else:
         m = -(qt.zero_point.to(torch.float32) * scale)
-    return ggml.pack_simple(target, q, _block_params(qt, scale).to(torch.float16),
-                            _block_params(qt, m).to(torch.float16))
+    m = _block_params(qt, m).to(torch.float16)
+    return ggml.pack_simple(target, q, d, m) if bool(d.isfinite().all() and m.isfinite().all()) else None
 
 
 def encode(weight, target: str) -> tuple[torch.Tensor, str]:
@@ -207,7 +209,7 @@ def encode(weight, target: str) -> tuple[torch.Tensor, str]:
         why = _codes_fit(weight, target)
         if why is None:
             raw = _keep_codes(weight, target)
-            if bool(torch.isfinite(ggml.dequantize(raw, target, weight.shape)).all()):
+            if raw is not None:
                 return raw.reshape(weight.shape[0], -1), "codes kept"
             why = "its scales overflow float16"
         from ..ops import dequantize
@@ -377,6 +379,32 @@ def _file_type(types: list[str]) -> int:
     return int(gguf.LlamaFileType[names.get(linear, f"MOSTLY_{linear}")])
 
 
+def check_arguments(path: str | os.PathLike, type: str | None, float_type: str | None, overwrite: bool,
+                    overwrite_flag: str = "overwrite=True (--force)") -> tuple[Path, str | None, str | None]:
+    """``(path, type, float_type)`` of an export, checked before any work: types among
+    ``TARGET_TYPES`` (any case; returned upper case), an output file that does not exist
+    (unless ``overwrite``, which the error names as ``overwrite_flag``) in a folder that does.
+
+    Example::
+
+        >>> check_arguments("m.gguf", "q4_0", None, False)
+        (PosixPath('m.gguf'), 'Q4_0', None)
+    """
+    checked = []
+    for label, value in [("type", type), ("float_type", float_type)]:
+        if value is not None and str(value).upper() not in TARGET_TYPES:
+            raise ValueError(f"{label} must be one of {[t.lower() for t in TARGET_TYPES]}, got {value!r}")
+        checked.append(None if value is None else str(value).upper())
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"output {str(path)!r} is a folder; expected a .gguf file path")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"output {str(path)!r} exists; pass {overwrite_flag} to replace it")
+    if not path.absolute().parent.is_dir():
+        raise FileNotFoundError(f"output folder {str(path.absolute().parent)!r} does not exist")
+    return path, *checked
+
+
 def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: str | None = None,
                 float_type: str | None = None, strict: bool = False, overwrite: bool = False) -> GGUFExport:
     """Write ``model`` (a Llama-family transformers model, float or quantized by lowbit)
@@ -406,18 +434,7 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     """
     import gguf
 
-    path = Path(path)
-    targets = {}
-    for label, value in [("type", type), ("float_type", float_type)]:
-        if value is not None and str(value).upper() not in TARGET_TYPES:
-            raise ValueError(f"{label} must be one of {[t.lower() for t in TARGET_TYPES]}, got {value!r}")
-        targets[label] = None if value is None else str(value).upper()
-    if path.is_dir():
-        raise IsADirectoryError(f"output {str(path)!r} is a folder; expected a .gguf file path")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"output {str(path)!r} exists; pass overwrite=True (--force) to replace it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"output folder {str(path.parent)!r} does not exist")
+    path, type, float_type = check_arguments(path, type, float_type, overwrite)
 
     metadata = _metadata(model, tokenizer, getattr(model, "lowbit_source", None))
     c = model.config
@@ -428,10 +445,10 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
         is_linear = name.startswith("blk.") and len(w.shape) == 2
         if len(w.shape) == 1:
             target = "F32"
-        elif is_linear and targets["type"]:
-            target = targets["type"]
-        elif not is_linear and targets["float_type"] and not hasattr(w, "scheme"):
-            target = targets["float_type"]
+        elif is_linear and type:
+            target = type
+        elif not is_linear and float_type and not hasattr(w, "scheme"):
+            target = float_type
         else:
             target = default_type(w)
         kind = name.split(".")[-2]
@@ -486,5 +503,5 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     return result
 
 
-__all__ = ["export_gguf", "encode", "default_type", "gguf_name", "rope_rows", "GGUFExport", "TensorExport",
+__all__ = ["export_gguf", "check_arguments", "encode", "default_type", "gguf_name", "rope_rows", "GGUFExport", "TensorExport",
            "GGUFExportError", "TARGET_TYPES"]
