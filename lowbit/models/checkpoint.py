@@ -142,7 +142,7 @@ def _discard(out: Path, backup: Path) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def _recover(out: Path) -> None:
+def _recover(out: Path, replaceable=_not_a_checkpoint) -> None:
     """Finish what an interrupted replacement of ``out`` left: put the old checkpoint
     back when ``out`` is missing, delete it when ``out`` is there (the new one)."""
     for d in _siblings(out, "del"):
@@ -156,7 +156,7 @@ def _recover(out: Path) -> None:
                 pass
         elif os.path.lexists(out):
             _discard(out, d)
-        elif _not_a_checkpoint(old) is None:
+        elif replaceable(old) is None:
             os.rename(old, out)
             os.rmdir(d)
 
@@ -178,7 +178,8 @@ def _replace(tmp: Path, out: Path) -> None:
     _discard(out, backup)
 
 
-def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
+def check_output_dir(path: str | os.PathLike, overwrite: bool = False, *, replaceable=_not_a_checkpoint,
+                     what: str = "checkpoint") -> Path:
     """Check, before any work, that ``save_quantized(model, path, overwrite=overwrite)``
     can write its checkpoint folder ``path``; returns ``path`` as a Path.
 
@@ -187,6 +188,8 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     anything else (a file, a device, another folder) is refused.  Its nearest existing
     parent must be a folder this process can create folders in.  A checkpoint that an
     interrupted replacement left aside (hidden ``.NAME.lowbit-old-*``) is put back first.
+    Other writers of folders (``lowbit export --format compressed-tensors``) pass their
+    own ``replaceable(path) -> reason or None`` and the ``what`` their errors name.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False, or it is not a
@@ -207,12 +210,12 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     given = Path(path)
     out = Path(os.path.abspath(given))
     if out.parent == out:
-        raise FileExistsError(f"{str(given)!r} is a file system root; a checkpoint needs a folder of its own")
-    _recover(out)
+        raise FileExistsError(f"{str(given)!r} is a file system root; a {what} needs a folder of its own")
+    _recover(out, replaceable)
     if os.path.lexists(out):
         if not overwrite:
             raise FileExistsError(f"{str(given)!r} exists; pass overwrite=True (CLI: --force) to replace it")
-        why = _not_a_checkpoint(out)
+        why = replaceable(out)
         if why is not None:
             raise FileExistsError(f"{str(given)!r} exists and {why}; refusing to replace it")
     parent = out.parent
@@ -263,7 +266,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
 
 
 @contextlib.contextmanager
-def staging(path: str | os.PathLike, overwrite: bool = False):
+def staging(path: str | os.PathLike, overwrite: bool = False, *, replaceable=_not_a_checkpoint,
+            what: str = "checkpoint"):
     """A new hidden folder beside ``path`` to write a checkpoint into; when the block
     ends without an error it replaces ``path`` atomically (``check_output_dir`` runs
     first, and again before a replacement), else it is deleted.
@@ -277,7 +281,7 @@ def staging(path: str | os.PathLike, overwrite: bool = False):
         ...     sorted(p.name for p in Path(d).iterdir())
         ['ckpt']
     """
-    given = check_output_dir(path, overwrite)
+    given = check_output_dir(path, overwrite, replaceable=replaceable, what=what)
     out = Path(os.path.abspath(given))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out.parent, out.name, "tmp")
@@ -289,7 +293,7 @@ def staging(path: str | os.PathLike, overwrite: bool = False):
             if f.is_file():
                 os.chmod(f, file_mode)
         if os.path.lexists(out):
-            check_output_dir(given, overwrite)  # still a checkpoint after the writing
+            check_output_dir(given, overwrite, replaceable=replaceable, what=what)  # still ours after the writing
             _replace(tmp, out)
         else:
             os.rename(tmp, out)

@@ -1,0 +1,480 @@
+"""compressed-tensors: the quantized checkpoint format that vLLM and transformers load.
+
+A model folder (``config.json`` with a ``quantization_config`` whose ``quant_method`` is
+"compressed-tensors", ``model.safetensors``, the tokenizer's files).  The tensors of a
+quantized linear ``NAME`` [N, K] with groups of G (``strategy`` "group"; "channel" has one
+scale per row, "tensor" one in all)::
+
+    pack-quantized (weight-only schemes)
+        NAME.weight_packed      int32 [N, ceil(K * b / 32)]   codes, packed along K
+        NAME.weight_scale       [N, K / G]  ("channel": [N, 1], "tensor": [1])
+        NAME.weight_shape       int64 [2] = (N, K)
+        NAME.weight_zero_point  int32 [ceil(N * b / 32), K / G]   asymmetric only: packed
+                                along N (dim 0), not along K
+    int-quantized (schemes that also quantize activations)
+        NAME.weight             int8 [N, K]   codes, one per byte
+        NAME.weight_scale, NAME.weight_zero_point (int8, same shape as the scale)
+        NAME.input_scale        [1]  (and NAME.input_zero_point, int8 [1]): static
+                                per-tensor activations only; per-token ones are dynamic
+
+Codes and zero points are *signed*: a b-bit value v lies in ``[-2^(b-1), 2^(b-1))`` and
+dequantizes to ``(v - zero_point) * scale``.  Packing stores ``v + 2^(b-1)`` as a dense
+little-endian bit stream: 32 values fill exactly b int32 words, value i of a row at bits
+``b*i .. b*i + b - 1`` of the row's stream (a row is padded with zeros to a multiple of 32
+values, then cut to the words it needs).  This is not lowbit's two's-complement ``u32``
+layout, but it holds the same values: lowbit's symmetric codes are those signed values,
+and its asymmetric codes u in ``[0, 2^b)`` with integer zero point z become
+``v = u - 2^(b-1)`` and ``zero_point = z - 2^(b-1)``, so ``v - zero_point = u - z`` and every
+weight dequantizes to the same number.  Schemes with a float or "min" zero point (HQQ,
+GGUF's Q4_1) have no compressed-tensors form and are refused, never converted silently.
+
+The layouts and ``config.json`` fields are those the ``compressed-tensors`` package
+(version ``FORMAT_VERSION``) writes; the tests check both against the package itself.
+
+Example::
+
+    >>> import torch, lowbit
+    >>> from lowbit.formats import compressed_tensors as ct
+    >>> qt = lowbit.quantize(torch.randn(8, 64), "int4-sym-g32")
+    >>> sorted((k, tuple(v.shape)) for k, v in ct.encode_weight(qt, "weight_only").items())
+    [('weight_packed', (8, 8)), ('weight_scale', (8, 2)), ('weight_shape', (2,))]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..qtensor import QTensor
+from ..scheme import QuantScheme
+
+FORMAT_VERSION = "0.19.0"  # the compressed-tensors release whose layout this module writes
+QUANT_METHOD = "compressed-tensors"
+EXPORT_MARK = {"format": "pt", "lowbit_export": "compressed-tensors"}  # safetensors metadata of our files
+WEIGHTS = "model.safetensors"
+_STRATEGY = {"group": "group", "channel": "channel", "tensor": "tensor"}
+
+
+class CompressedTensorsError(ValueError):
+    """A model or file that compressed-tensors cannot express, named with the reason."""
+
+
+# -- the arguments of one quantized tensor (config.json) -----------------------------------
+def _args(bits: int, symmetric: bool, strategy: str, group_size: int | None, dynamic: bool) -> dict:
+    """One ``QuantizationArgs`` as compressed-tensors serialises it (every field, its order)."""
+    return {
+        "actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": group_size,
+        "num_bits": bits, "observer": None, "observer_kwargs": {}, "scale_dtype": None,
+        "strategy": strategy, "symmetric": symmetric, "type": "int",
+        "zp_dtype": None if symmetric else "torch.int8",
+    }
+
+
+def weight_args(scheme: QuantScheme | str) -> dict:
+    """compressed-tensors' ``weights`` arguments for a lowbit weight scheme; raises
+    ``CompressedTensorsError`` for a scheme it cannot hold exactly.
+
+    Example::
+
+        >>> a = weight_args("int4-asym-g64-f16")
+        >>> a["num_bits"], a["strategy"], a["group_size"], a["symmetric"], a["zp_dtype"]
+        (4, 'group', 64, False, 'torch.int8')
+    """
+    s = scheme if isinstance(scheme, QuantScheme) else QuantScheme.parse(str(scheme))
+    if s.zero_point_domain != "int":
+        raise CompressedTensorsError(
+            f"weight scheme '{s}' has a {s.zero_point_domain!r} zero point; compressed-tensors stores "
+            "integer zero points only (quantize with an int zero point, e.g. 'int4-asym-g32-f16')")
+    if s.granularity not in _STRATEGY:
+        raise CompressedTensorsError(f"weight scheme '{s}' is per {s.granularity}; weights are per group, "
+                                     "channel or tensor")
+    return _args(s.bits, s.symmetric, _STRATEGY[s.granularity], s.group_size, dynamic=False)
+
+
+def activation_args(act_scheme: QuantScheme | str | None) -> dict | None:
+    """compressed-tensors' ``input_activations`` for a lowbit activation scheme: per token
+    is dynamic, per tensor is static (``input_scale`` in the file).
+
+    Example::
+
+        >>> a = activation_args("int8-sym-token")
+        >>> a["strategy"], a["dynamic"], a["symmetric"]
+        ('token', True, True)
+    """
+    if act_scheme is None:
+        return None
+    s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(str(act_scheme))
+    if s.bits != 8 or s.zero_point_domain != "int" or s.granularity not in ("token", "tensor"):
+        raise CompressedTensorsError(f"activation scheme '{s}' has no compressed-tensors form; "
+                                     "activations are int8 per token (dynamic) or per tensor (static)")
+    return _args(8, s.symmetric, s.granularity, None, dynamic=s.granularity == "token")
+
+
+def compression_format(act_scheme) -> str:
+    """The format compressed-tensors picks: "int-quantized" (one int8 per code) when
+    activations are quantized too, else "pack-quantized".
+
+    Example::
+
+        >>> compression_format(None), compression_format("int8-sym-token")
+        ('pack-quantized', 'int-quantized')
+    """
+    return "pack-quantized" if act_scheme is None else "int-quantized"
+
+
+# -- codes --------------------------------------------------------------------------------
+def _signed_codes(qt: QTensor) -> torch.Tensor:
+    """int8 [N, K]: the QTensor's codes as compressed-tensors' signed values."""
+    from ..ops import unpack_bits
+
+    s = qt.scheme
+    codes = qt.codes if not s.is_packed else unpack_bits(qt.codes, s.bits, s.packing, signed=s.symmetric)
+    if s.symmetric:
+        return codes.to(torch.int8)
+    return (codes.to(torch.int16) - (1 << (s.bits - 1))).to(torch.int8)
+
+
+def pack(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """Pack signed ``bits``-bit values (int8 [R, C]) along ``dim`` into int32 words as
+    compressed-tensors does: ``v + 2^(b-1)`` in a dense little-endian bit stream.
+
+    Example::
+
+        >>> pack(torch.tensor([[-8, -7, 0, 7, 1, 2, 3, 4]], dtype=torch.int8), 4)
+        tensor([[-878053360]], dtype=torch.int32)
+    """
+    from ..ops import pack_bits
+
+    if values.dtype != torch.int8 or values.dim() != 2:
+        raise ValueError(f"values must be a 2-D int8 tensor, got {values.dtype} of shape {tuple(values.shape)}")
+    v = values.t() if dim == 0 else values
+    rows, cols = v.shape
+    words = -(-cols * bits // 32)
+    u = v.to(torch.int32) + (1 << (bits - 1))
+    per = 32 if bits < 8 else 4
+    u = torch.nn.functional.pad(u, (0, -cols % per))
+    if bits < 8:
+        out = pack_bits(u.to(torch.uint8), bits, "u32")
+    else:
+        shifts = torch.arange(0, 32, 8, dtype=torch.int64)
+        out = (u.to(torch.int64).reshape(rows, -1, 4) << shifts).sum(-1).to(torch.int32)
+    out = out[:, :words]
+    return (out.t() if dim == 0 else out).contiguous()
+
+
+def unpack(words: torch.Tensor, bits: int, length: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of ``pack``: the first ``length`` signed values along ``dim`` (int8).
+
+    Example::
+
+        >>> unpack(pack(torch.tensor([[-4, 3, 0, 1]], dtype=torch.int8), 3), 3, 4)
+        tensor([[-4,  3,  0,  1]], dtype=torch.int8)
+    """
+    from ..ops import unpack_bits
+
+    if words.dtype != torch.int32 or words.dim() != 2:
+        raise ValueError(f"packed words must be a 2-D int32 tensor, got {words.dtype} of shape {tuple(words.shape)}")
+    w = words.t() if dim == 0 else words
+    if w.shape[1] * 32 < length * bits:
+        raise ValueError(f"{w.shape[1]} int32 words hold {w.shape[1] * 32 // bits} {bits}-bit values, "
+                         f"fewer than the {length} expected")
+    if bits < 8:
+        w = torch.nn.functional.pad(w, (0, -w.shape[1] % bits))
+        u = unpack_bits(w.contiguous(), bits, "u32", signed=False).to(torch.int16)
+    else:
+        shifts = torch.arange(0, 32, 8, dtype=torch.int32)
+        u = ((w.to(torch.int32)[..., None] >> shifts) & 0xFF).reshape(w.shape[0], -1).to(torch.int16)
+    v = (u[:, :length] - (1 << (bits - 1))).to(torch.int8)
+    return (v.t() if dim == 0 else v).contiguous()
+
+
+def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
+    """The tensors (names relative to the module) of one quantized weight [N, K] in
+    ``kind`` "weight_only" (pack-quantized) or "int" (int-quantized) form.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> qt = lowbit.quantize(torch.randn(64, 64), "int4-asym-g32-f16")
+        >>> {k: tuple(v.shape) for k, v in encode_weight(qt, "weight_only").items()}
+        {'weight_packed': (64, 8), 'weight_scale': (64, 2), 'weight_shape': (2,), 'weight_zero_point': (8, 2)}
+    """
+    s = qt.scheme
+    weight_args(s)  # refuses what has no form
+    if len(qt.shape) != 2:
+        raise CompressedTensorsError(f"a quantized weight must be 2-D, got shape {tuple(qt.shape)}")
+    n, k = qt.shape
+    values = _signed_codes(qt)
+    scale = qt.scale.reshape(n, 1) if s.granularity == "channel" else qt.scale
+    zp = None
+    if not s.symmetric:
+        zp = (qt.zero_point.to(torch.int16) - (1 << (s.bits - 1))).to(torch.int8)
+        zp = zp.reshape(scale.shape)
+    if kind == "int":
+        out = {"weight": values, "weight_scale": scale}
+        if zp is not None:
+            out["weight_zero_point"] = zp
+        return out
+    if kind != "weight_only":
+        raise ValueError(f"kind must be 'weight_only' or 'int', got {kind!r}")
+    out = {"weight_packed": pack(values, s.bits), "weight_scale": scale,
+           "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if zp is not None:
+        # per group or channel the zero points are packed too, along the rows
+        out["weight_zero_point"] = pack(zp, s.bits, dim=0) if s.granularity != "tensor" else zp
+    return out
+
+
+# -- the model ------------------------------------------------------------------------------
+@dataclass
+class ModuleExport:
+    """One quantized linear as written: its lowbit schemes and compressed-tensors format."""
+
+    name: str
+    weight: str
+    activation: str | None
+    format: str
+    numel: int
+    nbytes: int
+
+
+@dataclass
+class CompressedTensorsExport:
+    """What ``export_compressed_tensors`` wrote."""
+
+    path: Path
+    modules: list[ModuleExport] = field(default_factory=list)
+    float_tensors: int = 0
+    float_numel: int = 0
+    float_nbytes: int = 0
+    config: dict = field(default_factory=dict)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Bits per value over every tensor of the file (codes, scales, zero points, floats)."""
+        n = sum(m.numel for m in self.modules) + self.float_numel
+        return 8 * (sum(m.nbytes for m in self.modules) + self.float_nbytes) / max(n, 1)
+
+    def table(self) -> str:
+        """One line per (weight scheme, activation scheme): format, modules, bits/weight."""
+        rows: dict[tuple, list[ModuleExport]] = {}
+        for m in self.modules:
+            rows.setdefault((m.weight, m.activation or "-", m.format), []).append(m)
+        head = ("weight scheme", "activations", "format", "modules", "stored", "bits/weight")
+        lines = [head] + [(w, a, f, str(len(ms)), "exact", f"{8 * sum(m.nbytes for m in ms) / sum(m.numel for m in ms):.3f}")
+                          for (w, a, f), ms in rows.items()]
+        if self.float_tensors:
+            lines.append(("float", "-", "dense", str(self.float_tensors), "exact",
+                          f"{8 * self.float_nbytes / max(self.float_numel, 1):.3f}"))
+        widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+        out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+        out.append(f"{len(self.modules)} quantized linears, every tensor stored exactly; "
+                   f"{self.bits_per_weight:.3f} bits per weight over the whole file")
+        return "\n".join(out)
+
+
+def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    from ..nn import QuantEmbedding, QuantLinear
+
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantEmbedding):
+            raise CompressedTensorsError(
+                f"module {name!r} is a quantized embedding; vLLM and transformers load compressed-tensors "
+                "quantization of linear layers only (quantize without the embedding)")
+        if isinstance(mod, QuantLinear):
+            if mod.weight.qtensor().scheme.granularity == "channel" and len(mod.weight.shape) != 2:
+                raise CompressedTensorsError(f"module {name!r}: weight must be 2-D")
+            if not mod.act_calibrated:
+                raise CompressedTensorsError(f"module {name!r}: per-tensor activation scale not calibrated")
+            out[name] = mod
+    if not out:
+        raise CompressedTensorsError("model has no quantized linears: quantize it with lowbit.quantize_model "
+                                     "(or give lowbit export a --recipe)")
+    return out
+
+
+def _config_groups(linears: dict[str, nn.Module], float_linears: list[str]) -> tuple[dict, list[str]]:
+    """``config_groups`` and ``ignore``: one group per distinct (weights, activations);
+    a single group targets "Linear" and ignores the float linears, several name their
+    modules (disjoint targets, so no module matches two groups)."""
+    groups: dict[str, dict] = {}
+    members: dict[str, list[str]] = {}
+    for name, mod in linears.items():
+        act = mod.act_scheme
+        scheme = {"format": compression_format(act), "input_activations": activation_args(act),
+                  "output_activations": None, "weights": weight_args(mod.weight.qtensor().scheme)}
+        key = json.dumps(scheme, sort_keys=True)
+        groups.setdefault(key, scheme)
+        members.setdefault(key, []).append(name)
+    out = {}
+    for i, (key, scheme) in enumerate(groups.items()):
+        targets = ["Linear"] if len(groups) == 1 else members[key]
+        out[f"group_{i}"] = {**scheme, "targets": targets}
+    return out, (sorted(float_linears) if len(groups) == 1 else [])
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def quantization_config(config_groups: dict, ignore: list[str], formats: set[str]) -> dict:
+    """The ``quantization_config`` of ``config.json``, with every key compressed-tensors
+    writes."""
+    return {
+        "config_groups": config_groups,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": QUANT_METHOD,
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": FORMAT_VERSION,
+    }
+
+
+def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Check, before any work, that a compressed-tensors folder can be written at ``path``:
+    it must not exist, unless ``overwrite`` and it is a folder an earlier export wrote
+    (its model.safetensors says so); nothing else is ever replaced.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     check_output(d, overwrite=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        FileExistsError: '...' exists and is not a compressed-tensors folder written by lowbit export; refusing to replace it
+    """
+    from ..models.checkpoint import check_output_dir
+
+    return check_output_dir(path, overwrite, replaceable=_not_an_export, what="compressed-tensors folder")
+
+
+def _not_an_export(p: Path) -> str | None:
+    """Why the existing ``p`` is not a folder an earlier export wrote (None: it is)."""
+    if p.is_symlink() or not p.is_dir():
+        return "is not a folder"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(p / WEIGHTS), "pt") as f:
+            meta = f.metadata() or {}
+        if any(e.is_dir(follow_symlinks=False) for e in os.scandir(p)):
+            return "holds folders, which an export never does"
+    except Exception:  # noqa: BLE001 - any unreadable file means "not ours"
+        meta = {}
+    if meta.get("lowbit_export") != EXPORT_MARK["lowbit_export"]:
+        return "is not a compressed-tensors folder written by lowbit export"
+    return None
+
+
+def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLike, *,
+                              overwrite: bool = False) -> CompressedTensorsExport:
+    r"""Write ``model`` (a transformers causal LM quantized by lowbit) as a
+    compressed-tensors folder that vLLM and transformers load.
+
+    Every quantized linear is stored exactly (its codes, scales and zero points as they
+    are); a scheme compressed-tensors cannot hold (float or "min" zero points, quantized
+    embeddings) is refused with ``CompressedTensorsError`` before anything is written.
+    Tied embeddings are stored once, as ``model.embed_tokens.weight``; ``config.json``
+    names the architecture.  The folder is written beside ``path`` and renamed into
+    place, so an interrupted export leaves nothing half-written.
+
+    Example::
+
+        >>> import tempfile, lowbit
+        >>> from lowbit.formats.compressed_tensors import export_compressed_tensors
+        >>> model, tok = lowbit.load_model()
+        >>> q = lowbit.quantize_model(model, lowbit.Recipe.get("w8a8"))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = export_compressed_tensors(q, tok, d + "/smollm2-w8a8")
+        >>> print(out.table())
+        weight scheme  activations     format         modules  stored  bits/weight
+        int8-sym       int8-sym-token  int-quantized  210      exact   8.047
+        float          -               dense          62       exact   32.000
+        210 quantized linears, every tensor stored exactly; 13.095 bits per weight over the whole file
+    """
+    from safetensors.torch import save_file
+
+    from ..models.checkpoint import staging
+
+    check_output(path, overwrite)
+    linears = _quantized_linears(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CompressedTensorsError("model has no transformers config; export a transformers causal LM")
+    tensors: dict[str, torch.Tensor] = {}
+    result = CompressedTensorsExport(Path(path))
+    formats = set()
+    for name, mod in linears.items():
+        qt = mod.weight.qtensor()
+        fmt = compression_format(mod.act_scheme)
+        formats.add(fmt)
+        parts = encode_weight(qt, "int" if fmt == "int-quantized" else "weight_only")
+        if mod.act_scale is not None:
+            parts["input_scale"] = mod.act_scale.reshape(1)
+            if mod.act_zero_point is not None:
+                parts["input_zero_point"] = (mod.act_zero_point.to(torch.int16) - 128).to(torch.int8).reshape(1)
+        if mod.bias is not None:
+            parts["bias"] = mod.bias.detach()
+        for k, v in parts.items():
+            tensors[f"{name}.{k}"] = v.contiguous()
+        result.modules.append(ModuleExport(name, str(qt.scheme), mod.act_scheme, fmt, qt.numel(),
+                                           sum(v.numel() * v.element_size() for k, v in parts.items()
+                                               if k not in ("weight_shape", "bias"))))
+    # the float tensors; a tied output weight is written once, as the embedding
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        module = name.rsplit(".", 1)[0]
+        if any(module == q or module.startswith(q + ".") for q in linears):
+            continue
+        if not t.is_floating_point():
+            raise CompressedTensorsError(f"tensor {name!r} ({t.dtype}) is neither a float weight nor part of "
+                                         "a quantized linear")
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen:  # the output weight tied to the embedding
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous()
+        result.float_tensors += 1
+        result.float_numel += t.numel()
+        result.float_nbytes += t.numel() * t.element_size()
+    float_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    groups, ignore = _config_groups(linears, float_linears)
+    data = config.to_dict()
+    data["architectures"] = [type(model).__name__]
+    data["dtype"] = str(_float_dtype(model)).removeprefix("torch.")
+    if tied and ("lm_head" in linears or "lm_head.weight" in tensors):
+        data["tie_word_embeddings"] = False  # the head is stored on its own (quantized, or untied in memory)
+    data["quantization_config"] = quantization_config(groups, ignore, formats)
+    result.config = data["quantization_config"]
+    with staging(path, overwrite, replaceable=_not_an_export, what="compressed-tensors folder") as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata=dict(EXPORT_MARK))
+        (tmp / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            with contextlib.suppress(Exception), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                gen.to_json_file(str(tmp / "generation_config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return result
+
+
+__all__ = ["export_compressed_tensors", "check_output", "encode_weight", "weight_args", "activation_args",
+           "compression_format", "quantization_config", "pack", "unpack", "CompressedTensorsExport",
+           "CompressedTensorsError", "FORMAT_VERSION"]
