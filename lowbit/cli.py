@@ -10,6 +10,7 @@ Example::
     $ lowbit generate smollm2-w4a16 "Tell me about Paris."       # chat, fast decode
     $ lowbit info smollm2-w4a16                                  # what a checkpoint holds
     $ lowbit export smollm2-w4a16 --format gguf -o smollm2.gguf  # for llama.cpp
+    $ lowbit export smollm2-w4a16 --format compressed-tensors -o smollm2-ct   # for vLLM, transformers
     $ lowbit demo                                                # weight error of every linear at several schemes
 """
 
@@ -25,10 +26,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from pathlib import Path
 
 if TYPE_CHECKING:
     from lowbit.recipe import Recipe
 
+EXPORT_FORMATS = ("gguf", "compressed-tensors")
 DEMO_SCHEMES = [
     # SmolLM2's in_features are 576 and 1536: group sizes must divide 576 = 9 * 64.
     "int8-sym", "int8-asym", "int4-asym-channel", "int4-sym-g64", "int4-asym-g64", "int4-asym-g32",
@@ -241,9 +244,11 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
                float_type: str | None = None, strict: bool = False, force: bool = False,
                recipe: str | None = None) -> dict:
     r"""Write MODEL (a lowbit checkpoint, or a float model, quantized on the fly with
-    ``recipe`` when given) as another tool's format; prints, per source scheme, the
-    ggml type, whether the tensors are stored exactly, the worst error and the file's
-    bits per weight.
+    ``recipe`` when given) as another tool's format: a GGUF file for llama.cpp
+    (``format="gguf"``; prints, per source scheme, the ggml type, whether the tensors are
+    stored exactly, the worst error and the file's bits per weight) or a
+    compressed-tensors folder for vLLM and transformers (``format="compressed-tensors"``;
+    always exact, or refused; prints the schemes and formats written).
 
     Example::
 
@@ -263,18 +268,43 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
     import warnings
 
     import lowbit
-    from lowbit.formats.gguf_export import check_arguments, export_gguf
 
-    if format != "gguf":
-        raise ValueError(f"--format must be 'gguf', got {format!r} (compressed-tensors is not written yet)")
-    out = os.path.abspath(check_arguments(output, type, float_type, force, "--force")[0])  # before loading the model
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"--format must be one of {list(EXPORT_FORMATS)}, got {format!r}")
+    if format == "gguf":
+        from lowbit.formats.gguf_export import check_arguments
+
+        out = os.path.abspath(check_arguments(output, type, float_type, force, "--force")[0])  # before loading
+    else:
+        from lowbit.formats.compressed_tensors import check_output
+
+        for flag, value in (("--type", type), ("--float-type", float_type)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to --format gguf; a compressed-tensors export keeps every "
+                                 "scheme as it is")
+        out = os.path.abspath(check_output(output, force))
     r = lowbit.Recipe.get(recipe) if recipe is not None else None
+    if r is not None and format == "compressed-tensors":
+        from lowbit.formats.compressed_tensors import check_recipe
+
+        check_recipe(r)
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model)
     _err(f"loaded {model or 'the bundled model'} in {time.perf_counter() - t0:.1f}s")
     if r is not None:
         lowbit.quantize_model(m, r, progress=True)
     t0 = time.perf_counter()
+    if format == "compressed-tensors":
+        from lowbit.formats.compressed_tensors import export_compressed_tensors
+
+        ct = export_compressed_tensors(m, tok, out, overwrite=force)
+        print(ct.table())
+        size = sum(f.stat().st_size for f in Path(out).iterdir())
+        print(f"wrote {out} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+        return {"path": out, "tensors": len(ct.modules) + ct.float_tensors, "inexact": 0,
+                "bits_per_weight": ct.bits_per_weight}
+    from lowbit.formats.gguf_export import export_gguf
+
     with warnings.catch_warnings(record=True) as seen:  # the table below says the same, per scheme
         warnings.simplefilter("always")
         result = export_gguf(m, tok, out, type=type, float_type=float_type, strict=strict, overwrite=force)
@@ -739,32 +769,45 @@ tokens/s go to stderr.  The prompt is wrapped in the model's chat template unles
     p.add_argument("--seed", type=int_at_least(0), help="with --sample: random seed (default: 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (default: apply it)")
 
-    p = _command(sub, "export", "write a model for another tool: GGUF for llama.cpp", """
+    p = _command(sub, "export", "write a model for another tool: GGUF (llama.cpp), compressed-tensors (vLLM)", """
 Write MODEL (a lowbit checkpoint, a float model, or a float model quantized on the fly
-with --recipe) as a GGUF file llama.cpp loads.  A weight whose scheme maps onto a ggml
+with --recipe) as a GGUF file llama.cpp loads (--format gguf, the default) or as a
+compressed-tensors folder vLLM and transformers load (--format compressed-tensors).
+
+GGUF:   A weight whose scheme maps onto a ggml
 type keeps its codes: symmetric codes of up to 4 bits are Q4_0, 8-bit ones Q8_0, both
 exactly when the scales are float16 (the -f16 schemes); asymmetric 4-bit codes are Q4_1
 with the min rounded to float16.  Anything else is re-quantized with ggml's quantizer.
 The table at the end gives, per source scheme, the ggml type, how it was stored, the
 worst relative error against lowbit's own weights, and the bits per weight; --strict
 refuses to write a file in which any tensor is not exact.  The file is written to a
-temporary name and renamed, so an interrupted export leaves no partial file.""", """
+temporary name and renamed, so an interrupted export leaves no partial file.
+
+compressed-tensors: every quantized linear keeps its codes, scales and integer zero
+points (pack-quantized for weight-only schemes, int-quantized with int8 activations);
+a scheme the format cannot hold (float or min zero points, a quantized embedding) is
+refused.  The folder is written beside its name and renamed into place; --force
+replaces only a folder an earlier compressed-tensors export wrote.""", """
   lowbit export smollm2-gptq -o smollm2.gguf --strict   # after lowbit quantize --recipe q4_0 --method gptq -o smollm2-gptq
+  lowbit export --recipe w8a8 --format compressed-tensors -o smollm2-w8a8   # for vLLM
   lowbit export --recipe q4_0 -o smollm2-q4_0.gguf --strict
   lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf""")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
-    p.add_argument("-o", "--output", required=True, help="file to write (required)")
-    p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (default: %(default)s)")
+    p.add_argument("-o", "--output", required=True,
+                   help="file (gguf) or folder (compressed-tensors) to write (required)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="gguf", help="output format (default: %(default)s)")
     p.add_argument("--type", type=str.lower, choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16", "f32"],
-                   help="ggml type of every decoder linear weight (default: per weight, from its scheme: "
+                   help="gguf: ggml type of every decoder linear weight (default: per weight, from its scheme: "
                         "Q4_0/Q4_1 up to 4 bits, Q8_0 for 8 bits, float weights stay float)")
     p.add_argument("--float-type", type=str.lower, choices=["q8_0", "f16", "bf16", "f32"],
-                   help="ggml type of a float embedding / output weight (default: its own dtype)")
+                   help="gguf: ggml type of a float embedding / output weight (default: its own dtype)")
     p.add_argument("--recipe", help="quantize a float MODEL with this preset or recipe file first "
                                     "(default: export the model as it is)")
     p.add_argument("--strict", action="store_true",
                    help="refuse (write nothing) unless every tensor is stored exactly (default: convert and report)")
-    p.add_argument("--force", action="store_true", help="replace an existing output file (default: refuse)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output (a compressed-tensors folder only if an earlier export "
+                        "wrote it; default: refuse)")
 
     p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)

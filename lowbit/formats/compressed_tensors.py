@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,28 @@ def compression_format(act_scheme) -> str:
     return "pack-quantized" if act_scheme is None else "int-quantized"
 
 
+def check_recipe(recipe) -> None:
+    """Refuse, before any quantizing, a ``lowbit.Recipe`` whose schemes compressed-tensors
+    cannot hold (float or "min" zero points, a quantized embedding, activation schemes
+    other than int8 per token or per tensor).
+
+    Example::
+
+        >>> import lowbit
+        >>> check_recipe(lowbit.Recipe.get("q4_1"))
+        Traceback (most recent call last):
+        lowbit.formats.compressed_tensors.CompressedTensorsError: weight scheme 'int4-asym-g32-zpmin-f16' has a 'min' zero point; compressed-tensors stores integer zero points only (quantize with an int zero point, e.g. 'int4-asym-g32-f16')
+    """
+    if recipe.embedding is not None:
+        raise CompressedTensorsError("the recipe quantizes the embedding; vLLM and transformers load "
+                                     "compressed-tensors quantization of linear layers only")
+    for w in [recipe.weight, recipe.lm_head] + [o.get("weight") for _, o in recipe.overrides]:
+        if w is not None:
+            weight_args(w)
+    for a in [recipe.activation] + [o.get("activation") for _, o in recipe.overrides]:
+        activation_args(a)
+
+
 # -- codes --------------------------------------------------------------------------------
 def _signed_codes(qt: QTensor) -> torch.Tensor:
     """int8 [N, K]: the QTensor's codes as compressed-tensors' signed values."""
@@ -157,6 +180,9 @@ def pack(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     v = values.t() if dim == 0 else values
     rows, cols = v.shape
     words = -(-cols * bits // 32)
+    if bits == 8 and cols % 4 == 0 and sys.byteorder == "little":  # 4 bytes are one little-endian word
+        out = (v.contiguous().view(torch.uint8) ^ 0x80).view(torch.int32)
+        return (out.t() if dim == 0 else out).contiguous()
     u = v.to(torch.int32) + (1 << (bits - 1))
     per = 32 if bits < 8 else 4
     u = torch.nn.functional.pad(u, (0, -cols % per))
@@ -195,6 +221,34 @@ def unpack(words: torch.Tensor, bits: int, length: int, dim: int = 1) -> torch.T
     return (v.t() if dim == 0 else v).contiguous()
 
 
+def _same_stream(s: QuantScheme) -> bool:
+    """Whether lowbit's stored words are compressed-tensors' bit stream already (up to
+    the sign bits): sub-byte codes in int32 words, whose rows fill whole words."""
+    return s.is_packed and s.packing == "u32"
+
+
+def _sign_bits(bits: int) -> torch.Tensor:
+    """int32 [bits]: the top bit of every ``bits``-bit field of 32 values' bit stream."""
+    stream = sum(1 << (bits * i + bits - 1) for i in range(32))
+    words = [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(bits)]
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def _packed_codes(qt: QTensor, values: torch.Tensor | None) -> torch.Tensor:
+    """``weight_packed`` of ``qt``.  lowbit's ``u32`` words already hold the bit stream:
+    unsigned (asymmetric) codes are the stored ``v + 2^(b-1)`` as they are, and adding
+    ``2^(b-1)`` to a b-bit two's-complement code flips its top bit, so symmetric words
+    need one XOR; other layouts are unpacked and packed again."""
+    s = qt.scheme
+    if values is not None:
+        return pack(values, s.bits)
+    words = qt.codes
+    if s.symmetric:
+        mask = _sign_bits(s.bits).to(words.device)
+        words = (words.reshape(*words.shape[:-1], -1, s.bits) ^ mask).reshape(words.shape)
+    return words.contiguous()
+
+
 def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
     """The tensors (names relative to the module) of one quantized weight [N, K] in
     ``kind`` "weight_only" (pack-quantized) or "int" (int-quantized) form.
@@ -211,7 +265,7 @@ def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
     if len(qt.shape) != 2:
         raise CompressedTensorsError(f"a quantized weight must be 2-D, got shape {tuple(qt.shape)}")
     n, k = qt.shape
-    values = _signed_codes(qt)
+    values = _signed_codes(qt) if kind == "int" or not _same_stream(s) else None
     scale = qt.scale.reshape(n, 1) if s.granularity == "channel" else qt.scale
     zp = None
     if not s.symmetric:
@@ -224,7 +278,7 @@ def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
         return out
     if kind != "weight_only":
         raise ValueError(f"kind must be 'weight_only' or 'int', got {kind!r}")
-    out = {"weight_packed": pack(values, s.bits), "weight_scale": scale,
+    out = {"weight_packed": _packed_codes(qt, values), "weight_scale": scale,
            "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
     if zp is not None:
         # per group or channel the zero points are packed too, along the rows
@@ -398,14 +452,15 @@ def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLi
         >>> import tempfile, lowbit
         >>> from lowbit.formats.compressed_tensors import export_compressed_tensors
         >>> model, tok = lowbit.load_model()
-        >>> q = lowbit.quantize_model(model, lowbit.Recipe.get("w8a8"))
+        >>> recipe = lowbit.Recipe(weight="int8-sym", activation="int8-sym-token", modules=[r"layers\.0\."])
+        >>> q = lowbit.quantize_model(model, recipe)  # W8A8 on layer 0 only, to keep the example fast
         >>> with tempfile.TemporaryDirectory() as d:
         ...     out = export_compressed_tensors(q, tok, d + "/smollm2-w8a8")
-        >>> print(out.table())
+        >>> print(out.table())  # doctest: +NORMALIZE_WHITESPACE
         weight scheme  activations     format         modules  stored  bits/weight
-        int8-sym       int8-sym-token  int-quantized  210      exact   8.047
-        float          -               dense          62       exact   32.000
-        210 quantized linears, every tensor stored exactly; 13.095 bits per weight over the whole file
+        int8-sym       int8-sym-token  int-quantized  7        exact   8.047
+        float          -               dense          265      exact   32.000
+        7 quantized linears, every tensor stored exactly; 31.370 bits per weight over the whole file
     """
     from safetensors.torch import save_file
 
@@ -475,6 +530,6 @@ def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLi
     return result
 
 
-__all__ = ["export_compressed_tensors", "check_output", "encode_weight", "weight_args", "activation_args",
+__all__ = ["export_compressed_tensors", "check_output", "check_recipe", "encode_weight", "weight_args", "activation_args",
            "compression_format", "quantization_config", "pack", "unpack", "CompressedTensorsExport",
            "CompressedTensorsError", "FORMAT_VERSION"]
