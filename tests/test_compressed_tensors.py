@@ -3,6 +3,7 @@ package itself (it compresses the same model the same way, and decompresses our 
 and the export loaded by transformers."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -236,3 +237,120 @@ def test_overwrites_only_its_own_exports(tmp_path):
         ct.export_compressed_tensors(model, None, tmp_path / "ckpt", overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine", "out"]
+
+
+# -- import: compressed-tensors folders into lowbit's modules --------------------------------
+def _qlinears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, lowbit.nn.QuantLinear)}
+
+
+@pytest.mark.parametrize("weight,act", CASES)
+def test_round_trip_keeps_codes_and_logits(weight, act, tmp_path):
+    model = quantized(weight, act)
+    export(model, tmp_path)
+    back, tok = lowbit.load_model(tmp_path / "out")
+    assert tok is None and back.lowbit_modules.keys() == model.lowbit_modules.keys()
+    for name, mod in _qlinears(model).items():
+        a, b = mod.qweight, back.get_submodule(name).qweight
+        assert a.scheme == b.scheme and torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale), name
+        assert (a.zero_point is None) == (b.zero_point is None)
+        assert a.zero_point is None or torch.equal(a.zero_point, b.zero_point)
+        assert back.get_submodule(name).act_scheme == mod.act_scheme
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_static_activation_scale_round_trips(tmp_path):
+    calibration = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    model = lowbit.quantize_model(tiny_llama(), lowbit.Recipe(weight="int8-sym", activation="int8-asym-tensor"),
+                                  calibration=calibration)
+    export(model, tmp_path)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    back, _ = lowbit.load_model(tmp_path / "out")
+    for name, mod in _qlinears(model).items():
+        got = back.get_submodule(name)
+        assert torch.equal(got.act_scale, mod.act_scale) and torch.equal(got.act_zero_point, mod.act_zero_point)
+
+
+@pytest.mark.parametrize("weight,act", [("int4-asym-g32-f16", None), ("int8-sym", "int8-sym-token")])
+def test_reads_what_the_package_writes(weight, act, tmp_path):
+    model = quantized(weight, act)
+    export(model, tmp_path)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    theirs = _package_export(model, cfg, tmp_path)
+    back, _ = lowbit.load_model(theirs)
+    for name, mod in _qlinears(model).items():
+        assert torch.equal(lowbit.dequantize(back.get_submodule(name).qweight), lowbit.dequantize(mod.qweight))
+
+
+def test_imported_q4_0_becomes_exact_gguf(tmp_path):
+    """compressed-tensors in, GGUF out: symmetric 4-bit codes in groups of 32 with float16
+    scales are Q4_0 exactly (the bundled model, its first layer quantized)."""
+    from lowbit.formats.gguf_export import export_gguf
+
+    model, tok = lowbit.load_model()
+    lowbit.quantize_model(model, lowbit.Recipe(weight="int4-sym-g32-f16", modules=[r"layers\.0\."]))
+    ct.export_compressed_tensors(model, tok, tmp_path / "ct")
+    back, tok2 = lowbit.load_model(tmp_path / "ct")
+    out = export_gguf(back, tok2, tmp_path / "m.gguf", strict=True)
+    assert sorted(t.name for t in out.tensors if t.ggml_type == "Q4_0") == sorted(
+        f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+
+
+def _corrupt(tmp_path, edit_tensors=None, edit_config=None):
+    """An export of a small W4A16 asymmetric model with one thing changed."""
+    from safetensors.torch import save_file
+
+    model = quantized("int4-asym-g32-f16")
+    export(model, tmp_path)
+    folder = tmp_path / "out"
+    if edit_tensors:
+        t = load_file(folder / "model.safetensors")
+        edit_tensors(t)
+        save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if edit_config:
+        c = json.loads((folder / "config.json").read_text())
+        edit_config(c["quantization_config"])
+        (folder / "config.json").write_text(json.dumps(c))
+    return folder
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("edit_tensors,edit_config,error", [
+    (lambda t: t.__setitem__(f"{Q}.weight_scale", t[f"{Q}.weight_scale"] * float("nan")), None,
+     f"{Q}.weight_scale holds NaN or Inf"),
+    (lambda t: t.__setitem__(f"{Q}.weight_scale", t[f"{Q}.weight_scale"][:, :1]), None,
+     f"{Q}.weight_scale has shape"),
+    (lambda t: t.pop(f"{Q}.weight_zero_point"), None, f"tensor '{Q}.weight_zero_point' is missing"),
+    (lambda t: t.__setitem__(f"{Q}.weight_packed", t[f"{Q}.weight_packed"].float()), None,
+     f"'{Q}.weight_packed' has dtype torch.float32"),
+    (lambda t: t.__setitem__(f"{Q}.weight_shape", torch.tensor([64, 65])), None, "weight_shape is [64, 65]"),
+    (lambda t: t.__setitem__("extra", torch.zeros(1)), None, "tensors the model does not use: ['extra']"),
+    (None, lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=5), "num_bits=5 is not read"),
+    (None, lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"), "strategy='block'"),
+    (None, lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder='group'"),
+    (None, lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme is set"),
+    (None, lambda q: q.update(quantization_status="frozen"), "quantization_status is 'frozen'"),
+    (None, lambda q: q["config_groups"]["group_0"].update(targets=["Conv2d"]), "no module of the model matches"),
+    (None, lambda q: q["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24' is not read"),
+])
+def test_bad_folders_are_refused_by_name(tmp_path, edit_tensors, edit_config, error):
+    folder = _corrupt(tmp_path, edit_tensors, edit_config)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        lowbit.load_model(folder)
+
+
+def test_out_of_range_int_codes_are_refused(tmp_path):
+    model = quantized("int4-asym-g64-f16", "int8-asym-token")
+    export(model, tmp_path)
+    from safetensors.torch import save_file
+
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    t[f"{Q}.weight"][0, 0] = 9
+    save_file(t, str(tmp_path / "out" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{Q}.weight holds values outside the 4-bit range [-8, 7]")):
+        lowbit.load_model(tmp_path / "out")

@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -234,6 +236,14 @@ def _sign_bits(bits: int) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
+def _flip_signs(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """``words`` [..., W] with the top bit of every ``bits``-bit field flipped (the
+    pattern repeats every lcm(bits, 32) / 32 words: 1 for 2 and 4 bits, 3 for 3 bits)."""
+    period = math.lcm(bits, 32) // 32
+    mask = _sign_bits(bits)[:period].to(words.device)
+    return (words.reshape(*words.shape[:-1], -1, period) ^ mask).reshape(words.shape)
+
+
 def _packed_codes(qt: QTensor, values: torch.Tensor | None) -> torch.Tensor:
     """``weight_packed`` of ``qt``.  lowbit's ``u32`` words already hold the bit stream:
     unsigned (asymmetric) codes are the stored ``v + 2^(b-1)`` as they are, and adding
@@ -242,11 +252,7 @@ def _packed_codes(qt: QTensor, values: torch.Tensor | None) -> torch.Tensor:
     s = qt.scheme
     if values is not None:
         return pack(values, s.bits)
-    words = qt.codes
-    if s.symmetric:
-        mask = _sign_bits(s.bits).to(words.device)
-        words = (words.reshape(*words.shape[:-1], -1, s.bits) ^ mask).reshape(words.shape)
-    return words.contiguous()
+    return (_flip_signs(qt.codes, s.bits) if s.symmetric else qt.codes).contiguous()
 
 
 def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
@@ -284,6 +290,148 @@ def encode_weight(qt: QTensor, kind: str) -> dict[str, torch.Tensor]:
         # per group or channel the zero points are packed too, along the rows
         out["weight_zero_point"] = pack(zp, s.bits, dim=0) if s.granularity != "tensor" else zp
     return out
+
+
+# -- reading ------------------------------------------------------------------------------
+def matches(name: str, classes: list[str], target: str) -> bool:
+    """compressed-tensors' rule for a target (or ignore) entry: ``re:PATTERN`` matches
+    the module name from its start (``re.match``), anything else is the exact name or one
+    of the module's class names (``classes``, its MRO).
+
+    Example::
+
+        >>> matches("model.layers.0.mlp.up_proj", ["Linear", "Module"], "re:.*mlp")
+        True
+    """
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target in classes
+
+
+def scheme_from_args(args: dict, scale_dtype: torch.dtype, where: str) -> QuantScheme:
+    """The lowbit scheme of compressed-tensors' ``weights`` arguments with scales of
+    ``scale_dtype``; ``where`` (a file and module) is named in errors.
+
+    Example::
+
+        >>> scheme_from_args(weight_args("int4-asym-g32"), torch.float16, "x")
+        QuantScheme('int4-asym-g32-f16')
+    """
+    if not isinstance(args, dict):
+        raise CompressedTensorsError(f"{where}: weights arguments must be an object, got {args!r}")
+    get = args.get
+    bits, strategy = get("num_bits"), get("strategy")
+    unsupported = [(k, get(k)) for k, ok in [("type", get("type") == "int"), ("dynamic", not get("dynamic")),
+                                              ("block_structure", get("block_structure") is None),
+                                              ("actorder", get("actorder") in (None, "static")),
+                                              ("num_bits", bits in (2, 3, 4, 8)),
+                                              ("strategy", strategy in _STRATEGY)] if not ok]
+    if unsupported:
+        raise CompressedTensorsError(f"{where}: weights {unsupported[0][0]}={unsupported[0][1]!r} is not read "
+                                     "(int weights of 2, 3, 4 or 8 bits per group, channel or tensor, no "
+                                     "activation ordering)")
+    symmetric = get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise CompressedTensorsError(f"{where}: weights symmetric must be true or false, got {symmetric!r}")
+    group = get("group_size") if strategy == "group" else None
+    try:
+        return QuantScheme(bits, symmetric, strategy, group, scale_dtype, "int", "u32")
+    except (TypeError, ValueError) as e:
+        raise CompressedTensorsError(f"{where}: weights {args} have no lowbit scheme: {e}") from None
+
+
+def act_scheme_from_args(args: dict | None, where: str) -> str | None:
+    """The lowbit activation scheme of compressed-tensors' ``input_activations``.
+
+    Example::
+
+        >>> act_scheme_from_args(activation_args("int8-asym-token"), "x")
+        'int8-asym-token'
+    """
+    if args is None:
+        return None
+    if not isinstance(args, dict):
+        raise CompressedTensorsError(f"{where}: input_activations must be an object or null, got {args!r}")
+    strategy, dynamic = args.get("strategy"), bool(args.get("dynamic"))
+    if (args.get("type") != "int" or args.get("num_bits") != 8
+            or (strategy, dynamic) not in (("token", True), ("tensor", False))):
+        raise CompressedTensorsError(f"{where}: input activations {args} are not read (int8 per token, dynamic, "
+                                     "or per tensor, static)")
+    return f"int8-{'sym' if args.get('symmetric', True) else 'asym'}-{strategy}"
+
+
+def decode_weight(get, name: str, args: dict, fmt: str, shape, where: str) -> QTensor:
+    """The QTensor of the quantized weight of module ``name`` [N, K] stored in ``fmt``
+    ("pack-quantized" or "int-quantized") with ``weights`` arguments ``args``; ``get(key,
+    dtypes, shape)`` reads a tensor of the file (shape None: any) and raises naming it.
+
+    Example::
+
+        >>> import lowbit
+        >>> qt = lowbit.quantize(torch.randn(8, 64), "int4-sym-g32-f16")
+        >>> t = {"m." + k: v for k, v in encode_weight(qt, "weight_only").items()}
+        >>> back = decode_weight(lambda k, d, s: t[k], "m", weight_args(qt.scheme), "pack-quantized", (8, 64), "x")
+        >>> torch.equal(back.codes, qt.codes) and torch.equal(back.scale, qt.scale)
+        True
+    """
+    if fmt not in ("pack-quantized", "int-quantized"):
+        raise CompressedTensorsError(f"{where}: module {name!r}: format {fmt!r} is not read (pack-quantized, "
+                                     "int-quantized)")
+    n, k = shape
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    scale = get(f"{name}.weight_scale", floats, None)
+    s = scheme_from_args(args, scale.dtype, f"{where}: module {name!r}")
+    scale_shape = {"group": None, "channel": (n, 1), "tensor": (1,)}[s.granularity]
+    if s.granularity == "group":
+        if k % s.group_size:
+            raise CompressedTensorsError(f"{where}: module {name!r}: group_size {s.group_size} does not divide "
+                                         f"in_features {k}")
+        scale_shape = (n, k // s.group_size)
+    if s.is_packed and k % s.pack_unit:
+        raise CompressedTensorsError(f"{where}: module {name!r}: in_features {k} is not a multiple of "
+                                     f"{s.pack_unit}, which lowbit's {s.bits}-bit packing needs")
+    if tuple(scale.shape) != scale_shape:
+        raise CompressedTensorsError(f"{where}: tensor {name}.weight_scale has shape {tuple(scale.shape)}, "
+                                     f"expected {scale_shape}")
+    if not bool(torch.isfinite(scale).all()):
+        raise CompressedTensorsError(f"{where}: tensor {name}.weight_scale holds NaN or Inf")
+    offset = 1 << (s.bits - 1)
+    zp = None
+    if not s.symmetric:
+        if fmt == "pack-quantized" and s.granularity != "tensor":
+            words = get(f"{name}.weight_zero_point", (torch.int32,), (-(-scale_shape[0] * s.bits // 32), scale_shape[1]))
+            zp_values = unpack(words, s.bits, scale_shape[0], dim=0)
+        else:
+            zp_values = get(f"{name}.weight_zero_point", (torch.int8,), scale_shape)
+        zp = _in_range(zp_values, s.bits, f"{where}: tensor {name}.weight_zero_point")
+        zp = (zp.to(torch.int16) + offset).to(torch.uint8).reshape(s.scale_shape(shape))
+    if fmt == "pack-quantized":
+        stored = get(f"{name}.weight_shape", (torch.int64, torch.int32), (2,))
+        if stored.tolist() != [n, k]:
+            raise CompressedTensorsError(f"{where}: tensor {name}.weight_shape is {stored.tolist()}, the model's "
+                                         f"module is [{n}, {k}]")
+        words = get(f"{name}.weight_packed", (torch.int32,), (n, -(-k * s.bits // 32)))
+        if s.is_packed:  # the same bit stream as lowbit's u32 words, up to the sign bits
+            codes = _flip_signs(words, s.bits) if s.symmetric else words
+        else:
+            values = unpack(words, 8, k)
+            codes = values if s.symmetric else (values.to(torch.int16) + offset).to(torch.uint8)
+    else:
+        values = _in_range(get(f"{name}.weight", (torch.int8,), (n, k)), s.bits, f"{where}: tensor {name}.weight")
+        codes = values if s.symmetric else (values.to(torch.int16) + offset).to(torch.uint8)
+        if s.is_packed:
+            from ..ops import pack_bits
+
+            codes = pack_bits(codes, s.bits, "u32")
+    scale = scale.reshape(s.scale_shape(shape)).contiguous()
+    return QTensor(codes.contiguous(), scale, zp, s, torch.Size(shape))
+
+
+def _in_range(values: torch.Tensor, bits: int, what: str) -> torch.Tensor:
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+        raise CompressedTensorsError(f"{what} holds values outside the {bits}-bit range [{lo}, {hi}]")
+    return values
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -531,5 +679,6 @@ def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLi
 
 
 __all__ = ["export_compressed_tensors", "check_output", "check_recipe", "encode_weight", "weight_args", "activation_args",
-           "compression_format", "quantization_config", "pack", "unpack", "CompressedTensorsExport",
+           "compression_format", "quantization_config", "pack", "unpack", "matches", "scheme_from_args",
+           "act_scheme_from_args", "decode_weight", "CompressedTensorsExport",
            "CompressedTensorsError", "FORMAT_VERSION"]

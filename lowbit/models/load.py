@@ -89,7 +89,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 
     Args:
         path: None (the bundled SmolLM2-135M-Instruct Q4_1 GGUF), a ``.gguf`` file, a
-            Hugging Face model folder, or a folder written by ``lowbit.save_quantized``.
+            Hugging Face model folder (float, or quantized by another tool in a format
+            ``lowbit.models.foreign`` reads: compressed-tensors), or a folder written by
+            ``lowbit.save_quantized``.
         dtype: dtype of the float parts (activations, norms, unquantized weights).
         backend: kernel backend of a quantized checkpoint's modules (None: automatic).
         gguf: how a GGUF file loads: "float" (dequantized once into a float32 folder in
@@ -125,6 +127,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         from .checkpoint import load_quantized
 
         return load_quantized(p, dtype=dtype, backend=backend)
+    if p.is_dir():
+        from .foreign import load_foreign, quant_method
+
+        if quant_method(p) is not None:  # quantized by another tool: its codes into lowbit's modules
+            return load_foreign(p, dtype, backend)
     folder = convert_gguf(p, progress) if p.is_file() else p
     transformers = quiet_transformers()
     try:
