@@ -2,7 +2,7 @@
 
 A Hugging Face folder whose ``config.json`` has a ``quantization_config`` with
 ``quant_method`` "compressed-tensors" (llm-compressor, ``lowbit export --format
-compressed-tensors``) loads with every quantized linear as a ``QuantLinear`` holding the
+compressed-tensors``), "gptq" (AutoGPTQ, GPTQModel) or "awq" (AutoAWQ, GEMM) loads with every quantized linear as a ``QuantLinear`` holding the
 file's own codes, scales and zero points (no float copy, no second rounding), so
 lowbit's kernels run it, ``lowbit.save_quantized`` keeps it and ``lowbit export`` turns
 it into GGUF.  The formats' layouts live in ``lowbit.formats``; this module only builds
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from ..formats import compressed_tensors as ct
+from ..formats import gptq
 from ..nn import QuantLinear
 from ..recipe import Recipe
 from .common import quiet_transformers
 from .quantize import _set_module
 
-FOREIGN_METHODS = ("compressed-tensors",)
+FOREIGN_METHODS = ("compressed-tensors", "gptq", "awq")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -160,6 +161,32 @@ def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dic
     return out
 
 
+def _packed_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str, method: str) -> dict:
+    """The GPTQ / AWQ linears of a folder: every linear with a ``qweight`` in the file."""
+    try:
+        gptq.check_config(method, q, where)
+    except gptq.GPTQFormatError as e:
+        raise ForeignCheckpointError(str(e)) from None
+    out = {}
+    for name, mod in model.named_modules():
+        if f"{name}.qweight" not in tensors:
+            continue
+        if not isinstance(mod, nn.Linear):
+            raise ForeignCheckpointError(f"{tensors.file}: {name}.qweight belongs to a {type(mod).__name__}, "
+                                         "not a linear")
+        shape = (mod.out_features, mod.in_features)
+        if method == "gptq":
+            key = f"{name}.g_idx"
+            g_idx = tensors.get(key, (torch.int32, torch.int64)) if key in tensors else None
+            qt = gptq.decode_gptq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"]), g_idx)
+        else:
+            qt = gptq.decode_awq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"]))
+        out[name] = (qt, None, None, None)
+    if not out:
+        raise ForeignCheckpointError(f"{tensors.file}: no linear has a qweight tensor; not a {method} checkpoint")
+    return out
+
+
 def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend: str | None = None):
     r"""Load a quantized folder another tool wrote (see ``FOREIGN_METHODS``) with its
     quantized linears as lowbit ``QuantLinear`` modules; returns ``(model, tokenizer)``.
@@ -196,7 +223,10 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
     except Exception as e:  # transformers raises anything from a bad config
         raise ForeignCheckpointError(f"{where}: cannot be read as a model config ({type(e).__name__}: {e})") from None
     tensors = _Tensors(folder)
-    modules = _ct_modules(model, q, tensors, where)
+    if method == "compressed-tensors":
+        modules = _ct_modules(model, q, tensors, where)
+    else:
+        modules = _packed_modules(model, q, tensors, where, method)
     for name, (qt, act, scale, zp) in modules.items():
         shell = model.get_submodule(name)
         bias = None

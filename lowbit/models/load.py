@@ -90,7 +90,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     Args:
         path: None (the bundled SmolLM2-135M-Instruct Q4_1 GGUF), a ``.gguf`` file, a
             Hugging Face model folder (float, or quantized by another tool in a format
-            ``lowbit.models.foreign`` reads: compressed-tensors), or a folder written by
+            ``lowbit.models.foreign`` reads: compressed-tensors, GPTQ, AWQ), or a folder written by
             ``lowbit.save_quantized``.
         dtype: dtype of the float parts (activations, norms, unquantized weights).
         backend: kernel backend of a quantized checkpoint's modules (None: automatic).
