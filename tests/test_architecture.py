@@ -19,7 +19,7 @@ PACKAGE = Path(lowbit.__file__).parent
 # cli -> evaluation -> models/runtime -> ... data flows one way: a module may import from a
 # lower layer or from its own package, never from a higher layer or a peer package.
 LAYERS = {
-    "scheme": 0, "_validate": 0,
+    "scheme": 0, "_validate": 0, "_folders": 0,
     "_C": 0,  # the C++ extension: only kernels/cpu loads it
     "qtensor": 1, "kernels": 1,
     "ops": 2,

@@ -44,7 +44,8 @@ def test_its_perplexity_is_that_of_its_float_dequantization(both):
     assert abs(a / b - 1) < 1e-5
 
 
-def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path):
+def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))  # the file's tokenizer entry goes there
     _, floating, tok = both
     q = lowbit.quantize_model(floating, "q4_0", inplace=False)
     export_gguf(q, tok, tmp_path / "m.gguf", strict=True)
@@ -57,7 +58,8 @@ def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path):
             assert a.scheme == b.scheme and torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale), name
 
 
-def test_types_without_a_lossless_scheme_are_dequantized_and_counted(both, tmp_path):
+def test_types_without_a_lossless_scheme_are_dequantized_and_counted(both, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     _, floating, tok = both
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

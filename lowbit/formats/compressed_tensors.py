@@ -560,7 +560,7 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
         Traceback (most recent call last):
         FileExistsError: '...' exists and is not a compressed-tensors folder written by lowbit export; refusing to replace it
     """
-    from ..models.checkpoint import check_output_dir
+    from .._folders import check_output_dir
 
     return check_output_dir(path, overwrite, replaceable=_not_an_export, what="compressed-tensors folder")
 
@@ -612,7 +612,7 @@ def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLi
     """
     from safetensors.torch import save_file
 
-    from ..models.checkpoint import staging
+    from .._folders import staging
 
     check_output(path, overwrite)
     linears = _quantized_linears(model)

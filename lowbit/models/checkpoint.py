@@ -28,18 +28,16 @@ are then not checked.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-import secrets
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .. import _folders
 from ..nn import QuantEmbedding, QuantLinear
 from ..qtensor import QTensor
 from ..recipe import Recipe
@@ -109,93 +107,15 @@ def _not_a_checkpoint(p: Path) -> str | None:
     return None
 
 
-def _sibling(parent: Path, name: str, kind: str) -> Path:
-    """A new, empty hidden folder ``.NAME.lowbit-KIND-XXXXXXXX`` in ``parent``, made with
-    the umask's permissions (``tempfile.mkdtemp`` makes 0700, which a rename keeps)."""
-    while True:
-        p = parent / f".{name}.lowbit-{kind}-{secrets.token_hex(4)}"
-        try:
-            os.mkdir(p, 0o777)
-            return p
-        except FileExistsError:
-            continue
-
-
-def _siblings(out: Path, kind: str) -> list[Path]:
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.lowbit-{kind}-[0-9a-f]{{8}}")
-    try:
-        return sorted(out.parent / e.name for e in os.scandir(out.parent)
-                      if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []
-
-
-def _discard(out: Path, backup: Path) -> None:
-    """Delete the backup of ``out``: renamed to a ``-del-`` folder first (atomic), so an
-    ``-old-`` folder always holds a whole checkpoint and a half-deleted one is never
-    put back.  Failing that, it stays for the next run to delete."""
-    gone = _sibling(out.parent, out.name, "del")
-    try:
-        os.rename(backup, gone / "x")
-    except OSError:
-        pass
-    shutil.rmtree(gone, ignore_errors=True)
-
-
-def _recover(out: Path, replaceable=_not_a_checkpoint) -> None:
-    """Finish what an interrupted replacement of ``out`` left: put the old checkpoint
-    back when ``out`` is missing, delete it when ``out`` is there (the new one)."""
-    for d in _siblings(out, "del"):
-        shutil.rmtree(d, ignore_errors=True)
-    for d in _siblings(out, "old"):
-        old = d / "x"
-        if not os.path.lexists(old):  # made, then interrupted before the move
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-        elif os.path.lexists(out):
-            _discard(out, d)
-        elif replaceable(old) is None:
-            os.rename(old, out)
-            os.rmdir(d)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` onto the checkpoint ``out``; on any failure (Ctrl-C included) the
-    old one is put back, and if even that is interrupted ``_recover`` puts it back."""
-    backup = _sibling(out.parent, out.name, "old")
-    old = backup / "x"
-    try:
-        os.rename(out, old)
-        os.rename(tmp, out)
-    except BaseException:
-        if os.path.lexists(old) and not os.path.lexists(out):
-            os.rename(old, out)
-        if not os.path.lexists(old):
-            os.rmdir(backup)
-        raise
-    _discard(out, backup)
-
-
-def check_output_dir(path: str | os.PathLike, overwrite: bool = False, *, replaceable=_not_a_checkpoint,
-                     what: str = "checkpoint") -> Path:
+def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """Check, before any work, that ``save_quantized(model, path, overwrite=overwrite)``
     can write its checkpoint folder ``path``; returns ``path`` as a Path.
 
     ``path`` must not exist, unless ``overwrite`` and it is a lowbit checkpoint folder
     (a folder, not a link, holding a ``lowbit.json`` that says so and no sub-folders);
-    anything else (a file, a device, another folder) is refused.  Its nearest existing
-    parent must be a folder this process can create folders in.  A checkpoint that an
-    interrupted replacement left aside (hidden ``.NAME.lowbit-old-*``) is put back first.
-    Other writers of folders (``lowbit export --format compressed-tensors``) pass their
-    own ``replaceable(path) -> reason or None`` and the ``what`` their errors name.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``overwrite`` is False, or it is not a
-            lowbit checkpoint folder.
-        NotADirectoryError: a parent of ``path`` is not a folder.
-        PermissionError: the folder would be written in cannot be written.
+    anything else (a file, a device, another folder) is refused.  The rest is
+    ``lowbit._folders.check_output_dir``'s (the parent must be writable; an interrupted
+    replacement is finished first).
 
     Example::
 
@@ -207,28 +127,7 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, *, replac
         Traceback (most recent call last):
         FileExistsError: '...' exists and has no lowbit.json saying it is a lowbit checkpoint; refusing to replace it
     """
-    given = Path(path)
-    out = Path(os.path.abspath(given))
-    if out.parent == out:
-        raise FileExistsError(f"{str(given)!r} is a file system root; a {what} needs a folder of its own")
-    _recover(out, replaceable)
-    if os.path.lexists(out):
-        if not overwrite:
-            raise FileExistsError(f"{str(given)!r} exists; pass overwrite=True (CLI: --force) to replace it")
-        why = replaceable(out)
-        if why is not None:
-            raise FileExistsError(f"{str(given)!r} exists and {why}; refusing to replace it")
-    parent = out.parent
-    while not os.path.lexists(parent):
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"cannot write {str(given)!r}: {str(parent)!r} is not a folder")
-    try:  # making a folder is the real test (root passes os.access on a read-only file system)
-        os.rmdir(_sibling(parent, out.name, "probe"))
-    except OSError as e:
-        raise PermissionError(f"cannot write {str(given)!r}: cannot create a folder in {str(parent)!r} "
-                              f"({e.strerror or e})") from None
-    return given
+    return _folders.check_output_dir(path, overwrite, replaceable=_not_a_checkpoint, what="checkpoint")
 
 
 def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, overwrite: bool = False) -> Path:
@@ -265,12 +164,10 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     return Path(path)
 
 
-@contextlib.contextmanager
-def staging(path: str | os.PathLike, overwrite: bool = False, *, replaceable=_not_a_checkpoint,
-            what: str = "checkpoint"):
-    """A new hidden folder beside ``path`` to write a checkpoint into; when the block
-    ends without an error it replaces ``path`` atomically (``check_output_dir`` runs
-    first, and again before a replacement), else it is deleted.
+def staging(path: str | os.PathLike, overwrite: bool = False):
+    """A new hidden folder beside ``path`` to write a checkpoint into, renamed into place
+    when the block ends without an error (``lowbit._folders.staging`` with the
+    checkpoint's replacement rule).
 
     Example::
 
@@ -281,25 +178,7 @@ def staging(path: str | os.PathLike, overwrite: bool = False, *, replaceable=_no
         ...     sorted(p.name for p in Path(d).iterdir())
         ['ckpt']
     """
-    given = check_output_dir(path, overwrite, replaceable=replaceable, what=what)
-    out = Path(os.path.abspath(given))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(out.parent, out.name, "tmp")
-    try:
-        yield tmp
-        # safetensors writes 0600; every file gets what the umask gave the folder
-        file_mode = tmp.stat().st_mode & 0o666
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, file_mode)
-        if os.path.lexists(out):
-            check_output_dir(given, overwrite, replaceable=replaceable, what=what)  # still ours after the writing
-            _replace(tmp, out)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return _folders.staging(path, overwrite, replaceable=_not_a_checkpoint, what="checkpoint")
 
 
 def finish(tmp: Path, model: nn.Module, digests: dict[str, str], tokenizer=None,
