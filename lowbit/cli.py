@@ -501,6 +501,11 @@ def info_cmd(path: str) -> dict:
             return _gguf_info(path)
         raise ValueError(f"{path!r} is a file; `lowbit info` describes a lowbit checkpoint folder (written by "
                          "`lowbit quantize`) or a GGUF file")
+    if not os.path.exists(os.path.join(path, "lowbit.json")):
+        from lowbit.models.foreign import quant_method
+
+        if os.path.isfile(os.path.join(path, "config.json")) and quant_method(path) is not None:
+            return _foreign_info(path)
     meta = read_metadata(path)
     files = list(meta.get("shards") or [WEIGHTS])
     size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
@@ -513,6 +518,22 @@ def info_cmd(path: str) -> dict:
     for (kind, w, a), n in sorted(counts.items(), key=lambda kv: str(kv[0])):
         print(f"  {n:4d} {kind}s: weight {w}" + (f", activations {a}" if a else ""))
     return meta
+
+
+def _foreign_info(path: str) -> dict:
+    """Print and return what a folder quantized by another tool (compressed-tensors, GPTQ,
+    AWQ) holds, as lowbit loads it: every check of loading runs."""
+    from lowbit.models.foreign import load_foreign, quant_method
+
+    method = quant_method(path)
+    model, _ = load_foreign(path)
+    counts = Counter((v["weight"], v["activation"]) for v in model.lowbit_modules.values())
+    size = sum(f.stat().st_size for f in Path(path).iterdir() if f.name.endswith(".safetensors"))
+    print(f"{method} folder {path} (not a lowbit checkpoint; lowbit loads it with the file's own codes)")
+    print(f"model: {type(model).__name__}, {model.config.num_hidden_layers} layers; safetensors: {size / 1e6:.1f} MB")
+    for (w, a), n in sorted(counts.items(), key=lambda kv: str(kv[0])):
+        print(f"  {n:4d} linears: weight {w}" + (f", activations {a}" if a else ""))
+    return {"format": method, "modules": model.lowbit_modules}
 
 
 def _gguf_info(path: str) -> dict:
@@ -809,13 +830,16 @@ replaces only a folder an earlier compressed-tensors export wrote.""", """
                    help="replace an existing output (a compressed-tensors folder only if an earlier export "
                         "wrote it; default: refuse)")
 
-    p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file) holds", """
+    p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file, a quantized folder) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
 holds: the source model, the recipe, the schemes of its modules, the float dtype, the
 size of its weights file, and the versions that wrote it.  For a GGUF file: the model,
-its layers and context length, and its tensors by storage type.""", """
+its layers and context length, and its tensors by storage type.  For a folder another
+tool quantized (compressed-tensors, GPTQ, AWQ): the lowbit scheme of every linear, as
+`lowbit.load_model` reads it.""", """
   lowbit info smollm2-w4a16
-  lowbit info model.gguf""")
+  lowbit info model.gguf
+  lowbit info llm-compressor-w8a8-folder""")
     p.add_argument("path", help="checkpoint folder or GGUF file")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
