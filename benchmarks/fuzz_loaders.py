@@ -15,6 +15,8 @@ reads it:
     checkpoint  lowbit.load_model on a lowbit checkpoint folder of a tiny random Llama
                 quantized w4a16-g32; the edits hit lowbit.json or model.safetensors
     recipe      lowbit.Recipe.get on a recipe JSON file
+    foreign     lowbit.load_model on a compressed-tensors folder (lowbit export of the same
+                tiny model); the edits hit config.json or model.safetensors
 
 Edits are byte edits (overwrite with a random or a boundary value, insert, delete,
 truncate; most land in the file's header, where the structure is) or, for JSON files,
@@ -53,16 +55,17 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADERS = ("gguf", "gguf-load", "gguf-native", "checkpoint", "recipe", "gguf-stock")
-DEFAULT_LOADERS = LOADERS[:5]
+LOADERS = ("gguf", "gguf-load", "gguf-native", "checkpoint", "recipe", "foreign", "gguf-stock")
+DEFAULT_LOADERS = LOADERS[:6]
 # the file (or folder) a loader is given, in the seed folder
 TARGET = {"gguf": "tiny-llama.gguf", "gguf-load": "tiny-llama.gguf", "gguf-stock": "tiny-llama.gguf",
           "gguf-native": "tiny-llama.gguf",
-          "checkpoint": "ckpt", "recipe": "recipe.json"}
+          "checkpoint": "ckpt", "recipe": "recipe.json", "foreign": "ct"}
 # the files of that target whose bytes get edited
 EDITED = {"gguf": ["tiny-llama.gguf"], "gguf-load": ["tiny-llama.gguf"], "gguf-stock": ["tiny-llama.gguf"],
           "gguf-native": ["tiny-llama.gguf"],
-          "checkpoint": ["ckpt/lowbit.json", "ckpt/model.safetensors"], "recipe": ["recipe.json"]}
+          "checkpoint": ["ckpt/lowbit.json", "ckpt/model.safetensors"], "recipe": ["recipe.json"],
+          "foreign": ["ct/config.json", "ct/model.safetensors"]}
 LATE = "passed lowbit's GGUF checks"  # load.py's message when transformers fails after read_gguf
 
 BOUNDARY_INTS = [0, 1, 2, 0x7F, 0x80, 0xFF, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62,
@@ -91,7 +94,11 @@ def build_seeds(folder: Path) -> None:
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
-    lowbit.save_quantized(lowbit.quantize_model(model, "w4a16-g32"), folder / TARGET["checkpoint"])
+    quantized = lowbit.quantize_model(model, "w4a16-g32")
+    lowbit.save_quantized(quantized, folder / TARGET["checkpoint"])
+    from lowbit.formats.compressed_tensors import export_compressed_tensors
+
+    export_compressed_tensors(quantized, None, folder / TARGET["foreign"])
 
     recipe = lowbit.Recipe(weight="int4-asym-g64-f16", modules=(DECODER_LINEARS,),
                            overrides=((r"layers\.0\.", {"weight": "int8-sym"}),
@@ -223,7 +230,7 @@ def load(loader: str, path: Path, cache: Path) -> None:
         import gguf
 
         gguf.GGUFReader(path)
-    elif loader == "checkpoint":
+    elif loader in ("checkpoint", "foreign"):
         lowbit.load_model(path)
     else:
         lowbit.Recipe.get(str(path))

@@ -138,6 +138,28 @@ def test_the_tiny_llama_reads_and_loads_into_transformers(good, tmp_path, monkey
     assert tok.convert_ids_to_tokens(tok("abc").input_ids) == ["abc"]  # the merges were read
 
 
+def test_a_changed_file_replaces_its_stale_cache_entry(good, tmp_path, monkeypatch):
+    """Converting a file again (new size or mtime, e.g. after a reinstall) deletes the
+    entries lowbit wrote for the same path before; other folders in the cache stay."""
+    import json
+    import os
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOWBIT_CACHE", str(cache))
+    lowbit.load_model(good, progress=False)
+    (first,) = [p for p in cache.iterdir() if p.is_dir()]
+    other = cache / f"{good.stem}-1-2"  # the same name, converted from another path
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"lowbit_source": {"gguf": "/elsewhere/" + good.name}}))
+    mine = cache / f"{good.stem}-notes"  # a user's folder: no lowbit_source
+    mine.mkdir()
+    st = good.stat()
+    os.utime(good, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    lowbit.load_model(good, progress=False)
+    assert not first.exists() and other.exists() and mine.exists()
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
+
+
 def test_bundled_model_passes_the_checks():
     reader = read_gguf()
     assert reader.fields["general.architecture"].contents() == "llama"

@@ -68,7 +68,26 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head copy
         tok.save_pretrained(tmp)
+    _prune_stale(entry, gguf)
     return entry
+
+
+def _prune_stale(entry: Path, gguf: Path) -> None:
+    """Delete earlier conversions of the same GGUF path (written by lowbit when the file had
+    another size or modification time, e.g. before a reinstall): nothing reads them again,
+    and each holds the whole model in float32.  Entries of other files are left alone."""
+    import shutil
+
+    prefix = f"{gguf.stem}-"
+    for other in entry.parent.iterdir():
+        if other == entry or not other.name.startswith(prefix) or not other.is_dir() or other.is_symlink():
+            continue
+        try:
+            source = json.loads((other / "config.json").read_text())["lowbit_source"]["gguf"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a conversion lowbit wrote
+        if source == str(gguf):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _gguf_note(reader) -> str:
