@@ -161,3 +161,27 @@ def test_export_writes_an_exact_gguf_and_refuses_what_it_must(capsys, tmp_path):
     assert out.stat().st_mtime_ns == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     assert main(["export", "-o", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_export_compressed_tensors_and_load_it_back(capsys, tmp_path):
+    import json
+
+    recipe = tmp_path / "layer0-w8a8.json"
+    recipe.write_text(json.dumps({"weight": "int8-sym", "activation": "int8-sym-token", "modules": [r"layers\.0\."]}))
+    out = tmp_path / "ct"
+    assert main(["export", "--recipe", str(recipe), "--format", "compressed-tensors", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "int8-sym       int8-sym-token  int-quantized  7        exact" in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "int-quantized"
+    assert (out / "tokenizer.json").is_file()
+    assert main(["info", str(out)]) == 0
+    assert "7 linears: weight int8-sym, activations int8-sym-token" in capsys.readouterr().out
+    # refused before the model is loaded: options of the other format, a scheme it cannot hold
+    assert main(["export", "--format", "compressed-tensors", "--type", "q4_0", "-o", str(tmp_path / "x")]) == 2
+    assert "--type applies to --format gguf" in capsys.readouterr().err
+    assert main(["export", "--recipe", "q4_1", "--format", "compressed-tensors", "-o", str(tmp_path / "x")]) == 2
+    assert "'min' zero point" in capsys.readouterr().err
+    assert main(["export", "--recipe", str(recipe), "--format", "compressed-tensors", "-o", str(out)]) == 2
+    assert "exists; pass overwrite=True" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct", "layer0-w8a8.json"]
