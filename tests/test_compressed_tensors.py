@@ -337,10 +337,21 @@ Q = "model.layers.0.self_attn.q_proj"
     (None, lambda q: q.update(quantization_status="frozen"), "quantization_status is 'frozen'"),
     (None, lambda q: q["config_groups"]["group_0"].update(targets=["Conv2d"]), "no module of the model matches"),
     (None, lambda q: q["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24' is not read"),
+    (None, lambda q: q["config_groups"]["group_0"].update(targets=[7]), "targets must be a list of non-empty strings"),
+    (None, lambda q: q.update(ignore=["re:("]), "'re:(' is not a valid regular expression"),
 ])
 def test_bad_folders_are_refused_by_name(tmp_path, edit_tensors, edit_config, error):
     folder = _corrupt(tmp_path, edit_tensors, edit_config)
     with pytest.raises(ValueError, match=re.escape(error)):
+        lowbit.load_model(folder)
+
+
+def test_layer_count_is_checked_before_the_model_is_built(tmp_path):
+    folder = _corrupt(tmp_path)
+    c = json.loads((folder / "config.json").read_text())
+    c["num_hidden_layers"] = 2**31  # building that many layers would never end
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=re.escape("num_hidden_layers is 2147483648 but")):
         lowbit.load_model(folder)
 
 

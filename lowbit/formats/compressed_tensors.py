@@ -308,6 +308,57 @@ def matches(name: str, classes: list[str], target: str) -> bool:
     return target == name or target in classes
 
 
+def check_config(q, where: str) -> None:
+    """Refuse, before the model is built, a ``quantization_config`` whose structure is not
+    compressed-tensors': ``config_groups`` an object of groups, each with a non-empty list
+    of ``targets`` (strings; ``re:`` ones valid regexes), ``weights`` an object,
+    ``input_activations`` an object or null; ``ignore`` a list of strings; ``format`` a
+    string.
+
+    Example::
+
+        >>> check_config({"config_groups": {"g": {"targets": ["re:("], "weights": {}}}}, "config.json")
+        Traceback (most recent call last):
+        lowbit.formats.compressed_tensors.CompressedTensorsError: config.json: config_groups['g'].targets: 're:(' is not a valid regular expression (missing ), unterminated subpattern at position 0)
+    """
+    def bad(field, expected, value):
+        raise CompressedTensorsError(f"{where}: {field} must be {expected}, got {value!r}")
+
+    def names(field, value, non_empty):
+        if not isinstance(value, list) or (non_empty and not value):
+            bad(field, "a non-empty list of module names" if non_empty else "a list of module names", value)
+        for t in value:
+            if not isinstance(t, str) or not t:
+                bad(field, "a list of non-empty strings", value)
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise CompressedTensorsError(f"{where}: {field}: {t!r} is not a valid regular expression "
+                                                 f"({e})") from None
+
+    if not isinstance(q, dict):
+        bad("quantization_config", "an object", q)
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        bad("quantization_config.config_groups", "a non-empty object", groups)
+    for key, g in groups.items():
+        field = f"config_groups[{key!r}]"
+        if not isinstance(g, dict):
+            bad(field, "an object", g)
+        names(f"{field}.targets", g.get("targets"), non_empty=True)
+        if not isinstance(g.get("weights"), dict):
+            bad(f"{field}.weights", "an object", g.get("weights"))
+        for part in ("input_activations", "output_activations"):
+            if g.get(part) is not None and not isinstance(g.get(part), dict):
+                bad(f"{field}.{part}", "an object or null", g.get(part))
+        if g.get("format") is not None and not isinstance(g.get("format"), str):
+            bad(f"{field}.format", "a string or null", g.get("format"))
+    names("quantization_config.ignore", q.get("ignore") or [], non_empty=False)
+    if q.get("format") is not None and not isinstance(q.get("format"), str):
+        bad("quantization_config.format", "a string or null", q.get("format"))
+
+
 def scheme_from_args(args: dict, scale_dtype: torch.dtype, where: str) -> QuantScheme:
     """The lowbit scheme of compressed-tensors' ``weights`` arguments with scales of
     ``scale_dtype``; ``where`` (a file and module) is named in errors.
@@ -680,5 +731,5 @@ def export_compressed_tensors(model: nn.Module, tokenizer, path: str | os.PathLi
 
 __all__ = ["export_compressed_tensors", "check_output", "check_recipe", "encode_weight", "weight_args", "activation_args",
            "compression_format", "quantization_config", "pack", "unpack", "matches", "scheme_from_args",
-           "act_scheme_from_args", "decode_weight", "CompressedTensorsExport",
+           "act_scheme_from_args", "decode_weight", "check_config", "CompressedTensorsExport",
            "CompressedTensorsError", "FORMAT_VERSION"]

@@ -12,6 +12,7 @@ the model around them.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -115,6 +116,7 @@ class _Tensors:
 def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dict:
     """{module name: (QTensor, activation scheme, static act scale, act zero point)} of a
     compressed-tensors folder."""
+    ct.check_config(q, where)
     for key, empty in (("kv_cache_scheme", None), ("sparsity_config", {}), ("transform_config", {})):
         if q.get(key) not in (None, {}, empty):
             raise ForeignCheckpointError(f"{where}: quantization_config.{key} is set; lowbit reads weight and "
@@ -122,15 +124,12 @@ def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dic
     if q.get("quantization_status", "compressed") != "compressed":
         raise ForeignCheckpointError(f"{where}: quantization_status is {q.get('quantization_status')!r}; only "
                                      "compressed checkpoints hold codes (save with save_compressed=True)")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ForeignCheckpointError(f"{where}: quantization_config.config_groups must be a non-empty object")
+    groups = q["config_groups"]
     ignore = q.get("ignore") or []
     out = {}
     for name, mod in model.named_modules():
         classes = [c.__name__ for c in type(mod).__mro__]
-        hits = [g for g in groups.values()
-                if isinstance(g, dict) and any(ct.matches(name, classes, t) for t in g.get("targets") or [])]
+        hits = [g for g in groups.values() if any(ct.matches(name, classes, t) for t in g["targets"])]
         if not hits or any(ct.matches(name, classes, t) for t in ignore):
             continue
         if not isinstance(mod, nn.Linear):
@@ -212,7 +211,14 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
     if method not in FOREIGN_METHODS:
         raise ForeignCheckpointError(f"{where}: quant_method {method!r} is not read (lowbit reads "
                                      f"{', '.join(FOREIGN_METHODS)})")
-    q = json.loads((folder / "config.json").read_text())["quantization_config"]
+    raw = json.loads((folder / "config.json").read_text())
+    q = raw["quantization_config"]
+    tensors = _Tensors(folder)
+    layers = {int(m.group(1)) for k in tensors.where if (m := re.search(r"\.layers\.(\d+)\.", k))}
+    n = raw.get("num_hidden_layers")
+    if layers and n != max(layers) + 1:  # checked before building n layers (a huge n would never finish)
+        raise ForeignCheckpointError(f"{where}: num_hidden_layers is {n!r} but {tensors.file} holds layers "
+                                     f"0..{max(layers)}")
     transformers = quiet_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
@@ -222,7 +228,6 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as e:  # transformers raises anything from a bad config
         raise ForeignCheckpointError(f"{where}: cannot be read as a model config ({type(e).__name__}: {e})") from None
-    tensors = _Tensors(folder)
     if method == "compressed-tensors":
         modules = _ct_modules(model, q, tensors, where)
     else:
