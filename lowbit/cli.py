@@ -811,7 +811,6 @@ refused.  The folder is written beside its name and renamed into place; --force
 replaces only a folder an earlier compressed-tensors export wrote.""", """
   lowbit export smollm2-gptq -o smollm2.gguf --strict   # after lowbit quantize --recipe q4_0 --method gptq -o smollm2-gptq
   lowbit export --recipe w8a8 --format compressed-tensors -o smollm2-w8a8   # for vLLM
-  lowbit export --recipe q4_0 -o smollm2-q4_0.gguf --strict
   lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf""")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("-o", "--output", required=True,
@@ -827,8 +826,8 @@ replaces only a folder an earlier compressed-tensors export wrote.""", """
     p.add_argument("--strict", action="store_true",
                    help="refuse (write nothing) unless every tensor is stored exactly (default: convert and report)")
     p.add_argument("--force", action="store_true",
-                   help="replace an existing output (a compressed-tensors folder only if an earlier export "
-                        "wrote it; default: refuse)")
+                   help="replace an existing output, a compressed-tensors folder only if an earlier export "
+                        "wrote it (default: refuse)")
 
     p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file, a quantized folder) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
