@@ -11,7 +11,10 @@ each one's time and the ratio.
 Part 2 (needs ``pip install llama-cpp-python``, the optional extra ``lowbit[llama]``):
 the bundled model quantized by lowbit with schemes that map onto ggml types exactly
 (int4-sym-g32-f16 -> Q4_0, int8-sym-g32-f16 -> Q8_0) and the ``q4_1`` recipe (Q4_1
-with float16-rounded mins), exported with ``export_gguf``, loaded by ``llama_cpp.Llama``:
+with float16-rounded mins), and the float model exported as ``--type q4_k`` / ``q6_k``
+(K-quants where rows are whole super-blocks, llama.cpp's fallback types elsewhere), each
+written by ``export_gguf`` and loaded by ``llama_cpp.Llama``; lowbit runs the quantized
+model, or for the K-quant rows the exported file loaded with ``gguf="native"``:
 
 - perplexity with llama.cpp's protocol on lowbit's default corpus: the *same token
   windows* (lowbit's tokenizer; llama.cpp's own tokenization of the first window is
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -35,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-EXPORTS = [("int4-sym-g32-f16", "Q4_0"), ("int8-sym-g32-f16", "Q8_0"), ("q4_1", "Q4_1")]
+# (lowbit recipe, or None for the float model, and the --type of the export, None: per scheme)
+EXPORTS = [("int4-sym-g32-f16", None), ("int8-sym-g32-f16", None), ("q4_1", None), (None, "Q4_K"), (None, "Q6_K")]
 QUESTION = "What is the capital of France?"
 
 
@@ -126,13 +131,19 @@ def llama_rows(n_windows: int, threads: int) -> None:
     prompt = torch.cat(wins)[:512]
     tmp = Path(tempfile.mkdtemp(prefix="lowbit-gguf-bench-"))
     rows = []
-    for scheme, _ in EXPORTS:
-        recipe = scheme if scheme in lowbit.RECIPE_PRESETS else lowbit.Recipe(weight=scheme)
-        q = lowbit.quantize_model(model, recipe, inplace=False)
-        path = tmp / f"{scheme}.gguf"
+    for recipe, type in EXPORTS:
+        scheme = recipe or f"float -> {type}"
+        q = model
+        if recipe is not None:
+            q = lowbit.quantize_model(model, recipe if recipe in lowbit.RECIPE_PRESETS else lowbit.Recipe(weight=recipe),
+                                      inplace=False)
+        path = tmp / f"{recipe or type}.gguf"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = export_gguf(q, tok, path)
+            out = export_gguf(q, tok, path, type=type)
+        if type is not None:  # lowbit runs the file's own K-quant (and fallback) weights
+            os.environ["LOWBIT_CACHE"] = str(tmp / "cache")  # the file's tokenizer entry goes there
+            q, _ = lowbit.load_model(path, gguf="native")
         exact = sum(t.exact for t in out.tensors)
         ours = evaluate({scheme: q}, tok, max_windows=n_windows, protocol="llama", speed=False)[0]["perplexity"]
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=threads, logits_all=True,
@@ -150,16 +161,15 @@ def llama_rows(n_windows: int, threads: int) -> None:
         lowbit_answer = tok.decode(tokens[:tokens.index(end)] if end in tokens else tokens)
         rows.append((scheme, out, exact, ours, theirs, same_tokens, lp, ld, speed, answer, lowbit_answer))
         del llm
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    shutil.rmtree(tmp)  # the folder this run made: its exports and their tokenizer cache
     print(f"\nllama.cpp {llama_cpp.__version__} on lowbit's exports, {n_windows} windows of 512 tokens, "
           f"llama protocol, {threads} threads")
-    print(f"{'lowbit scheme':18} {'gguf':5} {'exact':>8} {'bpw':>6} {'ppl lowbit':>11} {'ppl llama.cpp':>14} "
+    print(f"{'lowbit scheme':18} {'gguf':11} {'exact':>8} {'bpw':>6} {'ppl lowbit':>11} {'ppl llama.cpp':>14} "
           f"{'diff':>7} {'tok ok':>6} {'prefill l.cpp/lowbit':>21} {'decode l.cpp/lowbit':>20}")
     for scheme, out, exact, ours, theirs, same, lp, ld, speed, _, _ in rows:
-        typ = [t.ggml_type for t in out.tensors if t.name.startswith("blk.") and t.name.endswith("ffn_up.weight")][0]
-        print(f"{scheme:18} {typ:5} {exact:4}/{len(out.tensors):<3} {out.bits_per_weight:6.2f} {ours:11.3f} "
+        typ = "+".join(sorted({t.ggml_type for t in out.tensors if t.name.startswith("blk.") and
+                               not t.name.endswith("norm.weight")}))
+        print(f"{scheme:18} {typ:11} {exact:4}/{len(out.tensors):<3} {out.bits_per_weight:6.2f} {ours:11.3f} "
               f"{theirs:14.3f} {100 * (theirs / ours - 1):+6.2f}% {str(same):>6} "
               f"{lp:7.0f}/{speed['prefill_tokens_per_s']:<7.0f}={lp / speed['prefill_tokens_per_s']:4.2f}x "
               f"{ld:6.1f}/{speed['decode_tokens_per_s']:<6.1f}={ld / speed['decode_tokens_per_s']:4.2f}x")

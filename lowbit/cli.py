@@ -351,6 +351,22 @@ def _model_and_reference(model: str | None, dtype, backend):
     return None, tok, m
 
 
+def _gguf_own_weights(model: str | None, dtype, backend):
+    """(row name, model) of a GGUF file loaded on its own quantized tensors
+    (``gguf="native"``), or None for any other model or a file with none."""
+    import lowbit
+    from lowbit.models.load import resolve_model_path
+
+    p = resolve_model_path(model)
+    if not (p.is_file() and p.suffix == ".gguf"):
+        return None
+    m, _ = lowbit.load_model(p, dtype=dtype, backend=backend, gguf="native")
+    types = m.lowbit_gguf["native"]
+    if not types:
+        return None
+    return "gguf " + "+".join(sorted(types, key=types.get, reverse=True)), m
+
+
 def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, corpus: str | None = None,
              ctx: int = 512, windows: int | None = 16, protocol: str = "lowbit", speed: bool = True,
              greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None,
@@ -364,11 +380,12 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
         >>> rows = eval_cmd(None, [], ctx=64, windows=1, speed=False, greedy_tokens=4)  # doctest: +ELLIPSIS
         corpus: pydoc_data.topics (...), 1 windows of 64 tokens, 63 scored (lowbit protocol)
         greedy: leading tokens identical to the float model's 4 greedy tokens ...
-        model  bits/w  weights MB     ppl      KL   top-1  max|dlogit|  mean|dlogit|  greedy
-        ------------------------------------------------------------------------------------
-        float   32.00       538.1  ...  0.0000  100.0%        0.000        0.0000     4/4
-        >>> rows[0]["model"], rows[0]["scored_tokens"]
-        ('float', 63)
+        model           bits/w  weights MB     ppl      KL   top-1  max|dlogit|  mean|dlogit|  greedy
+        ---------------------------------------------------------------------------------------------
+        float            32.00       538.1  ...
+        gguf Q4_1+Q8_0    5.00        96.6  ...
+        >>> rows[0]["model"], rows[0]["scored_tokens"], rows[1]["model"]
+        ('float', 63, 'gguf Q4_1+Q8_0')
 
     ``eval_cmd(None, ["w8a16", "w4a16-g64"])`` adds two quantized copies of the float
     model to the table (each quantizes all 30 layers, so it takes longer); a
@@ -390,6 +407,9 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     models = {}
     if quant is not None:
         models[os.path.basename(os.path.normpath(model))] = quant
+    own = _gguf_own_weights(model, _float_dtype(dtype), backend)
+    if own is not None:  # a GGUF file: its own quantized tensors, next to their float dequantization
+        models[own[0]] = own[1]
     if compare and ref is None:
         raise ValueError("--compare needs the float model; it is not available for this checkpoint")
     ids = _calibration(compare, tok, calib, calib_samples, calib_len) if ref is not None else None
@@ -816,11 +836,16 @@ replaces only a folder an earlier compressed-tensors export wrote.""", """
     p.add_argument("-o", "--output", required=True,
                    help="file (gguf) or folder (compressed-tensors) to write (required)")
     p.add_argument("--format", choices=EXPORT_FORMATS, default="gguf", help="output format (default: %(default)s)")
-    p.add_argument("--type", type=str.lower, choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16", "f32"],
-                   help="gguf: ggml type of every decoder linear weight (default: per weight, from its scheme: "
-                        "Q4_0/Q4_1 up to 4 bits, Q8_0 for 8 bits, float weights stay float)")
-    p.add_argument("--float-type", type=str.lower, choices=["q8_0", "f16", "bf16", "f32"],
-                   help="gguf: ggml type of a float embedding / output weight (default: its own dtype)")
+    p.add_argument("--type", type=str.lower,  # checked by gguf_export.check_arguments, before loading
+                   help="gguf: ggml type of every decoder linear weight: q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, "
+                        "q3_k, q4_k, q5_k, q6_k, f16, bf16 or f32 (default: per weight, from its scheme: "
+                        "Q4_0/Q4_1 up to 4 bits, Q8_0 for 8 bits, float weights stay float); a K-quant "
+                        "(q2_k..q6_k) needs rows of whole 256-value super-blocks, other weights get "
+                        "llama.cpp's fallback type (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0, q2_k/q3_k -> q4_0) "
+                        "and the table says so")
+    p.add_argument("--float-type", type=str.lower,
+                   help="gguf: ggml type of a float embedding / output weight, one of --type's (default: its "
+                        "own dtype)")
     p.add_argument("--recipe", help="quantize a float MODEL with this preset or recipe file first "
                                     "(default: export the model as it is)")
     p.add_argument("--strict", action="store_true",

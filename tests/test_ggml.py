@@ -75,6 +75,32 @@ def test_cpu_kernel_equals_the_reference(name):
     assert torch.equal(ref[~nan].view(torch.int32), fast[~nan].view(torch.int32))
     assert nan.any() and not nan.all()  # the random bytes did reach NaN and finite scales
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_every_block_type_loads_into_a_lossless_qtensor(name, backend):
+    """``as_qtensor`` keeps the file's codes and scales: lowbit's dequantization of it is
+    ggml's, bit for bit, on random bytes (every code and sub-scale, negative scales, fp16
+    denormal scales; NaN/inf scales only need to give NaN/inf where ggml does)."""
+    import lowbit
+
+    t = ggml.block_type(name)
+    raw = torch.randint(0, 256, (24, 2 * t.type_size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    shape = [24, 2 * t.block_size]
+    qt = ggml.as_qtensor(raw, name, shape)
+    assert str(qt.scheme) == ggml.LOSSLESS_SCHEMES[name] and qt.shape == torch.Size(shape)
+    ref = ggml.dequantize(raw, name, shape, backend="reference")
+    ours = lowbit.dequantize(qt, torch.float32, backend=backend)
+    finite = ref.isfinite()
+    assert torch.equal(finite, ours.isfinite()) and finite.float().mean() > 0.5
+    assert torch.equal(ref[finite].view(torch.int32), ours[finite].view(torch.int32))
+    assert torch.equal(ref[~finite].isnan(), ours[~finite].isnan())
+    assert qt.nbytes < 4 * ref.numel() / 3  # no float copy: at most 10 bits per value
+
+
+def test_float_types_have_no_qtensor():
+    assert ggml.as_qtensor(torch.zeros(8, 4 * 32, dtype=torch.uint8), "F32", [8, 32]) is None
+
+
 def test_dequantize_every_tensor_of_the_bundled_model():
     from lowbit.formats.gguf_file import read_gguf
 

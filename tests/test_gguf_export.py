@@ -10,7 +10,7 @@ import torch
 
 import lowbit
 from lowbit.formats import ggml
-from lowbit.formats.gguf_export import (GGUFExportError, default_type, encode, export_gguf, gguf_name,
+from lowbit.formats.gguf_export import (GGUFExportError, default_type, encode, export_gguf, gguf_name, target_type,
                                         rope_rows)
 
 gguf = pytest.importorskip("gguf")
@@ -153,7 +153,7 @@ def test_output_is_checked_before_any_work(bundled, tmp_path):
         export_gguf(model, tok, tmp_path / "m.gguf")
     assert (tmp_path / "m.gguf").read_bytes() == b"mine"
     with pytest.raises(ValueError, match="type must be one of"):
-        export_gguf(model, tok, tmp_path / "n.gguf", type="q4_k")
+        export_gguf(model, tok, tmp_path / "n.gguf", type="q4_k_m")
     with pytest.raises(FileNotFoundError, match="output folder"):
         export_gguf(model, tok, tmp_path / "no" / "m.gguf")
     with pytest.raises(IsADirectoryError):
@@ -188,6 +188,28 @@ def test_float_model_with_a_type(bundled, tmp_path):
     w = model.model.layers[0].mlp.up_proj.weight.detach()
     expected = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), expected.view(np.uint8).reshape(-1))
+
+
+def test_k_quants_where_rows_are_super_blocks_and_llama_cpp_fallbacks_elsewhere(bundled, tmp_path):
+    """--type q4_k on the bundled model: ffn_down (1536 wide) is Q4_K, written by
+    lowbit.formats.kquants; the 576-wide linears are Q5_0, llama.cpp's fallback, with a
+    warning and their own row of the table; the file reads back as written."""
+    from lowbit.formats import kquants
+
+    model, tok = bundled
+    with pytest.warns(UserWarning, match=r"180 of 272 tensors are stored as another type than asked for \(Q5_0, "
+                                         r"not Q4_K: rows of 576 values are not whole 256-value super-blocks\)"):
+        out = export_gguf(model, tok, tmp_path / "m.gguf", type="q4_k")
+    kinds = {t.name: t for t in out.tensors}
+    down, up = kinds["blk.3.ffn_down.weight"], kinds["blk.3.ffn_up.weight"]
+    assert (down.ggml_type, down.fallback) == ("Q4_K", None) and down.nbytes * 8 / down.numel == 4.5
+    assert up.ggml_type == "Q5_0" and up.fallback.startswith("Q5_0, not Q4_K")
+    assert sum(t.ggml_type == "Q4_K" for t in out.tensors) == 30
+    assert any("Q5_0, not Q4_K" in line for line in out.table().splitlines())
+    t = {t.name: t for t in read(tmp_path / "m.gguf").tensors}["blk.3.ffn_down.weight"]
+    w = model.model.layers[3].mlp.down_proj.weight.detach()
+    assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), kquants.quantize(w, "Q4_K").reshape(-1).numpy())
+    assert target_type((8, 512), "Q6_K") == ("Q6_K", None) and target_type((8, 96), "Q2_K")[0] == "Q4_0"
 
 
 def test_the_bundled_model_round_trips_byte_for_byte(bundled, tmp_path):

@@ -58,15 +58,34 @@ def test_round_trip_lowbit_gguf_lowbit_keeps_codes_and_scales(both, tmp_path, mo
             assert a.scheme == b.scheme and torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale), name
 
 
-def test_types_without_a_lossless_scheme_are_dequantized_and_counted(both, tmp_path, monkeypatch):
+@pytest.mark.parametrize("type, fallback", [("q4_k", "Q5_0"), ("q6_k", "Q8_0")])
+def test_k_quants_and_their_fallbacks_load_natively(both, tmp_path, monkeypatch, type, fallback):
+    """An export with K-quants (ffn_down, 1536 wide) and llama.cpp's fallback types (the
+    576-wide rest) loads into QuantLinears whose weights are the file's, bit for bit; only
+    the float embedding is a float module."""
+    import numpy as np
+
+    from lowbit.formats import ggml
+    from lowbit.formats.gguf_file import read_gguf
+
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     _, floating, tok = both
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_gguf(floating, tok, tmp_path / "m.gguf", type="q5_0", float_type="f16")
+        export_gguf(floating, tok, tmp_path / "m.gguf", type=type, float_type="f16")
     back, _ = lowbit.load_model(tmp_path / "m.gguf", gguf="native")
-    assert back.lowbit_gguf == {"native": {}, "dequantized": {"F16": 1, "Q5_0": 210}}
-    assert isinstance(back.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    k = type.upper()
+    assert back.lowbit_gguf == {"native": {k: 30, fallback: 180}, "dequantized": {"F16": 1}}
+    file = {t.name: t for t in read_gguf(tmp_path / "m.gguf").tensors}
+    for i in (0, 29):
+        for module, name, typ in [("mlp.down_proj", "ffn_down", k), ("mlp.up_proj", "ffn_up", fallback)]:
+            m = back.get_submodule(f"model.layers.{i}.{module}")
+            t = file[f"blk.{i}.{name}.weight"]
+            raw = torch.from_numpy(np.asarray(t.data).reshape(-1).view(np.uint8).copy())
+            assert isinstance(m, QuantLinear) and str(m.qweight.scheme) == ggml.LOSSLESS_SCHEMES[typ]
+            assert torch.equal(lowbit.dequantize(m.qweight), ggml.dequantize(raw, typ, m.qweight.shape))
+    size = lowbit.evaluation.weight_bytes(back)["weight_bytes"]
+    assert size < lowbit.evaluation.weight_bytes(floating)["weight_bytes"] / 2
 
 
 def test_bad_mode_is_named():

@@ -186,7 +186,7 @@ def dequantize(raw: torch.Tensor, name: str, shape, *, backend: str | None = Non
         d, m, q = _simple_parts(blocks, t.name)
         out = d[:, None] * q.to(torch.float32) + m[:, None]
     else:
-        out = _K_QUANTS[t.name](blocks)
+        out = _k_dequantize(blocks, t.name)
     return out.reshape(list(shape))
 
 
@@ -204,54 +204,58 @@ def _shifted(b: torch.Tensor, shifts, width: int, mask: int) -> torch.Tensor:
     return (b.reshape(b.shape[0], -1, 1, width) >> s) & mask
 
 
-def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q2_k(blocks: torch.Tensor):
     n = blocks.shape[0]
     scales, qs = blocks[:, :16], blocks[:, 16:80]
     d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
-    dl = (d[:, None] * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
-    ml = (dmin[:, None] * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    q = _shifted(qs, (0, 2, 4, 6), 32, 3).reshape(n, 16, 16).to(torch.float32)
-    return dl * q - ml
+    dl = d[:, None] * (scales & 0x0F).to(torch.float32)
+    ml = dmin[:, None] * (scales >> 4).to(torch.float32)
+    return dl, ml, _shifted(qs, (0, 2, 4, 6), 32, 3).reshape(n, 16, 16).to(torch.int32)
 
 
-def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q3_k(blocks: torch.Tensor):
     n = blocks.shape[0]
     hmask, qs, scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
     lo = _shifted(scales[:, :8], (0, 4), 8, 0x0F).reshape(n, 16)
     hi = _shifted(scales[:, 8:12], (0, 2, 4, 6), 4, 0x03).reshape(n, 16)
     sc = ((lo | (hi << 4)).to(torch.int32) - 32).to(torch.float32)
-    dl = (d[:, None] * sc).reshape(n, 16, 1)
     ql = _shifted(qs, (0, 2, 4, 6), 32, 3).reshape(n, 16, 16).to(torch.int32)
     qh = _shifted(hmask, range(8), 32, 1).reshape(n, 16, 16).to(torch.int32)
-    q = (ql - ((qh ^ 1) << 2)).to(torch.float32)  # the high bit *clear* means "minus 4"
-    return dl * q
+    return d[:, None] * sc, None, ql - ((qh ^ 1) << 2)  # the high bit *clear* means "minus 4"
 
 
-def _q45_k(blocks: torch.Tensor, five: bool) -> torch.Tensor:
+def _q45_k(blocks: torch.Tensor, five: bool):
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    dl = (d[:, None] * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (dmin[:, None] * mn.to(torch.float32)).reshape(n, 8, 1)
+    dl = d[:, None] * sc.to(torch.float32)
+    ml = dmin[:, None] * mn.to(torch.float32)
     qs = blocks[:, 48:] if five else blocks[:, 16:]
     q = _shifted(qs, (0, 4), 32, 0x0F).reshape(n, 8, 32)
     if five:
         q = q | (_shifted(blocks[:, 16:48], range(8), 32, 1).reshape(n, 8, 32) << 4)
-    return dl * q.to(torch.float32) - ml
+    return dl, ml, q.to(torch.int32)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor):
     n = blocks.shape[0]
     ql, qh, scales, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
-    dl = (d[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
+    dl = d[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)
     lo = _shifted(ql, (0, 4), 64, 0x0F).reshape(n, 8, 32)
     hi = _shifted(qh, (0, 2, 4, 6), 32, 0x03).reshape(n, 8, 32)
-    q = ((lo | (hi << 4)).to(torch.int32) - 32).reshape(n, 16, 16).to(torch.float32)
-    return dl * q
+    return dl, None, ((lo | (hi << 4)).to(torch.int32) - 32).reshape(n, 16, 16)
 
 
-_K_QUANTS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": lambda b: _q45_k(b, False),
-             "Q5_K": lambda b: _q45_k(b, True), "Q6_K": _q6_k}
+# (scale [n, sub-blocks], min to subtract [n, sub-blocks] or None, code [n, sub-blocks, values])
+# of each K-quant super-block: x = scale * q - min, both products exact in float32
+_K_PARTS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": lambda b: _q45_k(b, False),
+            "Q5_K": lambda b: _q45_k(b, True), "Q6_K": _q6_k}
+
+
+def _k_dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    dl, ml, q = _K_PARTS[name](blocks)
+    out = dl[..., None] * q.to(torch.float32)
+    return out if ml is None else out - ml[..., None]
 
 
 # -- quantize ----------------------------------------------------------------------------
@@ -386,15 +390,27 @@ def pack_simple(name: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 
 
 # -- ggml blocks as lowbit QTensors --------------------------------------------------------
-LOSSLESS_SCHEMES = {"Q4_0": "int4-sym-g32-f16", "Q4_1": "int4-asym-g32-zpmin-f16", "Q8_0": "int8-sym-g32-f16"}
+# the lowbit scheme each ggml type loads into without loss.  Scales and mins are the
+# file's own values (float16) or, for the K-quants, the products d * sc and dmin * m
+# (exact in float32).  Codes that lowbit has no width for go into the next wider one:
+# 5- and 6-bit codes into int8, and Q3_K's 3-bit codes into int4, which the CPU kernels
+# run (a scale may be negative, as ggml's own Q4_0 quantizer writes them).
+LOSSLESS_SCHEMES = {
+    "Q4_0": "int4-sym-g32-f16", "Q4_1": "int4-asym-g32-zpmin-f16", "Q8_0": "int8-sym-g32-f16",
+    "Q5_0": "int8-sym-g32-f16", "Q5_1": "int8-asym-g32-zpmin-f16",
+    "Q2_K": "int2-asym-g16-zpmin", "Q3_K": "int4-sym-g16", "Q4_K": "int4-asym-g32-zpmin",
+    "Q5_K": "int8-asym-g32-zpmin", "Q6_K": "int8-sym-g16",
+}
 
 
 def as_qtensor(raw: torch.Tensor, name: str, shape):
     """The ggml tensor ``raw`` (uint8) of type ``name`` and logical ``shape`` [N, K] as a
-    lowbit QTensor holding the same codes and float16 scales (and mins), or None when
-    no lowbit scheme stores the type without loss (``LOSSLESS_SCHEMES``: Q4_0, Q4_1,
-    Q8_0).  ``lowbit.dequantize`` of the result equals ``dequantize(raw, name, shape)``
-    bit for bit (tested).
+    lowbit QTensor holding the same codes, scales and mins (``LOSSLESS_SCHEMES``), or
+    None for the float types.  ``lowbit.dequantize`` of the result equals
+    ``dequantize(raw, name, shape)`` bit for bit (tested on every type): ggml computes
+    ``d * (q - offset)``, ``d * q + m`` or ``(d * sc) * q - dmin * m``, and the scheme's
+    ``q * scale`` / ``q * scale + zero_point`` ("min" domain) is the same float32 sum of
+    the same products.
 
     Example::
 
@@ -415,14 +431,18 @@ def as_qtensor(raw: torch.Tensor, name: str, shape):
     if len(shape) != 2:
         raise ValueError(f"as_qtensor takes a 2-D [N, K] tensor, got shape {shape}")
     blocks = _blocks(raw, t, shape)
-    d, m, q = _simple_parts(blocks, t.name)
     n, k = shape
     s = QuantScheme.parse(LOSSLESS_SCHEMES[t.name])
-    scale = d.to(torch.float16).reshape(n, k // 32)  # exact: read from float16
-    if t.name == "Q8_0":
-        return QTensor(q.to(torch.int8).reshape(n, k), scale, None, s, torch.Size(shape))
-    if t.name == "Q4_0":
-        codes = pack_bits((q - 8).to(torch.int8).reshape(n, k), 4, "u32")
-        return QTensor(codes, scale, None, s, torch.Size(shape))
-    codes = pack_bits(q.to(torch.uint8).reshape(n, k), 4, "u32")
-    return QTensor(codes, scale, m.to(torch.float16).reshape(n, k // 32), s, torch.Size(shape))
+    if t.name in _K_PARTS:
+        scale, low, q = _K_PARTS[t.name](blocks)
+        zero_point = None if low is None else -low  # q * scale + (-min) == scale * q - min
+    else:
+        scale, zero_point, q = _simple_parts(blocks, t.name)
+        if s.symmetric:
+            q = q - CODE_OFFSET[t.name]
+    g = s.group_size
+    scale = scale.to(s.scale_dtype).reshape(n, k // g)  # exact: float16 read, or an exact float32 product
+    zero_point = None if zero_point is None else zero_point.to(s.scale_dtype).reshape(n, k // g)
+    q = q.reshape(n, k).to(torch.int8 if s.symmetric else torch.uint8)
+    codes = pack_bits(q, s.bits, s.packing) if s.is_packed else q
+    return QTensor(codes, scale, zero_point, s, torch.Size(shape))

@@ -10,8 +10,10 @@ tensor whether it is stored exactly:
   min are float16 values (an ``-f16`` scheme with symmetric codes always is), otherwise
   it differs only by rounding them to float16;
 - anything else (8-bit asymmetric codes, a requested type the codes do not fit, groups
-  that are not whole blocks) is re-quantized from lowbit's dequantized weights with
-  ggml's own quantizer;
+  that are not whole blocks, any K-quant) is re-quantized from lowbit's dequantized
+  weights with ggml's own quantizer (bit-identical with the ``gguf`` package's) or, for
+  the K-quants, ``lowbit.formats.kquants``; a K-quant asked for a weight whose rows are
+  not whole 256-value super-blocks becomes ``K_FALLBACK``'s type, as in llama.cpp;
 - float tensors keep their dtype (F32 / F16 / BF16) unless a type is asked for; norms
   are always F32, as llama.cpp needs.
 
@@ -35,7 +37,11 @@ from torch import nn
 
 from . import ggml
 
-TARGET_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32")
+TARGET_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+# A K-quant needs rows of whole 256-value super-blocks; a weight with other rows (576 in
+# SmolLM2) is stored as the simple type llama.cpp's llama-quantize picks there (no
+# smaller than the K-quant), and the export table and a warning say so.
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # HF module name -> GGUF tensor name (llama.cpp's names for the llama architecture)
 _LAYER_NAMES = {
@@ -66,6 +72,7 @@ class TensorExport:
     how: str
     numel: int
     nbytes: int
+    fallback: str | None = None  # "Q5_0, not Q4_K: why" when ggml_type is not the type asked for
 
 
 @dataclass
@@ -153,6 +160,8 @@ def _block_params(qt, t: torch.Tensor) -> torch.Tensor:
 def _codes_fit(qt, target: str) -> str | None:
     """Why the codes of ``qt`` cannot be stored as ``target`` as they are (None: they can)."""
     s, k = qt.scheme, qt.shape[-1]
+    if target in K_FALLBACK:
+        return f"{target}'s two-level scales are not lowbit's"
     if target not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return f"{target} stores floats"
     if s.granularity == "token" or k % 32:
@@ -217,9 +226,31 @@ def encode(weight, target: str) -> tuple[torch.Tensor, str]:
         values, how = dequantize(weight, torch.float32), f"re-quantized ({why})"
     else:
         values, how = weight.detach(), "float" if target in ("F32", "F16", "BF16") else "quantized from float"
-    if target not in ("F32", "F16", "BF16") and values.shape[-1] % 32:
-        raise GGUFExportError(f"{target} needs rows of whole 32-value blocks, got {values.shape[-1]} values")
+    block = ggml.block_type(target).block_size
+    if values.shape[-1] % block:
+        raise GGUFExportError(f"{target} needs rows of whole {block}-value blocks, got {values.shape[-1]} values")
+    if target in K_FALLBACK:
+        from . import kquants
+
+        return kquants.quantize(values, target), how
     return ggml.quantize(values, target), how
+
+
+def target_type(shape, requested: str) -> tuple[str, str | None]:
+    """The type a weight of ``shape`` is stored as when ``requested`` is asked for, and
+    why it differs (None when it does not): a K-quant needs rows of whole 256-value
+    super-blocks, otherwise ``K_FALLBACK`` holds llama.cpp's replacement.
+
+    Example::
+
+        >>> target_type((1536, 576), "Q4_K")
+        ('Q5_0', 'rows of 576 values are not whole 256-value super-blocks')
+        >>> target_type((576, 1536), "Q4_K")
+        ('Q4_K', None)
+    """
+    if requested in K_FALLBACK and shape[-1] % ggml.QK_K:
+        return K_FALLBACK[requested], f"rows of {shape[-1]} values are not whole {ggml.QK_K}-value super-blocks"
+    return requested, None
 
 
 def _measure(raw: torch.Tensor, target: str, reference: torch.Tensor) -> tuple[bool, float]:
@@ -278,7 +309,11 @@ def _weights(model: nn.Module):
         if id(storage) in seen:  # tied to a tensor already written (lm_head and the embedding)
             continue
         seen[id(storage)] = base
-        out.append((base + ".weight", name, w))
+        source = None
+        if isinstance(mod, QuantLinear) and mod.input_order is not None:
+            # GGUF has no column order: the weight in the input's order, re-quantized
+            source, w = f"{w.scheme} act-order", mod.dequantized_weight(torch.float32)
+        out.append((base + ".weight", name, w, source))
     return out
 
 
@@ -411,9 +446,10 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     and its tokenizer as a GGUF file llama.cpp loads.
 
     Args:
-        type: ggml type of every linear weight (one of ``TARGET_TYPES``, any case); None
-            picks per weight (``default_type``: exact for lowbit's 2- to 8-bit symmetric
-            and 2- to 4-bit asymmetric group schemes of 32, 64, 128, ...).
+        type: ggml type of every linear weight (one of ``TARGET_TYPES``, any case; a
+            K-quant falls back per ``target_type`` where rows are not whole super-blocks);
+            None picks per weight (``default_type``: exact for lowbit's 2- to 8-bit
+            symmetric and 2- to 4-bit asymmetric group schemes of 32, 64, 128, ...).
         float_type: type of float embedding / output weights (None: their own dtype).
         strict: refuse (``GGUFExportError``, nothing written) if any tensor would not be
             stored exactly.
@@ -441,14 +477,15 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
     result = GGUFExport(path)
     encoded = []
-    for name, module_name, w in _weights(model):
+    for name, module_name, w, reordered in _weights(model):
         is_linear = name.startswith("blk.") and len(w.shape) == 2
+        fallback = None
         if len(w.shape) == 1:
             target = "F32"
         elif is_linear and type:
-            target = type
+            target, fallback = target_type(w.shape, type)
         elif not is_linear and float_type and not hasattr(w, "scheme"):
-            target = float_type
+            target, fallback = target_type(w.shape, float_type)
         else:
             target = default_type(w)
         kind = name.split(".")[-2]
@@ -459,18 +496,28 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
             raw, how = encode(w, target)
         except (ValueError, TypeError) as e:
             raise GGUFExportError(f"tensor {name} ({module_name}): {e}") from e
+        if reordered:
+            how = "re-quantized (input channels in act-order; GGUF has no column order)"
+        if fallback:
+            fallback = f"{target}, not {type if is_linear else float_type}: {fallback}"
+            how = f"{how}; {fallback}"  # its own row of the table
         if hasattr(w, "scheme"):
             from ..ops import dequantize
 
             reference, source = dequantize(w, torch.float32), str(w.scheme)
         else:
-            reference, source = w.detach().to(torch.float32), str(w.dtype).replace("torch.", "")
+            reference, source = w.detach().to(torch.float32), reordered or str(w.dtype).replace("torch.", "")
         exact, err = _measure(raw, target, reference)
         if strict and not exact:
             raise GGUFExportError(f"tensor {name} ({source}) is not stored exactly as {target} ({how}, "
                                   f"relative error {err:.2e}); strict export refused, nothing written")
-        result.tensors.append(TensorExport(name, source, target, exact, err, how, w.numel(), raw.numel()))
+        result.tensors.append(TensorExport(name, source, target, exact, err, how, w.numel(), raw.numel(), fallback))
         encoded.append((name, raw, list(w.shape), target))
+    replaced = [t for t in result.tensors if t.fallback]
+    if replaced:
+        warnings.warn(f"{len(replaced)} of {len(result.tensors)} tensors are stored as another type than asked "
+                      f"for ({'; '.join(sorted({t.fallback for t in replaced}))}), as llama.cpp's llama-quantize "
+                      "does", stacklevel=2)
     inexact = [t for t in result.tensors if not t.exact]
     if inexact:
         worst = max(inexact, key=lambda t: t.error)
@@ -503,5 +550,5 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     return result
 
 
-__all__ = ["export_gguf", "check_arguments", "encode", "default_type", "gguf_name", "rope_rows", "GGUFExport", "TensorExport",
+__all__ = ["export_gguf", "check_arguments", "encode", "default_type", "target_type", "K_FALLBACK", "gguf_name", "rope_rows", "GGUFExport", "TensorExport",
            "GGUFExportError", "TARGET_TYPES"]
