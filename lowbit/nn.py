@@ -96,6 +96,13 @@ class QuantLinear(nn.Module):
     """``y = x @ W.T + bias`` with W quantized (``lowbit.linear``): weight-only
     (W8A16/W4A16) or, with ``act_scheme``, 8-bit activations (W8A8/W4A8).
 
+    ``input_order`` (int64 [in_features], a permutation; None: the identity) says that
+    column j of ``qweight`` multiplies input feature ``input_order[j]``: forward computes
+    ``linear(x[..., input_order], qweight)``.  It is how act-order GPTQ checkpoints
+    (``desc_act``), whose quantization groups gather scattered input channels, load with
+    their groups as consecutive columns; ``dequantized_weight()`` gives W in the input's
+    order.
+
     A per-token ``act_scheme`` quantizes each row of x on the fly.  A per-tensor one
     (``'int8-sym-tensor'``, ``'int8-asym-tensor'``) uses a static, calibrated scale: the
     buffers ``act_scale`` ([1], the scheme's scale dtype) and ``act_zero_point`` ([1] uint8,
@@ -115,11 +122,15 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None,
-                 act_scheme: str | QuantScheme | None = None, backend: str | None = None):
+                 act_scheme: str | QuantScheme | None = None, backend: str | None = None,
+                 input_order: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(qweight, QTensor) or len(qweight.shape) != 2:
             raise TypeError("qweight must be a 2-D lowbit.QTensor [out_features, in_features]")
         self.out_features, self.in_features = qweight.shape
+        if input_order is not None:
+            _check_order(input_order, self.in_features, qweight.codes.device)
+        self.register_buffer("input_order", input_order)  # None: not in the state dict
         self.weight = _QuantWeight(qweight)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.act_scheme = None if act_scheme is None else str(QuantScheme.parse(str(act_scheme)))
@@ -205,13 +216,47 @@ class QuantLinear(nn.Module):
                              f"input of this QuantLinear ({self.in_features} -> {self.out_features}) with a "
                              "static per-tensor scale; set it with set_act_qparams(scale, zero_point) or "
                              "set_act_range(min, max) from calibration data")
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         return linear(x, self.weight.qtensor(), self.bias, act_scheme=self.act_scheme, act_scale=self.act_scale,
                       act_zero_point=self.act_zero_point, backend=self.backend)
 
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out_features, in_features] this module multiplies x by, its
+        columns in the input's order (``input_order`` undone).
+
+        Example::
+
+            >>> import torch
+            >>> from lowbit.nn import QuantLinear
+            >>> q = QuantLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "int8-sym")
+            >>> x = torch.randn(2, 64)
+            >>> torch.allclose(q(x), x @ q.dequantized_weight().T, atol=1e-5)
+            True
+        """
+        from .ops import dequantize
+
+        w = dequantize(self.weight.qtensor(), dtype)
+        if self.input_order is None:
+            return w
+        return w.index_select(1, torch.argsort(self.input_order))
+
     def extra_repr(self) -> str:
         act = None if self.act_scheme is None else f"'{self.act_scheme}'"
+        order = "" if self.input_order is None else ", input_order=permuted"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight='{self.weight.scheme}', act={act}")
+                f"weight='{self.weight.scheme}', act={act}{order}")
+
+
+def _check_order(order, k: int, device) -> None:
+    """``order`` must be an int64 permutation of range(k) on the weight's device."""
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (k,):
+        raise ValueError(f"input_order must be an int64 tensor of shape ({k},) (in_features), got "
+                         f"{getattr(order, 'dtype', type(order).__name__)} {tuple(getattr(order, 'shape', ()))}")
+    if order.device != device:
+        raise ValueError(f"input_order is on {order.device}, the weight on {device}")
+    if _has_values(order) and not torch.equal(torch.sort(order).values, torch.arange(k, device=device)):
+        raise ValueError(f"input_order must be a permutation of 0..{k - 1} (each input feature once)")
 
 
 class QuantEmbedding(nn.Module):

@@ -326,8 +326,8 @@ def _native_decoder(r: Runner):
     def proj(m):
         if type(m) is nn.Linear and m.weight.dtype == r.dtype:
             return cpu.float_projection(m.weight, m.bias)
-        if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu":
-            return None
+        if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu" or m.input_order is not None:
+            return None  # the decode step has no input permutation: the Python path runs it
         codes, scale, zp, _, _ = weight_parts(m.qweight)
         act = None if m.act_scheme is None else as_act_scheme(m.act_scheme)
         w = m.qweight.scheme

@@ -21,6 +21,8 @@ CASES = {
     "gptq-g32-sym": ("int4-sym-g32-f16", torch.float16, "logits"),
     "gptq-g32-asym": ("int4-asym-g32-f16", torch.float16, "logits"),
     "awq-g32": ("int4-asym-g32-f16", torch.float16, "logits"),
+    # desc_act=True: g_idx scatters each group's 32 channels; lowbit sorts them (input_order)
+    "gptq-g32-actorder": ("int4-sym-g32-f16", torch.float16, "logits"),
     # compressed-tensors decompressed with float32 scales: exact products, lowbit's float32
     "ct-w4a16-g32-sym": ("int4-sym-g32-f16", torch.float32, "logits_weight_only"),
     "ct-w4a16-g32-asym": ("int4-asym-g32-f16", torch.float32, "logits_weight_only"),
@@ -36,7 +38,9 @@ def test_tools_checkpoints_load_exactly(name):
     assert {m["weight"] for m in model.lowbit_modules.values()} == {scheme}
     assert len(model.lowbit_modules) == 7  # every decoder linear; lm_head stays float
     for module in CHECKED:
-        got = lowbit.dequantize(model.get_submodule(module).qweight, tool_dtype).float()
+        mod = model.get_submodule(module)
+        assert (mod.input_order is not None) == name.endswith("actorder")
+        got = mod.dequantized_weight(tool_dtype).float()
         assert torch.equal(got, ref[f"{module}.dequant_weight"]), module
     if model.lowbit_modules[CHECKED[0]]["activation"] is not None:  # compare the weight-only path
         for m in model.modules():
@@ -51,6 +55,3 @@ def test_tools_checkpoints_load_exactly(name):
     assert (logits - want).abs().max() <= 32 * U16 * want.abs().max()
 
 
-def test_act_order_checkpoint_is_refused_by_name():
-    with pytest.raises(ValueError, match="g_idx is not k // group_size .act-order / desc_act checkpoint."):
-        lowbit.load_model(FIXTURES / "gptq-g32-actorder")

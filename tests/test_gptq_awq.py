@@ -59,12 +59,15 @@ def write_folder(model, folder, method, zero_minus_one=True, **config):
             q, z = _unsigned(qt)
             scales = qt.scale.reshape(qt.shape[0], -1).t().contiguous()
             group = qt.scheme.group_size or -1
+            position = torch.arange(qt.shape[1])  # of each input channel among the columns
+            if mod.input_order is not None:  # act-order: the file keeps the input's order
+                position = torch.argsort(mod.input_order)
+                q = q[:, position]
             if method == "gptq":
                 stored = (z - 1) & 0xF if zero_minus_one else z
                 tensors[f"{name}.qweight"] = _pack(q.t(), 4, dim=0)
                 tensors[f"{name}.qzeros"] = _pack(stored.t(), 4, dim=1)
-                tensors[f"{name}.g_idx"] = (torch.arange(qt.shape[1]) // (qt.scheme.group_size or qt.shape[1])
-                                            ).to(torch.int32)
+                tensors[f"{name}.g_idx"] = (position // (qt.scheme.group_size or qt.shape[1])).to(torch.int32)
             else:
                 tensors[f"{name}.qweight"] = _pack(q.t(), 4, dim=1, order=gptq.AWQ_ORDER)
                 tensors[f"{name}.qzeros"] = _pack(z.t(), 4, dim=1, order=gptq.AWQ_ORDER)
@@ -117,17 +120,63 @@ def test_wrapped_zero_is_refused(tmp_path):
         lowbit.load_model(folder)
 
 
-def test_act_order_is_refused_by_name(tmp_path):
-    model = lowbit.quantize_model(tiny_llama(), lowbit.Recipe(weight="int4-sym-g32-f16"))
+def _act_order(model, seed=0):
+    """Give every QuantLinear of ``model`` random act-order groups: each input channel a
+    random group (group_size channels each), columns sorted by group as the loader sorts
+    them, so a GPTQ folder written from it loads back to the same modules."""
+    gen = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        if isinstance(mod, lowbit.nn.QuantLinear):
+            k, g = mod.in_features, mod.qweight.scheme.group_size
+            groups = torch.randperm(k, generator=gen) // g
+            mod.input_order = torch.sort(groups, stable=True).indices
+    return model
+
+
+def test_act_order_loads_with_its_input_order(tmp_path):
+    """A desc_act checkpoint (g_idx a random balanced assignment of channels to groups)
+    loads with the file's codes, its columns sorted by group: the same weights and
+    logits, bit for bit, as the modules it was written from; the C++ decode step steps
+    aside (it has no permutation) and the Python path runs it."""
+    from lowbit.runtime import Runner
+
+    model = _act_order(lowbit.quantize_model(tiny_llama(), lowbit.Recipe(weight="int4-asym-g32-f16")))
     folder = write_folder(model, tmp_path / "ckpt", "gptq", desc_act=True)
     from safetensors.torch import load_file
 
-    t = load_file(folder / "model.safetensors")
-    name = "model.layers.0.mlp.down_proj.g_idx"
-    t[name] = t[name].flip(0).contiguous()
-    save_file(t, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj': g_idx is not k // group_size"):
-        lowbit.load_model(folder)
+    g_idx = load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.g_idx"]
+    assert not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // 32)  # a real act-order file
+    back, _ = lowbit.load_model(folder)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    for name in model.lowbit_modules:
+        a, b = model.get_submodule(name), back.get_submodule(name)
+        assert torch.equal(a.input_order, b.input_order) and torch.equal(a.qweight.codes, b.qweight.codes), name
+        assert not torch.equal(b.input_order, torch.arange(b.in_features)), name
+        assert torch.equal(a.dequantized_weight(), b.dequantized_weight()), name
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+        plain = lowbit.models.dequantized_copy(back)(ids).logits  # float weights in the input's order
+        assert torch.allclose(plain, back(ids).logits, rtol=0, atol=1e-4)
+    assert Runner(back)._decoder is None
+
+
+def test_act_order_survives_a_checkpoint_and_is_re_quantized_for_gguf(tmp_path):
+    from lowbit.formats.compressed_tensors import CompressedTensorsError, export_compressed_tensors
+    from lowbit.formats.gguf_export import _weights
+
+    model = _act_order(lowbit.quantize_model(tiny_llama(), lowbit.Recipe(weight="int4-sym-g32-f16")))
+    back, _ = lowbit.load_model(lowbit.save_quantized(model, tmp_path / "ckpt"))
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    up = back.model.layers[0].mlp.up_proj
+    assert torch.equal(up.input_order, model.model.layers[0].mlp.up_proj.input_order)
+    with pytest.raises(CompressedTensorsError, match="act-order groups .input_order"):
+        export_compressed_tensors(back, None, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+    written = {module: (w, source) for _, module, w, source in _weights(back)}  # what export_gguf stores
+    w, source = written["model.layers.0.mlp.up_proj"]
+    assert source == "int4-sym-g32-f16 act-order" and torch.equal(w, up.dequantized_weight())
 
 
 @pytest.mark.parametrize("config,error", [
@@ -140,3 +189,21 @@ def test_bad_configs(config, error, tmp_path):
     folder = write_folder(model, tmp_path / "ckpt", "gptq", **config)
     with pytest.raises(ValueError, match=re.escape(error)):
         lowbit.load_model(folder)
+
+
+@pytest.mark.parametrize("g_idx, error", [
+    (torch.tensor([0, 0, 0, 1]), r"exactly 2 input channels in each of the 2 groups .* group sizes \[1, 3\]"),
+    (torch.tensor([0, 1, 2, 1]), r"values 0..2"),
+    (torch.tensor([0, 1, 1]), r"g_idx has shape \(3,\), expected \(4,\)"),
+])
+def test_unbalanced_or_bad_g_idx_is_refused(g_idx, error):
+    with pytest.raises(gptq.GPTQFormatError, match=error):
+        gptq.input_order(g_idx, 4, 2)
+
+
+def test_input_order_must_be_a_permutation():
+    qt = lowbit.quantize(torch.randn(8, 32), "int4-sym-g32")
+    with pytest.raises(ValueError, match=r"input_order must be a permutation of 0..31"):
+        lowbit.nn.QuantLinear(qt, input_order=torch.zeros(32, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"input_order must be an int64 tensor of shape \(32,\)"):
+        lowbit.nn.QuantLinear(qt, input_order=torch.arange(16))

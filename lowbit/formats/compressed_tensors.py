@@ -547,6 +547,11 @@ def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
                 raise CompressedTensorsError(f"module {name!r}: weight must be 2-D")
             if not mod.act_calibrated:
                 raise CompressedTensorsError(f"module {name!r}: per-tensor activation scale not calibrated")
+            if mod.input_order is not None:
+                raise CompressedTensorsError(
+                    f"module {name!r} has act-order groups (input_order, from a desc_act GPTQ checkpoint); "
+                    "writing them as compressed-tensors' weight_g_idx is not implemented yet: export as GGUF, "
+                    "or save with lowbit.save_quantized")
             out[name] = mod
     if not out:
         raise CompressedTensorsError("model has no quantized linears: quantize it with lowbit.quantize_model "

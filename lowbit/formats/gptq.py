@@ -151,10 +151,16 @@ def check_config(method: str, config: dict, where: str) -> None:
         raise GPTQFormatError(f"{where}: quant_method {method!r} is not GPTQ or AWQ")
 
 
-def decode_gptq(get, name: str, config: dict, shape, where: str, g_idx: torch.Tensor | None = None) -> QTensor:
-    """The QTensor of GPTQ linear ``name`` [N, K]; ``get(key, dtypes, shape)`` reads a
-    tensor (shape None: any) and raises naming the file; ``g_idx`` (None: absent from the
-    file) is the group of each input channel, which must be ``k // group_size``.
+def decode_gptq(get, name: str, config: dict, shape, where: str,
+                g_idx: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor | None]:
+    """``(qt, input_order)`` of GPTQ linear ``name`` [N, K]: its QTensor and, for an
+    act-order checkpoint, the order of its columns (``QuantLinear``'s ``input_order``),
+    else None.  ``get(key, dtypes, shape)`` reads a tensor (shape None: any) and raises
+    naming the file; ``g_idx`` (None: absent from the file) is the group of each input
+    channel: ``k // group_size``, or (act-order, ``desc_act``) any assignment that puts
+    exactly ``group_size`` channels in each group.  Then the channels are sorted by group
+    (stably), so each group's codes become consecutive columns, as lowbit's group schemes
+    need, and ``input_order`` records where each column came from.
 
     Example::
 
@@ -162,9 +168,9 @@ def decode_gptq(get, name: str, config: dict, shape, where: str, g_idx: torch.Te
         >>> qw = torch.full((4, 8), 0x76543210, dtype=torch.int32)  # K = 32, N = 8
         >>> t = {"m.qweight": qw, "m.qzeros": torch.full((1, 1), 0x77777777, dtype=torch.int32),
         ...      "m.scales": torch.ones(1, 8, dtype=torch.float16)}
-        >>> qt = decode_gptq(lambda k, d, s: t[k], "m", {"bits": 4, "group_size": -1, "sym": True}, (8, 32), "x")
-        >>> qt.scheme, lowbit.dequantize(qt)[0, :4].tolist()
-        (QuantScheme('int4-sym-f16'), [-8.0, -7.0, -6.0, -5.0])
+        >>> qt, order = decode_gptq(lambda k, d, s: t[k], "m", {"bits": 4, "group_size": -1, "sym": True}, (8, 32), "x")
+        >>> qt.scheme, lowbit.dequantize(qt)[0, :4].tolist(), order
+        (QuantScheme('int4-sym-f16'), [-8.0, -7.0, -6.0, -5.0], None)
     """
     what = f"{where}: module {name!r}"
     n, k = shape
@@ -177,16 +183,38 @@ def decode_gptq(get, name: str, config: dict, shape, where: str, g_idx: torch.Te
     q = unpack_rows(get(f"{name}.qweight", (torch.int32,), (k // per, n)), bits)
     zeros = unpack_columns(get(f"{name}.qzeros", (torch.int32,), (groups, n // per)), bits)
     scales = get(f"{name}.scales", (torch.float16, torch.bfloat16, torch.float32), (groups, n))
-    if g_idx is not None:
-        if tuple(g_idx.shape) != (k,):
-            raise GPTQFormatError(f"{what}: g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
-        if not torch.equal(g_idx.long(), torch.arange(k) // (group or k)):
-            raise GPTQFormatError(f"{what}: g_idx is not k // group_size (act-order / desc_act checkpoint); lowbit "
-                                  "keeps groups of consecutive input channels and does not load permuted groups yet")
+    order = None if g_idx is None else input_order(g_idx, k, group, what)
+    if order is not None:
+        q = q.index_select(0, order)  # q is [K, N]: channel rows, sorted by group
     if config.get("checkpoint_format", config.get("format", "gptq")) == "gptq":
         zeros = zeros + 1  # AutoGPTQ stored zero - 1
     symmetric = bool(config.get("sym", True))
-    return _to_qtensor(q, zeros, scales, bits, group, symmetric, what)
+    return _to_qtensor(q, zeros, scales, bits, group, symmetric, what), order
+
+
+def input_order(g_idx: torch.Tensor, k: int, group: int | None, what: str = "g_idx") -> torch.Tensor | None:
+    """None when ``g_idx`` is the plain ``k // group_size``; otherwise (act-order) the
+    stable sort of the channels by group, checked to hold exactly ``group_size``
+    channels per group.
+
+    Example::
+
+        >>> import torch
+        >>> input_order(torch.tensor([1, 0, 0, 1]), 4, 2).tolist()
+        [1, 2, 0, 3]
+    """
+    if tuple(g_idx.shape) != (k,):
+        raise GPTQFormatError(f"{what}: g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
+    g_idx = g_idx.long()
+    size = group or k
+    if torch.equal(g_idx, torch.arange(k) // size):
+        return None
+    counts = torch.bincount(g_idx.clamp(0, k // size), minlength=k // size + 1)
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= k // size or bool((counts[:k // size] != size).any()):
+        raise GPTQFormatError(f"{what}: g_idx must put exactly {size} input channels in each of the {k // size} "
+                              f"groups (group_size {size}); got values {int(g_idx.min())}..{int(g_idx.max())} "
+                              f"and group sizes {sorted(set(counts[:k // size].tolist()))}")
+    return torch.sort(g_idx, stable=True).indices
 
 
 def decode_awq(get, name: str, config: dict, shape, where: str) -> QTensor:

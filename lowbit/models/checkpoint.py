@@ -455,8 +455,11 @@ def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtyp
     if shell.bias is not None:
         bias = reader.get(f"{name}.bias", (torch.float32, torch.bfloat16, torch.float16),
                           (shell.out_features,)).to(dtype)
+    order = None
+    if f"{name}.input_order" in reader.keys:  # an act-order GPTQ import: its columns' input features
+        order = reader.get(f"{name}.input_order", (torch.int64,), (shell.in_features,))
     try:
-        mod = QuantLinear(qt, bias, spec["activation"], backend)
+        mod = QuantLinear(qt, bias, spec["activation"], backend, input_order=order)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_file}: module {name!r}: {e}") from None
     needed = [k for k, need in _static_act_tensors(name, spec["activation"]).items() if need]

@@ -154,7 +154,7 @@ def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dic
             if "asym" in act:
                 zp = tensors.get(f"{name}.input_zero_point", (torch.int8,)).reshape(-1)
                 zp = (zp.to(torch.int16) + 128).to(torch.uint8)
-        out[name] = (qt, act, scale, zp)
+        out[name] = (qt, act, scale, zp, None)
     if not out:
         raise ForeignCheckpointError(f"{where}: no module of the model matches the config groups' targets")
     return out
@@ -177,10 +177,10 @@ def _packed_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str, me
         if method == "gptq":
             key = f"{name}.g_idx"
             g_idx = tensors.get(key, (torch.int32, torch.int64)) if key in tensors else None
-            qt = gptq.decode_gptq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"]), g_idx)
+            qt, order = gptq.decode_gptq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"]), g_idx)
         else:
-            qt = gptq.decode_awq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"]))
-        out[name] = (qt, None, None, None)
+            qt, order = gptq.decode_awq(tensors.get, name, q, shape, str(tensors.where[f"{name}.qweight"])), None
+        out[name] = (qt, None, None, None, order)
     if not out:
         raise ForeignCheckpointError(f"{tensors.file}: no linear has a qweight tensor; not a {method} checkpoint")
     return out
@@ -232,13 +232,13 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
         modules = _ct_modules(model, q, tensors, where)
     else:
         modules = _packed_modules(model, q, tensors, where, method)
-    for name, (qt, act, scale, zp) in modules.items():
+    for name, (qt, act, scale, zp, order) in modules.items():
         shell = model.get_submodule(name)
         bias = None
         if shell.bias is not None:
             bias = tensors.get(f"{name}.bias", FLOATS, (shell.out_features,)).to(dtype)
         try:
-            mod = QuantLinear(qt, bias, act, backend)
+            mod = QuantLinear(qt, bias, act, backend, input_order=order)
             if scale is not None:
                 mod.set_act_qparams(scale, zp)
         except (TypeError, ValueError) as e:
@@ -261,11 +261,11 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
         raise ForeignCheckpointError(f"{tensors.file}: tensors the model does not use: {unused[:5]}")
     model.eval()
     model.requires_grad_(False)
-    kinds = Counter((str(qt.scheme), act) for qt, act, _, _ in modules.values())
+    kinds = Counter((str(qt.scheme), act) for qt, act, *_ in modules.values())
     (weight, act), _ = kinds.most_common(1)[0]
     model.lowbit_recipe = Recipe(weight=weight, activation=act, name=f"{method} import")
     model.lowbit_modules = {n: {"kind": "linear", "weight": str(qt.scheme), "activation": act,
-                                "asked": str(qt.scheme)} for n, (qt, act, _, _) in modules.items()}
+                                "asked": str(qt.scheme)} for n, (qt, act, *_) in modules.items()}
     model.lowbit_quantization = {"method": "import", "format": method, "config": q}
     model.lowbit_source = str(folder)
     tok = None

@@ -211,7 +211,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     out = _shallow_copy(model)
     for name, mod in list(out.named_modules()):
         if isinstance(mod, QuantLinear):
-            w = dequantize(mod.qweight, torch.float32)
+            w = mod.dequantized_weight(torch.float32)
             dtype = mod.bias.dtype if mod.bias is not None else _float_dtype(model)
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
             lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
