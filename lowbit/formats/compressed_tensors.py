@@ -549,9 +549,10 @@ def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
                 raise CompressedTensorsError(f"module {name!r}: per-tensor activation scale not calibrated")
             if mod.input_order is not None:
                 raise CompressedTensorsError(
-                    f"module {name!r} has act-order groups (input_order, from a desc_act GPTQ checkpoint); "
-                    "writing them as compressed-tensors' weight_g_idx is not implemented yet: export as GGUF, "
-                    "or save with lowbit.save_quantized")
+                    f"module {name!r} has act-order groups (input_order, from a desc_act GPTQ checkpoint), "
+                    "which compressed-tensors cannot hold: its g_idx (actorder 'group') is gone from the "
+                    f"format version written here ({FORMAT_VERSION}); save with lowbit.save_quantized, or "
+                    "export as GGUF (re-quantized)")
             out[name] = mod
     if not out:
         raise CompressedTensorsError("model has no quantized linears: quantize it with lowbit.quantize_model "

@@ -1,10 +1,11 @@
 """A Llama GGUF file loaded straight into lowbit's modules, without a float copy.
 
-Every tensor whose ggml type a lowbit scheme stores without loss becomes a
-``QuantLinear`` / ``QuantEmbedding`` holding the file's own codes and float16 scales
-(Q4_0 -> int4-sym-g32-f16, Q4_1 -> int4-asym-g32-zpmin-f16, Q8_0 -> int8-sym-g32-f16:
-``lowbit.formats.ggml.as_qtensor``); any other type is dequantized (exactly, with
-``ggml.dequantize``) into a float module, and the model says so in ``lowbit_gguf``.
+Every quantized ggml tensor becomes a ``QuantLinear`` / ``QuantEmbedding`` holding the
+file's own codes and scales in the lowbit scheme that stores its type without loss
+(Q4_0 -> int4-sym-g32-f16, Q4_1 -> int4-asym-g32-zpmin-f16, Q4_K -> int4-asym-g32-zpmin
+with float32 sub-block scales, ...: ``lowbit.formats.ggml.LOSSLESS_SCHEMES`` and
+``as_qtensor``); float tensors become float modules (exactly, with ``ggml.dequantize``),
+and the model counts both in ``lowbit_gguf``.
 The q/k projections are put back in Hugging Face's row order (llama.cpp's converter
 interleaves the rotary halves).  The tokenizer is converted by transformers once and
 cached next to the float conversions (``load.cache_dir()``).

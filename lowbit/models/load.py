@@ -115,10 +115,10 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         backend: kernel backend of a quantized checkpoint's modules (None: automatic).
         gguf: how a GGUF file loads: "float" (dequantized once into a float32 folder in
             ``cache_dir()``, then loaded: what quantizing with a recipe starts from) or
-            "native" (its Q4_0 / Q4_1 / Q8_0 tensors kept as lowbit ``QuantLinear`` /
-            ``QuantEmbedding`` modules with the file's own codes, other types
-            dequantized; see ``lowbit.models.gguf_native``).  Both give the same
-            weights bit for bit.
+            "native" (its quantized tensors, every ggml type, kept as lowbit
+            ``QuantLinear`` / ``QuantEmbedding`` modules with the file's own codes and
+            scales, float tensors as float modules; see ``lowbit.models.gguf_native``).
+            Both give the same weights bit for bit.
 
     Returns ``(model, tokenizer)``; the model is in eval mode.  GGUF files are converted
     once to a float32 folder in ``cache_dir()`` (the bundled model: about 15 s), later
