@@ -42,7 +42,7 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..qtensor import QTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
-from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, quiet_transformers
+from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, TensorFiles, quiet_transformers, sha256
 from .quantize import _float_dtype, _set_module
 
 FORMAT = "lowbit"
@@ -56,11 +56,6 @@ _READ_BY_TRANSFORMERS = re.compile(r"config\.json|generation_config\.json|tokeni
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded (missing, corrupted or inconsistent)."""
-
-
-def _digest(t: torch.Tensor) -> str:
-    # reshape before view: a 0-d tensor has no last dimension to view as bytes
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _file_digest(file: Path) -> str:
@@ -160,7 +155,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     tensors = _unique_state(model)
     with staging(path, overwrite) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        finish(tmp, model, {n: _digest(t) for n, t in tensors.items()}, tokenizer)
+        finish(tmp, model, {n: sha256(t) for n, t in tensors.items()}, tokenizer)
     return Path(path)
 
 
@@ -338,59 +333,16 @@ def _check_files(folder: Path, meta: dict) -> None:
                                   "read it (remove it, or save the checkpoint again)")
 
 
-class _Reader:
+def _reader(folder: Path, meta: dict) -> TensorFiles:
     """The tensors of a checkpoint (``model.safetensors``, or the files ``shards`` lists),
     each checked against its recorded checksum."""
-
-    def __init__(self, folder: Path, meta: dict):
-        from safetensors import safe_open
-
-        self.folder, self.digests, self.used = folder, meta["sha256"], set()
-        self.shards = meta.get("shards") or {WEIGHTS: list(self.digests)}
-        self.file = folder / (WEIGHTS if len(self.shards) == 1 else CHECKPOINT_CONFIG)  # named in errors
-        self.where: dict[str, Path] = {}
-        self.handles = {}
-        for name, listed in self.shards.items():
-            file = folder / name
-            if not file.is_file():
-                raise CheckpointError(f"{file}: missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-                keys = set(handle.keys())
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
-            if keys != set(listed):
-                missing, extra = sorted(set(listed) - keys), sorted(keys - set(listed))
-                raise CheckpointError(f"{file}: tensors do not match {CHECKPOINT_CONFIG} (missing {missing[:5]}, "
-                                      f"unexpected {extra[:5]})")
-            self.handles[file] = handle
-            self.where.update(dict.fromkeys(keys, file))
-        self.keys = set(self.where)
-
-    def get(self, name: str, dtypes, shape=None) -> torch.Tensor:
-        if name not in self.keys:
-            raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
-        file = self.where[name]
-        try:
-            t = self.handles[file].get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{file}: tensor {name!r} could not be read ({e})") from None
-        if dtypes is not None and t.dtype not in dtypes:
-            raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected one of {dtypes}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                  f"expected {tuple(shape)}")
-        if _digest(t) != self.digests[name]:
-            raise CheckpointError(f"{file}: tensor {name!r} is corrupted (SHA-256 mismatch with "
-                                  f"{CHECKPOINT_CONFIG})")
-        self.used.add(name)
-        # a copy in memory of torch's allocator: a tensor read from the file is aligned to its
-        # offset there (8 bytes), and BLAS picks its float kernels by alignment, so a loaded
-        # model's one-row matmuls (decode steps) would round differently from the saved one's
-        return t.clone()
+    shards = meta.get("shards") or {WEIGHTS: list(meta["sha256"])}
+    named = folder / (WEIGHTS if len(shards) == 1 else CHECKPOINT_CONFIG)  # named in errors
+    return TensorFiles({folder / name: set(listed) for name, listed in shards.items()}, named, CheckpointError,
+                       digests=meta["sha256"], listing=CHECKPOINT_CONFIG)
 
 
-def _open(path: str | os.PathLike) -> tuple[dict, Recipe, _Reader]:
+def _open(path: str | os.PathLike) -> tuple[dict, Recipe, TensorFiles]:
     """Everything of a checkpoint but its tensor data, checked: lowbit.json, the
     checksums of the other files, the tensors file's header."""
     folder = Path(path)
@@ -405,7 +357,7 @@ def _open(path: str | os.PathLike) -> tuple[dict, Recipe, _Reader]:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from None
     recipe = _validate(meta, f)
     _check_files(folder, meta)
-    return meta, recipe, _Reader(folder, meta)
+    return meta, recipe, _reader(folder, meta)
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -428,7 +380,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
     return _open(path)[0]
 
 
-def _quant_module(reader: _Reader, name: str, spec: dict, shell: nn.Module, dtype, backend):
+def _quant_module(reader: TensorFiles, name: str, spec: dict, shell: nn.Module, dtype, backend):
     scheme = QuantScheme.parse(spec["weight"])
     meta_file = reader.file.parent / CHECKPOINT_CONFIG
     if spec["kind"] == "linear":
@@ -514,22 +466,7 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype | None = None, ba
         except AttributeError:
             raise CheckpointError(f"{meta_file}: the model has no module {name!r}") from None
         _set_module(model, name, _quant_module(reader, name, spec, shell, dtype, backend))
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    tied = getattr(config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear)
-    for name, p in list(model.named_parameters()):
-        if p.device.type != "meta" or (tied and name == "lm_head.weight"):
-            continue
-        mod_name, _, attr = name.rpartition(".")
-        t = reader.get(name, floats, p.shape).to(dtype)
-        setattr(model.get_submodule(mod_name), attr, nn.Parameter(t, requires_grad=False))
-    if tied:
-        model.lm_head.weight = model.get_input_embeddings().weight
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
-    if left:
-        raise CheckpointError(f"{reader.file}: no tensors for {left[:5]}")
-    unused = sorted(reader.keys - reader.used)
-    if unused:
-        raise CheckpointError(f"{reader.file}: tensors the model does not use: {unused[:5]}")
+    reader.fill(model, dtype)
     model.eval()
     model.lowbit_recipe = recipe
     model.lowbit_modules = {n: {**s, "asked": s["weight"]} for n, s in meta["modules"].items()}

@@ -23,7 +23,7 @@ from ..formats import compressed_tensors as ct
 from ..formats import gptq
 from ..nn import QuantLinear
 from ..recipe import Recipe
-from .common import quiet_transformers
+from .common import TensorFiles, quiet_transformers
 from .quantize import _set_module
 
 FOREIGN_METHODS = ("compressed-tensors", "gptq", "awq")
@@ -58,62 +58,28 @@ def quant_method(folder: str | Path) -> str | None:
     return q["quant_method"]
 
 
-class _Tensors:
-    """The safetensors files of a folder (``model.safetensors`` or the shards an
+def _tensors(folder: Path) -> TensorFiles:
+    """The safetensors files of a folder (``model.safetensors`` or the shards a
     ``model.safetensors.index.json`` lists), read by name with dtype and shape checks."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ForeignCheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-        else:
-            files = ["model.safetensors"]
-        self.where: dict[str, Path] = {}
-        self.handles = {}
-        for name in files:
-            file = (folder / name).resolve()
-            if file.parent != folder.resolve():
-                raise ForeignCheckpointError(f"{index}: shard {name!r} is outside the folder")
-            if not file.is_file():
-                raise ForeignCheckpointError(f"{file}: missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-                keys = list(handle.keys())
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise ForeignCheckpointError(f"{file}: unreadable or truncated safetensors file ({e})") from None
-            self.handles[file] = handle
-            self.where.update(dict.fromkeys(keys, file))
-        self.file = folder / files[0] if len(files) == 1 else index
-        self.used: set[str] = set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str, dtypes, shape=None) -> torch.Tensor:
-        if name not in self.where:
-            raise ForeignCheckpointError(f"{self.file}: tensor {name!r} is missing")
-        file = self.where[name]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
         try:
-            t = self.handles[file].get_tensor(name)
-        except Exception as e:
-            raise ForeignCheckpointError(f"{file}: tensor {name!r} could not be read ({e})") from None
-        if dtypes is not None and t.dtype not in dtypes:
-            raise ForeignCheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, expected one of "
-                                         f"{[str(d).removeprefix('torch.') for d in dtypes]}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ForeignCheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(shape)}")
-        self.used.add(name)
-        return t.clone()  # aligned by torch's allocator, not at the file's 8-byte offset
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ForeignCheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    else:
+        files = ["model.safetensors"]
+    paths = {}
+    for name in files:
+        file = (folder / name).resolve()
+        if file.parent != folder.resolve():
+            raise ForeignCheckpointError(f"{index}: shard {name!r} is outside the folder")
+        paths[file] = None
+    return TensorFiles(paths, folder / files[0] if len(files) == 1 else index, ForeignCheckpointError)
 
 
-def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dict:
+def _ct_modules(model: nn.Module, q: dict, tensors: TensorFiles, where: str) -> dict:
     """{module name: (QTensor, activation scheme, static act scale, act zero point)} of a
     compressed-tensors folder."""
     ct.check_config(q, where)
@@ -160,7 +126,7 @@ def _ct_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str) -> dic
     return out
 
 
-def _packed_modules(model: nn.Module, q: dict, tensors: _Tensors, where: str, method: str) -> dict:
+def _packed_modules(model: nn.Module, q: dict, tensors: TensorFiles, where: str, method: str) -> dict:
     """The GPTQ / AWQ linears of a folder: every linear with a ``qweight`` in the file."""
     try:
         gptq.check_config(method, q, where)
@@ -213,7 +179,7 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
                                      f"{', '.join(FOREIGN_METHODS)})")
     raw = json.loads((folder / "config.json").read_text())
     q = raw["quantization_config"]
-    tensors = _Tensors(folder)
+    tensors = _tensors(folder)
     layers = {int(m.group(1)) for k in tensors.where if (m := re.search(r"\.layers\.(\d+)\.", k))}
     n = raw.get("num_hidden_layers")
     if layers and n != max(layers) + 1:  # checked before building n layers (a huge n would never finish)
@@ -244,21 +210,7 @@ def load_foreign(folder: str | Path, dtype: torch.dtype = torch.float32, backend
         except (TypeError, ValueError) as e:
             raise ForeignCheckpointError(f"{where}: module {name!r}: {e}") from None
         _set_module(model, name, mod)
-    tied = getattr(config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear)
-    for name, p in list(model.named_parameters()):
-        if p.device.type != "meta" or (tied and name == "lm_head.weight" and name not in tensors):
-            continue
-        mod_name, _, attr = name.rpartition(".")
-        t = tensors.get(name, FLOATS, p.shape).to(dtype)
-        setattr(model.get_submodule(mod_name), attr, nn.Parameter(t, requires_grad=False))
-    if tied and model.lm_head.weight.device.type == "meta":
-        model.lm_head.weight = model.get_input_embeddings().weight
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
-    if left:
-        raise ForeignCheckpointError(f"{tensors.file}: no tensors for {left[:5]}")
-    unused = sorted(set(tensors.where) - tensors.used)
-    if unused:
-        raise ForeignCheckpointError(f"{tensors.file}: tensors the model does not use: {unused[:5]}")
+    tensors.fill(model, dtype)
     model.eval()
     model.requires_grad_(False)
     kinds = Counter((str(qt.scheme), act) for qt, act, *_ in modules.values())

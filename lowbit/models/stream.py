@@ -24,8 +24,8 @@ from torch import nn
 
 from ..recipe import Recipe
 from .calibrate import SUPPORTED, calibrate_and_quantize
-from .checkpoint import _digest, _unique_state, finish, staging
-from .common import FLOAT_DTYPES_BY_NAME, quiet_transformers
+from .checkpoint import _unique_state, finish, staging
+from .common import FLOAT_DTYPES_BY_NAME, quiet_transformers, sha256
 from .quantize import (act_observer, algorithms_for, calibrates, calibration_record, plan, quantize_modules,
                        _tied_embedding)
 
@@ -176,7 +176,7 @@ def quantize_streaming(src: str | os.PathLike, out: str | os.PathLike, recipe: R
             name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             shards[name] = sorted(tensors)
-            digests.update({n: _digest(t) for n, t in tensors.items()})
+            digests.update({n: sha256(t) for n, t in tensors.items()})
 
         def enter(i: int) -> None:
             if i == 0:  # the calibration tokens are embedded: the embedding comes back at the end
