@@ -86,6 +86,14 @@ def test_k_quants_and_their_fallbacks_load_natively(both, tmp_path, monkeypatch,
             assert torch.equal(lowbit.dequantize(m.qweight), ggml.dequantize(raw, typ, m.qweight.shape))
     size = lowbit.evaluation.weight_bytes(back)["weight_bytes"]
     assert size < lowbit.evaluation.weight_bytes(floating)["weight_bytes"] / 2
+    # and written back (each weight's default type: the one it came from; the float
+    # embedding was float16), every tensor byte for byte
+    out = export_gguf(back, tok, tmp_path / "again.gguf", float_type="f16", strict=True)
+    assert {t.ggml_type for t in out.tensors} == {k, fallback, "F16", "F32"}
+    again = {t.name: t for t in read_gguf(tmp_path / "again.gguf").tensors}
+    for name, t in file.items():
+        assert again[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(np.asarray(again[name].data).view(np.uint8), np.asarray(t.data).view(np.uint8)), name
 
 
 def test_bad_mode_is_named():

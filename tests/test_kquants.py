@@ -221,3 +221,42 @@ def test_every_type_follows_ggmls_block_rules():
         assert ggml.block_type(name).block_size == t.n_sub * t.sub == 256
         assert t.qmax - t.qmin == 2 ** code_bits - 1
         assert t.smax - t.smin == 2 ** scale_bits - 1 or (t.has_min and t.smax == 2 ** scale_bits - 1)
+
+
+@pytest.mark.parametrize("name", list(kquants.TYPES))
+def test_from_parts_gives_back_the_quantizers_bytes(name):
+    """Blocks read into their parts (what a native GGUF load keeps) and written back:
+    the same bytes, except super-blocks whose sub-scales are all 0 (their d is lost;
+    their values, zeros, are not)."""
+    x = odd_weights()
+    raw = kquants.quantize(x, name)
+    blocks = raw.reshape(-1, ggml.block_type(name).type_size)
+    scale, low, q = ggml._K_PARTS[name](blocks)
+    back = kquants.from_parts(name, scale, low, q)
+    settled = (scale != 0).any(-1)
+    assert torch.equal(back[settled], blocks[settled]) and settled.float().mean() > 0.8
+    n = blocks.shape[0] * ggml.QK_K
+    assert torch.equal(ggml.dequantize(back, name, [n]), ggml.dequantize(blocks, name, [n]))
+
+
+@pytest.mark.parametrize("name", list(kquants.TYPES))
+def test_from_parts_keeps_every_bit_of_random_blocks(name):
+    """Random bytes (finite scales): one of the float16 d's that reproduce every product
+    d * sc bit for bit, signed zeros included; the bytes may differ where several do."""
+    raw = torch.randint(0, 256, (400, ggml.block_type(name).type_size), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(5))
+    scale, low, q = ggml._K_PARTS[name](raw)
+    finite = scale.isfinite().all(-1) & (True if low is None else low.isfinite().all(-1))
+    raw = raw[finite]
+    back = kquants.from_parts(name, *ggml._K_PARTS[name](raw))
+    n = raw.shape[0] * ggml.QK_K
+    assert torch.equal(ggml.dequantize(back, name, [n]).view(torch.int32), ggml.dequantize(raw, name, [n]).view(torch.int32))
+
+
+def test_from_parts_refuses_what_no_k_quant_holds():
+    scale, low = torch.full((1, 8), 0.1), torch.zeros(1, 8)
+    assert kquants.from_parts("Q4_K", scale, low, torch.full((1, 8, 32), 16)) is None  # a code past 15
+    odd = torch.tensor([[0.1, 0.1 / 3, 0, 0, 0, 0, 0, 0]])  # no float16 d makes both d * integer
+    assert kquants.from_parts("Q4_K", odd, low, torch.zeros(1, 8, 32)) is None
+    with pytest.raises(ValueError, match="Q6_K takes no min"):
+        kquants.from_parts("Q6_K", scale, low, torch.zeros(1, 8, 32))

@@ -9,8 +9,11 @@ tensor whether it is stored exactly:
   ``d = scale`` and ``m = -zero_point * scale``.  That is exact when the scale and the
   min are float16 values (an ``-f16`` scheme with symmetric codes always is), otherwise
   it differs only by rounding them to float16;
+- a K-quant loaded natively (``ggml.as_qtensor``: groups of 16 or 32, float32 sub-block
+  scales that are a float16 ``d`` times integers) goes back to its K-quant when that type
+  is asked for (``kquants.from_parts`` recovers ``d`` and the integers exactly);
 - anything else (8-bit asymmetric codes, a requested type the codes do not fit, groups
-  that are not whole blocks, any K-quant) is re-quantized from lowbit's dequantized
+  that are not whole blocks, other schemes asked to be K-quants) is re-quantized from lowbit's dequantized
   weights with ggml's own quantizer (bit-identical with the ``gguf`` package's) or, for
   the K-quants, ``lowbit.formats.kquants``; a K-quant asked for a weight whose rows are
   not whole 256-value super-blocks becomes ``K_FALLBACK``'s type, as in llama.cpp;
@@ -161,7 +164,14 @@ def _codes_fit(qt, target: str) -> str | None:
     """Why the codes of ``qt`` cannot be stored as ``target`` as they are (None: they can)."""
     s, k = qt.scheme, qt.shape[-1]
     if target in K_FALLBACK:
-        return f"{target}'s two-level scales are not lowbit's"
+        from .kquants import TYPES
+
+        t = TYPES[target]
+        if k % ggml.QK_K or s.granularity != "group" or s.group_size != t.sub:
+            return f"{target}'s sub-blocks are groups of {t.sub} in rows of whole 256-value super-blocks"
+        if s.symmetric == t.has_min or (t.has_min and s.zero_point_domain != "min"):
+            return f"{target} {'has a min (a zpmin scheme)' if t.has_min else 'is symmetric'}"
+        return None  # the values decide (``_keep_codes``)
     if target not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return f"{target} stores floats"
     if s.granularity == "token" or k % 32:
@@ -184,6 +194,14 @@ def _keep_codes(qt, target: str) -> torch.Tensor | None:
 
     s = qt.scheme
     q = qt.codes if not s.is_packed else unpack_bits(qt.codes, s.bits, s.packing, signed=s.symmetric)
+    if target in K_FALLBACK:  # sub-block scales that are float16 d times integers (a K-quant loaded natively)
+        from .kquants import TYPES, from_parts
+
+        t = TYPES[target]
+        blocks = q.numel() // ggml.QK_K
+        low = None if s.symmetric else -qt.zero_point.to(torch.float32).reshape(blocks, t.n_sub)
+        return from_parts(target, qt.scale.to(torch.float32).reshape(blocks, t.n_sub), low,
+                          q.reshape(blocks, t.n_sub, t.sub))
     q = q.to(torch.int32).reshape(-1, 32)
     scale = qt.scale.to(torch.float32)
     d = _block_params(qt, scale).to(torch.float16)
@@ -220,7 +238,8 @@ def encode(weight, target: str) -> tuple[torch.Tensor, str]:
             raw = _keep_codes(weight, target)
             if raw is not None:
                 return raw.reshape(weight.shape[0], -1), "codes kept"
-            why = "its scales overflow float16"
+            why = (f"its codes or sub-block scales are not a {target}'s (codes in its range, scales a float16 "
+                   "times integers)" if target in K_FALLBACK else "its scales overflow float16")
         from ..ops import dequantize
 
         values, how = dequantize(weight, torch.float32), f"re-quantized ({why})"
@@ -263,8 +282,10 @@ def _measure(raw: torch.Tensor, target: str, reference: torch.Tensor) -> tuple[b
 
 
 def default_type(weight) -> str:
-    """The ggml type a weight goes to when none is asked for: the smallest simple type
-    that holds its codes (Q4_0/Q4_1 up to 4 bits, Q5_x, Q8_0), its float dtype otherwise.
+    """The ggml type a weight goes to when none is asked for: the K-quant it was loaded
+    from (``ggml.as_qtensor``'s schemes, when its scales decompose as that type's), else
+    the smallest simple type that holds its codes (Q4_0/Q4_1 up to 4 bits, Q5_0/Q5_1 for
+    codes of 5 bits, which 8-bit codes loaded from Q5_x are, Q8_0), else its float dtype.
 
     Example::
 
@@ -277,11 +298,22 @@ def default_type(weight) -> str:
     if not isinstance(weight, QTensor):
         return FLOAT_TYPES.get(weight.dtype, "F32")
     s = weight.scheme
-    if s.bits <= 4:
+    k_type = _K_OF_SCHEME.get(str(s))
+    if k_type and _codes_fit(weight, k_type) is None and _keep_codes(weight, k_type) is not None:
+        return k_type
+    bits = s.bits
+    if bits == 8 and s.granularity == "group" and weight.codes.numel():  # codes that would fit 5 bits
+        lo, hi = int(weight.codes.min()), int(weight.codes.max())
+        bits = 5 if (-16 <= lo and hi <= 15 if s.symmetric else hi <= 31) else 8
+    if bits <= 4:
         return "Q4_0" if s.symmetric else "Q4_1"
-    if s.bits == 5:
+    if bits == 5:
         return "Q5_0" if s.symmetric else "Q5_1"
     return "Q8_0"
+
+
+# the scheme each K-quant loads into, back to its type
+_K_OF_SCHEME = {scheme: name for name, scheme in ggml.LOSSLESS_SCHEMES.items() if name in K_FALLBACK}
 
 
 # -- the model --------------------------------------------------------------------------

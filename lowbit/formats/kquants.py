@@ -193,6 +193,68 @@ def quantize(x: torch.Tensor, name: str, *, importance: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], per_row * block_type(t.name).type_size)
 
 
+def from_parts(name: str, scale: torch.Tensor, low: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The raw blocks [n, type_size] of K-quant ``name`` whose values are exactly
+    ``scale * q - low``: the inverse of reading a block into its sub-block parts
+    (``ggml.as_qtensor``), so a K-quant loaded into lowbit is written back as it was.
+
+    ``scale`` and ``low`` (None for Q3_K / Q6_K) are float32 [n, n_sub], ``q`` the codes
+    [n, n_sub, sub] in ggml's formula (signed for Q3_K / Q6_K).  None when they are not a
+    K-quant's: a code out of the type's range, or a super-block whose scales (or mins)
+    are not one float16 ``d`` times integer sub-scales in range, as ggml's products
+    ``d * sc`` (float32) must reproduce them bit for bit.  Where several ``d`` work, the
+    one the quantizers pick is tried first (the sub-scale of largest magnitude at the
+    end of its range), so their bytes come back unchanged.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> from lowbit.formats import ggml
+        >>> raw = quantize(torch.randn(2, 256), "Q4_K")
+        >>> qt = ggml.as_qtensor(raw, "Q4_K", [2, 256])
+        >>> q = lowbit.ops.unpack_bits(qt.codes, 4, signed=False).reshape(2, 8, 32)
+        >>> torch.equal(from_parts("Q4_K", qt.scale.reshape(2, 8), -qt.zero_point.reshape(2, 8), q), raw)
+        True
+    """
+    t = TYPES[str(name).upper()]
+    n = q.shape[0]
+    if (low is None) == t.has_min or q.shape[1:] != (t.n_sub, t.sub):
+        raise ValueError(f"{t.name} takes {'a min' if t.has_min else 'no min'} and codes [n, {t.n_sub}, {t.sub}], "
+                         f"got {'no' if low is None else 'a'} min and codes {list(q.shape)}")
+    q = q.to(torch.int32)
+    if bool(((q < t.qmin) | (q > t.qmax)).any()):
+        return None
+    d, sc = _integer_grid(scale.to(torch.float32).reshape(n, t.n_sub), t.smin, t.smax)
+    dmin, m = (torch.zeros(n), torch.zeros(n, t.n_sub)) if low is None else \
+        _integer_grid(low.to(torch.float32).reshape(n, t.n_sub), 0, t.smax)
+    if d is None or dmin is None:
+        return None
+    return _PACKERS[t.name](d, dmin, sc.to(torch.int32), m.to(torch.int32), q - t.qmin)
+
+
+def _integer_grid(v: torch.Tensor, smin: int, smax: int):
+    """(d [n] float16-exact, k [n, j] integers in [smin, smax]) with ``d * k`` equal to
+    ``v`` bit for bit in float32 for every row, or (None, None) when some row has none."""
+    top = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True))[:, 0]
+    d, k = top * 0.0, torch.zeros_like(v)  # an all-zero row: d = 0 (with its zeros' sign), k = 0
+    left = (top != 0).nonzero()[:, 0]
+    # the quantizers' choice first: the largest magnitude at the longer end of the range;
+    # nearly every row is settled by the first candidate, so only the rest go on
+    ends = [(-smin, -1.0), (smax, 1.0)] if smin < 0 else [(smax, 1.0)]
+    for c in range(max(-smin, smax), 0, -1):
+        for end, sign in ends:
+            if c > end or not left.numel():
+                continue
+            t, x = top[left], v[left]
+            cand = (t.abs() / c).to(torch.float16).to(torch.float32) * torch.where(t < 0, -sign, sign)
+            kk = torch.round(x / cand[:, None]) + 0.0  # + 0.0: an integer has no -0
+            y = kk * cand[:, None]  # ggml's d * sc, compared bit for bit (a zero's sign too)
+            ok = (cand != 0) & ((y == x) & (y.signbit() == x.signbit()) & (kk >= smin) & (kk <= smax)).all(-1)
+            d[left[ok]], k[left[ok]] = cand[ok], kk[ok]
+            left = left[~ok]
+    return (d, k) if not left.numel() else (None, None)
+
+
 def _check(x, name, importance) -> KQuant:
     t = TYPES.get(str(name).upper())
     if t is None:
