@@ -21,7 +21,7 @@ def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
     if sys.byteorder == "little":  # bytes first (uint8 ops, 4x less memory traffic), then words are their view
         per = 8 // bits
         v = q.to(torch.uint8).bitwise_and_((1 << bits) - 1).reshape(*q.shape[:-1], q.shape[-1] // per, per)
-        b = v[..., 0].clone()
+        b = v[..., 0].clone(memory_format=torch.contiguous_format)
         for j in range(1, per):
             b |= v[..., j] << (bits * j)
         return b if word == 8 else b.view(word_dtype(packing))
