@@ -18,7 +18,7 @@ def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
     word = word_bits(packing)
     if word % bits:
         return reference.pack(q, bits, packing)
-    if sys.byteorder == "little":  # bytes first (uint8 ops, 4x less memory traffic), then words are their view
+    if sys.byteorder == "little" and q.numel():  # bytes first (uint8 ops, 4x less memory traffic), then words are their view
         per = 8 // bits
         v = q.to(torch.uint8).bitwise_and_((1 << bits) - 1).reshape(*q.shape[:-1], q.shape[-1] // per, per)
         b = v[..., 0].clone(memory_format=torch.contiguous_format)
