@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit
-from lowbit.models.checkpoint import CheckpointError, _digest
+from lowbit.models.checkpoint import CheckpointError
+from lowbit.models.common import sha256
 from lowbit.models.quantize import _set_module, plan
 from lowbit.nn import QuantLinear, act_qparams_from_range
 from lowbit.ops import choose_qparams, dequantize, fake_quantize
@@ -315,6 +316,6 @@ def test_bad_static_qparams_in_the_tensors_file_are_refused_by_name(saved, tmp_p
     tensors = load_file(bad / "model.safetensors")
     tensors[name] = value
     save_file(tensors, bad / "model.safetensors")
-    _edit_json(bad, tmp_path / "bad2", lambda m: m["sha256"].update({name: _digest(value)}))
+    _edit_json(bad, tmp_path / "bad2", lambda m: m["sha256"].update({name: sha256(value)}))
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{match}"):
         lowbit.load_quantized(tmp_path / "bad2")
