@@ -274,7 +274,8 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
     if format == "gguf":
         from lowbit.formats.gguf_export import check_arguments
 
-        out = os.path.abspath(check_arguments(output, type, float_type, force, "--force")[0])  # before loading
+        out = os.path.abspath(check_arguments(output, type, float_type, force, "--force",
+                                              ("--type", "--float-type"))[0])  # before loading
     else:
         from lowbit.formats.compressed_tensors import check_output
 

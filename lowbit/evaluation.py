@@ -168,9 +168,16 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
-    linear = sum(m.weight.nbytes if isinstance(m, QuantLinear) else m.weight.numel() * m.weight.element_size()
-                 for _, m in _body_linears(model))
+    linear = sum(_linear_bytes(m) for _, m in _body_linears(model))
     return {"weight_bytes": total, "linear_weight_bytes": linear}
+
+
+def _linear_bytes(m: nn.Module) -> int:
+    """A linear's weight bytes: codes, scales, zero points and (act-order) input order."""
+    if not isinstance(m, QuantLinear):
+        return m.weight.numel() * m.weight.element_size()
+    order = m.input_order
+    return m.weight.nbytes + (0 if order is None else order.numel() * order.element_size())
 
 
 def _body_linears(model: nn.Module):

@@ -223,3 +223,36 @@ def test_the_bundled_model_round_trips_byte_for_byte(bundled, tmp_path):
     assert len(linears) == 210
     for n in linears:
         assert np.array_equal(np.asarray(new[n].data).view(np.uint8), np.asarray(old[n].data).view(np.uint8)), n
+
+
+def test_8_bit_codes_that_fit_5_bits_go_to_q5_exactly():
+    """What a Q5_0 / Q5_1 tensor loads into (8-bit codes of 5-bit range, any float16 d,
+    not only ggml's max / -16) goes back to Q5_x with its codes; wider codes to Q8_0."""
+    codes = torch.randint(-10, 11, (4, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    sym = lowbit.QTensor(codes, torch.full((4, 2), 0.1, dtype=torch.float16), None,
+                         lowbit.QuantScheme.parse("int8-sym-g32-f16"), torch.Size((4, 64)))
+    assert default_type(sym) == "Q5_0"
+    raw, how = encode(sym, "Q5_0")
+    assert how == "codes kept" and torch.equal(ggml.dequantize(raw, "Q5_0", [4, 64]), lowbit.dequantize(sym))
+    raw, how = encode(sym, "Q5_1")  # signed codes into the min type: + 16, m = -16 d
+    assert how == "codes kept" and torch.equal(ggml.dequantize(raw, "Q5_1", [4, 64]), lowbit.dequantize(sym))
+    wide = lowbit.QTensor(codes * 3, sym.scale, None, sym.scheme, sym.shape)
+    assert default_type(wide) == "Q8_0" and encode(wide, "Q5_0")[1] == "re-quantized (8-bit codes do not fit Q5_0)"
+
+
+def test_act_order_weights_keep_their_codes_type(monkeypatch):
+    """An act-order weight is written re-quantized, as the type its codes would have had
+    (Q4_0 here), not as the float32 it is re-quantized from."""
+    from lowbit.formats.gguf_export import _weights
+
+    lin = torch.nn.Linear(64, 32, bias=False)
+    q = lowbit.nn.QuantLinear(lowbit.quantize(lin.weight.detach(), "int4-sym-g32-f16"),
+                              input_order=torch.randperm(64, generator=torch.Generator().manual_seed(0)))
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.up_proj = q
+    [(name, _, w, source, default)] = _weights(model)
+    assert (name, source, default) == ("blk.0.ffn_up.weight", "int4-sym-g32-f16 act-order", "Q4_0")
+    assert torch.equal(w, q.dequantized_weight())

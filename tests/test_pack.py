@@ -3,6 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lowbit
+
 from lowbit.kernels import reference
 from lowbit.ops import pack_bits, pack_int4, unpack_bits, unpack_int4
 
@@ -60,3 +62,19 @@ def test_three_bit_codes_straddle_words_as_a_little_endian_bit_stream():
 def test_bad_pack_arguments_are_refused_with_a_clear_error(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         bad()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_pack_leaves_its_input_alone(backend):
+    """Out of place: the codes passed in keep their values and version (and an expanded
+    or inference-mode tensor can be packed)."""
+    if backend not in lowbit.available_backends("cpu"):
+        pytest.skip("no cpu backend")
+    q = torch.arange(32, dtype=torch.uint8).reshape(2, 16) % 16
+    version, before = q._version, q.clone()
+    lowbit.ops.pack_bits(q, 4, "u32", backend=backend)
+    assert q._version == version and torch.equal(q, before)
+    with torch.inference_mode():
+        made = torch.randint(0, 16, (2, 16), dtype=torch.uint8)
+    lowbit.ops.pack_bits(made, 4, "u32", backend=backend)
+    lowbit.ops.pack_bits(torch.tensor([3], dtype=torch.uint8).expand(2, 16), 2, "u32", backend=backend)

@@ -179,7 +179,7 @@ def _codes_fit(qt, target: str) -> str | None:
     if s.granularity == "group" and s.group_size % 32:
         return f"groups of {s.group_size} are not whole 32-value blocks"
     width = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}[target]
-    if s.bits > width:
+    if _code_bits(qt) > width:
         return f"{s.bits}-bit codes do not fit {target}"
     if not s.symmetric and target in ("Q4_0", "Q5_0", "Q8_0"):
         return f"{target} has no zero point"
@@ -208,7 +208,7 @@ def _keep_codes(qt, target: str) -> torch.Tensor | None:
     if target in ("Q4_0", "Q5_0", "Q8_0"):  # symmetric codes: x = d * (q - offset)
         return ggml.pack_simple(target, q + ggml.CODE_OFFSET[target], d) if bool(d.isfinite().all()) else None
     if s.symmetric:  # signed codes into an unsigned min type: q + 2^(b-1), m = -2^(b-1) * scale
-        half = 1 << (s.bits - 1)
+        half = 1 << (_code_bits(qt) - 1)
         q, m = q + half, -half * scale
     elif s.zero_point_domain == "min":  # lowbit's q * scale + min is ggml's d * q + m
         m = qt.zero_point.to(torch.float32)
@@ -301,15 +301,22 @@ def default_type(weight) -> str:
     k_type = _K_OF_SCHEME.get(str(s))
     if k_type and _codes_fit(weight, k_type) is None and _keep_codes(weight, k_type) is not None:
         return k_type
-    bits = s.bits
-    if bits == 8 and s.granularity == "group" and weight.codes.numel():  # codes that would fit 5 bits
-        lo, hi = int(weight.codes.min()), int(weight.codes.max())
-        bits = 5 if (-16 <= lo and hi <= 15 if s.symmetric else hi <= 31) else 8
+    bits = _code_bits(weight)
     if bits <= 4:
         return "Q4_0" if s.symmetric else "Q4_1"
     if bits == 5:
         return "Q5_0" if s.symmetric else "Q5_1"
     return "Q8_0"
+
+
+def _code_bits(qt) -> int:
+    """The bits ``qt``'s codes need: its scheme's, or 5 for 8-bit codes that all fit 5
+    bits (what a Q5_0 / Q5_1 tensor loads into), so those go back to Q5_x."""
+    s = qt.scheme
+    if s.bits != 8 or not qt.codes.numel():
+        return s.bits
+    lo, hi = int(qt.codes.min()), int(qt.codes.max())
+    return 5 if (-16 <= lo and hi <= 15 if s.symmetric else hi <= 31) else 8
 
 
 # the scheme each K-quant loads into, back to its type
@@ -341,11 +348,12 @@ def _weights(model: nn.Module):
         if id(storage) in seen:  # tied to a tensor already written (lm_head and the embedding)
             continue
         seen[id(storage)] = base
-        source = None
+        source, default = None, default_type(w)
         if isinstance(mod, QuantLinear) and mod.input_order is not None:
-            # GGUF has no column order: the weight in the input's order, re-quantized
+            # GGUF has no column order: the weight in the input's order, re-quantized to the
+            # type its codes would have gone to
             source, w = f"{w.scheme} act-order", mod.dequantized_weight(torch.float32)
-        out.append((base + ".weight", name, w, source))
+        out.append((base + ".weight", name, w, source, default))
     return out
 
 
@@ -447,10 +455,12 @@ def _file_type(types: list[str]) -> int:
 
 
 def check_arguments(path: str | os.PathLike, type: str | None, float_type: str | None, overwrite: bool,
-                    overwrite_flag: str = "overwrite=True (--force)") -> tuple[Path, str | None, str | None]:
+                    overwrite_flag: str = "overwrite=True (--force)",
+                    names: tuple[str, str] = ("type", "float_type")) -> tuple[Path, str | None, str | None]:
     """``(path, type, float_type)`` of an export, checked before any work: types among
     ``TARGET_TYPES`` (any case; returned upper case), an output file that does not exist
-    (unless ``overwrite``, which the error names as ``overwrite_flag``) in a folder that does.
+    (unless ``overwrite``, which the error names as ``overwrite_flag``) in a folder that does;
+    ``names`` are what the errors call the two types (the CLI's flags).
 
     Example::
 
@@ -458,7 +468,7 @@ def check_arguments(path: str | os.PathLike, type: str | None, float_type: str |
         (PosixPath('m.gguf'), 'Q4_0', None)
     """
     checked = []
-    for label, value in [("type", type), ("float_type", float_type)]:
+    for label, value in zip(names, (type, float_type)):
         if value is not None and str(value).upper() not in TARGET_TYPES:
             raise ValueError(f"{label} must be one of {[t.lower() for t in TARGET_TYPES]}, got {value!r}")
         checked.append(None if value is None else str(value).upper())
@@ -509,7 +519,7 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
     result = GGUFExport(path)
     encoded = []
-    for name, module_name, w, reordered in _weights(model):
+    for name, module_name, w, reordered, default in _weights(model):
         is_linear = name.startswith("blk.") and len(w.shape) == 2
         fallback = None
         if len(w.shape) == 1:
@@ -519,7 +529,7 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
         elif not is_linear and float_type and not hasattr(w, "scheme"):
             target, fallback = target_type(w.shape, float_type)
         else:
-            target = default_type(w)
+            target = default
         kind = name.split(".")[-2]
         if kind in heads:  # llama.cpp's rotary row order
             idx = rope_rows(w.shape[0], int(heads[kind]))

@@ -20,7 +20,7 @@ def pack(q: torch.Tensor, bits: int, packing: str) -> torch.Tensor:
         return reference.pack(q, bits, packing)
     if sys.byteorder == "little" and q.numel():  # bytes first (uint8 ops, 4x less memory traffic), then words are their view
         per = 8 // bits
-        v = q.to(torch.uint8).bitwise_and_((1 << bits) - 1).reshape(*q.shape[:-1], q.shape[-1] // per, per)
+        v = (q.to(torch.uint8) & ((1 << bits) - 1)).reshape(*q.shape[:-1], q.shape[-1] // per, per)  # q untouched
         b = v[..., 0].clone(memory_format=torch.contiguous_format)
         for j in range(1, per):
             b |= v[..., j] << (bits * j)
