@@ -174,7 +174,7 @@ def test_act_order_survives_a_checkpoint_and_is_re_quantized_for_gguf(tmp_path):
     with pytest.raises(CompressedTensorsError, match="act-order groups .input_order"):
         export_compressed_tensors(back, None, tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
-    written = {module: (w, source) for _, module, w, source in _weights(back)}  # what export_gguf stores
+    written = {module: (w, source) for _, module, w, source, _ in _weights(back)}  # what export_gguf stores
     w, source = written["model.layers.0.mlp.up_proj"]
     assert source == "int4-sym-g32-f16 act-order" and torch.equal(w, up.dequantized_weight())
 
