@@ -253,6 +253,6 @@ def test_act_order_weights_keep_their_codes_type(monkeypatch):
     model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.model.layers[0].mlp = torch.nn.Module()
     model.model.layers[0].mlp.up_proj = q
-    [(name, _, w, source, default)] = _weights(model)
-    assert (name, source, default) == ("blk.0.ffn_up.weight", "int4-sym-g32-f16 act-order", "Q4_0")
+    [(name, _, w, source, held)] = _weights(model)
+    assert (name, source, default_type(held)) == ("blk.0.ffn_up.weight", "int4-sym-g32-f16 act-order", "Q4_0")
     assert torch.equal(w, q.dequantized_weight())

@@ -325,8 +325,11 @@ _K_OF_SCHEME = {scheme: name for name, scheme in ggml.LOSSLESS_SCHEMES.items() i
 
 # -- the model --------------------------------------------------------------------------
 def _weights(model: nn.Module):
-    """(gguf name, HF module name, weight: QTensor or float tensor) of every tensor to
-    write, in llama.cpp's order; refuses what llama.cpp's llama architecture cannot run."""
+    """(gguf name, HF module name, weight to write: QTensor or float tensor, its source
+    label or None, the weight as the module holds it) of every tensor to write, in
+    llama.cpp's order; refuses what llama.cpp's llama architecture cannot run.  An
+    act-order weight is written as its float weight in the input's order (GGUF has no
+    column order), labelled "<scheme> act-order"."""
     from ..nn import QuantEmbedding, QuantLinear
 
     out, seen = [], {}
@@ -348,12 +351,10 @@ def _weights(model: nn.Module):
         if id(storage) in seen:  # tied to a tensor already written (lm_head and the embedding)
             continue
         seen[id(storage)] = base
-        source, default = None, default_type(w)
+        held, source = w, None
         if isinstance(mod, QuantLinear) and mod.input_order is not None:
-            # GGUF has no column order: the weight in the input's order, re-quantized to the
-            # type its codes would have gone to
             source, w = f"{w.scheme} act-order", mod.dequantized_weight(torch.float32)
-        out.append((base + ".weight", name, w, source, default))
+        out.append((base + ".weight", name, w, source, held))
     return out
 
 
@@ -519,17 +520,17 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
     heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
     result = GGUFExport(path)
     encoded = []
-    for name, module_name, w, reordered, default in _weights(model):
+    for name, module_name, w, reordered, held in _weights(model):
         is_linear = name.startswith("blk.") and len(w.shape) == 2
         fallback = None
         if len(w.shape) == 1:
             target = "F32"
         elif is_linear and type:
             target, fallback = target_type(w.shape, type)
-        elif not is_linear and float_type and not hasattr(w, "scheme"):
+        elif not is_linear and float_type and not hasattr(held, "scheme"):
             target, fallback = target_type(w.shape, float_type)
-        else:
-            target = default
+        else:  # from the weight as the module holds it (an act-order one: its codes' type)
+            target = default_type(held)
         kind = name.split(".")[-2]
         if kind in heads:  # llama.cpp's rotary row order
             idx = rope_rows(w.shape[0], int(heads[kind]))

@@ -80,8 +80,8 @@ def _tensors(folder: Path) -> TensorFiles:
 
 
 def _ct_modules(model: nn.Module, q: dict, tensors: TensorFiles, where: str) -> dict:
-    """{module name: (QTensor, activation scheme, static act scale, act zero point)} of a
-    compressed-tensors folder."""
+    """{module name: (QTensor, activation scheme, static act scale, act zero point, input
+    order: None)} of a compressed-tensors folder."""
     ct.check_config(q, where)
     for key, empty in (("kv_cache_scheme", None), ("sparsity_config", {}), ("transform_config", {})):
         if q.get(key) not in (None, {}, empty):
