@@ -86,7 +86,11 @@ class TensorFiles:
                 raise error(f"{file}: tensors do not match {listing} (missing {missing[:5]}, unexpected {extra[:5]})")
             self.handles[file] = handle
             self.where.update(dict.fromkeys(keys, file))
-        self.keys = set(self.where)
+
+    @property
+    def keys(self):
+        """Every tensor name of the files."""
+        return self.where.keys()
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
