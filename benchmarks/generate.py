@@ -10,10 +10,11 @@ Rows run in alternation (round 1: every row, round 2: every row, ...) and each r
 reports its best round: this machine drifts by ~20% over minutes, and alternation
 spreads the drift over all rows instead of favouring whichever ran first.
 
-Quantized recipes run with bfloat16 activations (the model loaded in bfloat16), as
+Quantized recipes are made from the model loaded in bfloat16 (``--quantized-dtype``), as
 llama.cpp's quantized matmuls do not keep float32 activations either (they quantize
 them to 8 bits); the float32 rows are the float model in float32.  Ratios are to the
-bfloat16 float model (lowbit runtime) and to llama.cpp's matching quantization.
+faster of the two float models (lowbit runtime, float32 and bfloat16, each of prefill and
+decode) and to llama.cpp's matching quantization.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ ROWS = [
     ("w4a16-g128-head8", torch.bfloat16, "w4a16-g128-head8", "Q4_0"),
     ("w8a8", torch.bfloat16, "w8a8", "Q8_0"),
     ("w4a8-g128", torch.bfloat16, "w4a8-g128", "Q4_0"),
+    # llama.cpp's own arithmetic: Q8_0 / Q4_0 weights (output projection Q8_0), int8 blocks of x
+    ("q8_0-a8", torch.bfloat16, "q8_0-a8", "Q8_0"),
+    ("q4_0-a8", torch.bfloat16, "q4_0-a8", "Q4_0"),
 ]
 
 
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--quantized-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="dtype of the model the quantized rows are made from (activations, attention, norms)")
+    ap.add_argument("--rows", nargs="*", help="run only these rows (names of the first column)")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"),
                     help="llama-bench binary (default: $LLAMA_BENCH or on PATH)")
     ap.add_argument("--gguf-dir", default=os.environ.get("LLAMA_GGUF_DIR", "benchmarks/.llama.cpp/gguf"),
@@ -102,8 +109,11 @@ def main() -> None:
     text, _ = default_corpus()
     prompt = torch.tensor(tok(text).input_ids[: args.prefill])
     runners = {}
+    qdt = getattr(torch, args.quantized_dtype)
     for name, dt, recipe, _ in ROWS:
-        m = models[dt][0]
+        if args.rows and name not in args.rows:
+            continue
+        m = models[dt if recipe is None else qdt][0]
         runners[name] = Runner(m if recipe is None else lowbit.quantize_model(m, recipe, inplace=False))
         runners[name].generate(prompt[:16], 4)  # warm-up
     hf = {} if args.no_transformers else {"transformers float32": models[torch.float32][0],
@@ -126,10 +136,12 @@ def main() -> None:
     elif args.llama_bench:
         print(f"(no {args.gguf_dir}: llama-bench rows skipped)")
 
-    base_p, base_d = best["bfloat16"]
+    floats = [best[n] for n in ("float32", "bfloat16") if n in best] or [(float("nan"), float("nan"))]
+    base_p, base_d = max(f[0] for f in floats), max(f[1] for f in floats)
     print()
-    print(f"prefill {args.prefill} tokens, decode {args.decode} tokens; best of {args.rounds} alternating rounds")
-    head = (f"{'row':<24}{'prefill tok/s':>14}{'decode tok/s':>13}{'prefill/bf16':>13}{'decode/bf16':>12}"
+    print(f"prefill {args.prefill} tokens, decode {args.decode} tokens; best of {args.rounds} alternating rounds; "
+          f"quantized rows from the {args.quantized_dtype} model")
+    head = (f"{'row':<24}{'prefill tok/s':>14}{'decode tok/s':>13}{'prefill/float':>14}{'decode/float':>13}"
             f"{'llama.cpp':>11}{'prefill/llama':>14}{'decode/llama':>13}")
     print(head)
     print("-" * len(head))
@@ -137,10 +149,10 @@ def main() -> None:
     for name, (p, d) in best.items():
         kind = kinds.get(name)
         lp, ld = llama.get(kind, (float("nan"), float("nan"))) if kind else (float("nan"), float("nan"))
-        print(f"{name:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>13.2f}{d / base_d:>12.2f}"
+        print(f"{name:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}"
               f"{kind or '':>11}{p / lp:>14.2f}{d / ld:>13.2f}")
     for kind, (p, d) in llama.items():
-        print(f"{'llama.cpp ' + kind:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>13.2f}{d / base_d:>12.2f}")
+        print(f"{'llama.cpp ' + kind:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
-from .scheme import QuantScheme, check_act_weight
+from .scheme import QuantScheme, act_scheme_problem, check_act_weight
 
 # How weights are rounded (``lowbit.algorithms`` implements each; the names live here
 # so that a recipe is checked without importing the algorithms).
@@ -43,9 +43,11 @@ class Recipe:
 
     Attributes:
         weight: weight scheme of the selected linears (``lowbit.QuantScheme`` string).
-        activation: None (weight-only) or an 8-bit per-token/per-tensor activation
-            scheme (W8A8 / W4A8); every weight scheme it meets must be one
-            ``lowbit.linear`` runs with it (``lowbit.scheme.check_act_weight``).
+        activation: None (weight-only) or an 8-bit activation scheme: per token / per
+            tensor (W8A8 / W4A8), or in blocks along K (``"int8-sym-g32"``: llama.cpp's
+            Q8_0 activations with any 4/8-bit weight, integer dot products per block);
+            every weight scheme it meets must be one ``lowbit.linear`` runs with it
+            (``lowbit.scheme.check_act_weight``).
         modules: regexes selecting the linears to quantize (default: the 7 decoder
             linears q/k/v/o/gate/up/down); a single string is one regex.
         overrides: ``[regex, {"weight": scheme or None, "activation": scheme or None}]``
@@ -53,6 +55,8 @@ class Recipe:
         lm_head: scheme for the output projection (None: stays float).  With tied
             embeddings the embedding stays float (and tied storage is split) unless
             ``embedding`` is set too.
+        lm_head_activation: None (weight-only) or the activation scheme of ``lm_head``
+            (blocks, ``"int8-sym-g32"``, as llama.cpp runs its output projection).
         embedding: scheme for the token embedding (None: stays float), rows quantized
             per row / group along the hidden dim.
         name: the preset name, or "custom".
@@ -83,6 +87,7 @@ class Recipe:
     modules: tuple[str, ...] = (DECODER_LINEARS,)
     overrides: tuple[tuple[str, dict], ...] = ()
     lm_head: str | None = None
+    lm_head_activation: str | None = None
     embedding: str | None = None
     name: str = "custom"
     method: str = "rtn"
@@ -113,6 +118,18 @@ class Recipe:
                 _weight_scheme(s, label)
         if self.activation is not None:
             _act_scheme(self.activation, "activation")
+        if self.lm_head_activation is not None:
+            if self.lm_head is None:
+                raise ValueError("recipe lm_head_activation: lm_head stays float (no lm_head scheme)")
+            _act_scheme(self.lm_head_activation, "lm_head_activation")
+            if QuantScheme.parse(self.lm_head_activation).granularity == "tensor":
+                raise ValueError("recipe lm_head_activation: a per-tensor scheme needs calibrated scales, which "
+                                 "lm_head does not get; use one chosen on the fly (per token or in blocks)")
+            try:
+                check_act_weight(self.lm_head, self.lm_head_activation)
+            except ValueError as e:
+                raise ValueError(f"recipe lm_head/lm_head_activation: weights '{self.lm_head}' with activations "
+                                 f"'{self.lm_head_activation}': {e}") from None
         for pattern, o in self.overrides:
             if o.get("weight") is not None:
                 _weight_scheme(o["weight"], f"overrides[{pattern!r}].weight")
@@ -151,7 +168,7 @@ class Recipe:
         """(weight scheme, activation scheme) for the linear module ``name``, or None
         when it stays float."""
         if name == "lm_head" or name.endswith(".lm_head"):
-            return (self.lm_head, None) if self.lm_head else None
+            return (self.lm_head, self.lm_head_activation) if self.lm_head else None
         chosen = (self.weight, self.activation) if any(re.search(p, name) for p in self.modules) else None
         for pattern, o in self.overrides:
             if re.search(pattern, name):
@@ -293,8 +310,9 @@ def _act_scheme(s: str, label: str) -> QuantScheme:
         scheme = QuantScheme.parse(s)
     except (ValueError, TypeError) as e:
         raise ValueError(f"recipe {label}: {e}") from None
-    if scheme.bits != 8 or scheme.granularity not in ("token", "tensor"):
-        raise ValueError(f"recipe {label}: activations are 8-bit per token or per tensor, got '{s}'")
+    problem = act_scheme_problem(scheme)
+    if problem:
+        raise ValueError(f"recipe {label}: {problem}")
     if scheme.granularity == "tensor" and scheme.zero_point_domain == "float":
         raise ValueError(f"recipe {label}: a static per-tensor activation scheme needs an integer zero point, "
                          f"got '{s}'")
@@ -337,6 +355,12 @@ RECIPE_PRESETS: dict[str, Recipe] = {
         # llama.cpp's 4-bit files keep the output projection at 8 bits
         _preset("w4a16-g128-head8", "int4-asym-g128-f16", lm_head="int8-sym"),
         _preset("w8a16-head8", "int8-sym", lm_head="int8-sym"),
+        # llama.cpp's arithmetic: GGUF Q4_0 / Q8_0 weights (the output projection Q8_0) times
+        # activations quantized to int8 in blocks of 32 on the fly, integer dot products per block
+        _preset("q4_0-a8", "int4-sym-g32-f16", "int8-sym-g32", lm_head="int8-sym-g32-f16",
+                lm_head_activation="int8-sym-g32"),
+        _preset("q8_0-a8", "int8-sym-g32-f16", "int8-sym-g32", lm_head="int8-sym-g32-f16",
+                lm_head_activation="int8-sym-g32"),
     ]
 }
 

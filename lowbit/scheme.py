@@ -326,13 +326,36 @@ class QuantScheme:
 W4A8_MAX_GROUP = (2**31 - 1) // (255 * 15)  # W4A8 sums |x_q - x_zp| (q - z) <= 255 * 15 per term in int32
 
 
+def act_scheme_problem(s: QuantScheme) -> str | None:
+    """Why ``s`` cannot quantize the activations of ``lowbit.linear`` (None when it can):
+    they are 8-bit and either per token (dynamic), per tensor (static: a calibrated scale)
+    or symmetric blocks of a group size along K with float32 scales, chosen on the fly
+    (``"int8-sym-g32"``: llama.cpp's Q8_0 activations, the one form its Q4_0/Q8_0
+    matmuls run).  The one statement of this rule: ``linear`` and recipes ask it.
+
+    Example::
+
+        >>> act_scheme_problem(QuantScheme.parse("int8-sym-g32")) is None
+        True
+        >>> act_scheme_problem(QuantScheme.parse("int8-asym-g32"))
+        'activations in blocks are symmetric with float32 scales (e.g. int8-sym-g32), got int8-asym-g32'
+    """
+    if s.bits != 8 or s.granularity not in ("token", "tensor", "group"):
+        return f"activations are 8-bit per token, per tensor or in blocks (e.g. int8-sym-g32), got {s}"
+    if s.granularity == "group" and (not s.symmetric or s.scale_dtype != torch.float32):
+        return f"activations in blocks are symmetric with float32 scales (e.g. int8-sym-g32), got {s}"
+    return None
+
+
 def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None = None) -> None:
     """Raise ValueError unless ``lowbit.linear`` runs a weight of scheme ``weight`` (and
     ``in_features``, when given) with activations of scheme ``act``.  None (weight-only)
-    runs with every weight; 8-bit activations need, for W8A8, an int8 symmetric per-channel
-    weight, and for W4A8 a 4-bit weight with integer zero points, groups of at most
-    ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole u32 words).  The
-    one statement of these rules: ``linear``, recipes and the runtime call it.
+    runs with every weight; 8-bit activations per token or tensor need, for W8A8, an int8
+    symmetric per-channel weight, and for W4A8 a 4-bit weight with integer zero points,
+    groups of at most ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole
+    u32 words); 8-bit activations in blocks (``"int8-sym-g32"``) need a 4- or 8-bit weight
+    whose groups are whole blocks, not in the "min" domain.  The one statement of these
+    rules: ``linear``, recipes and the runtime call it.
 
     Example::
 
@@ -346,6 +369,10 @@ def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None =
     if act is None:
         return
     w = weight if isinstance(weight, QuantScheme) else QuantScheme.parse(weight)
+    a = act if isinstance(act, QuantScheme) else QuantScheme.parse(act)
+    if a.granularity == "group":
+        _check_block_act_weight(w, a, in_features)
+        return
     if w.bits == 8:
         if not w.symmetric or w.granularity != "channel":
             raise ValueError(f"W8A8 needs an int8 symmetric per-channel weight ('int8-sym'), got '{w}'")
@@ -361,6 +388,24 @@ def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None =
                              f"codes), got {in_features} for '{w}'")
     else:
         raise ValueError(f"8-bit activations need an 8-bit or a 4-bit weight, got '{w}'")
+
+
+def _check_block_act_weight(w: QuantScheme, a: QuantScheme, in_features: int | None) -> None:
+    """Activations in blocks run with any 4- or 8-bit weight whose groups are whole blocks
+    (the float scales multiply integer dot products of one block)."""
+    if w.bits not in (4, 8):
+        raise ValueError(f"activations in blocks ('{a}') need an 8-bit or a 4-bit weight, got '{w}'")
+    if w.zero_point_domain == "min":
+        raise ValueError(f"activations in blocks ('{a}') need a weight of (q - z) * s, got the 'min' domain "
+                         f"(q * s + m) of '{w}'")
+    group = w.group_size if w.granularity == "group" else in_features
+    if group is not None and group % a.group_size:
+        raise ValueError(f"weight groups of {group} ('{w}') are not whole activation blocks of {a.group_size} "
+                         f"('{a}')")
+    if in_features is not None and (in_features <= 0 or in_features % a.group_size or
+                                    (w.bits == 4 and in_features % 8)):
+        raise ValueError(f"activations in blocks of {a.group_size} need in_features a positive multiple of "
+                         f"{a.group_size}{' and of 8' if w.bits == 4 else ''}, got {in_features}")
 
 
 

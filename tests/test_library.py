@@ -41,6 +41,9 @@ def _samples():
         yield "weight_only_matmul", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32)
         yield "weight_only_matmul", (torch.randn(1, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64)
     yield "int8_mm", (xq, w8.codes)
+    for dt in (torch.float32, torch.bfloat16):
+        yield "linear_a8_blocks", (torch.randn(3, 64, dtype=dt), w4.codes, w4.scale, w4.zero_point, 4, 32, 32)
+        yield "linear_a8_blocks", (torch.randn(2, 64, dtype=dt), w8.codes, w8.scale[:, None], None, 8, 64, 32)
     for zp, bias, dt in [(None, None, torch.bfloat16), (torch.randint(-9, 9, (3,), dtype=torch.int32),
                                                         torch.randn(16), torch.float32)]:
         yield "int8_linear", (xq, zp, w8.codes, torch.rand(3), w8.scale, bias, dt)

@@ -278,6 +278,18 @@ def int8_linear(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dty
     return backend.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
 
 
+@_define("linear_a8_blocks(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, int group_size, "
+         "int act_block) -> Tensor",
+         lambda x, codes, scale, zero_point, bits, group_size, act_block: x.new_empty([*x.shape[:-1], codes.shape[0]]))
+def linear_a8_blocks(backend, x, codes, scale, zero_point, bits, group_size, act_block):
+    """x quantized to int8 in symmetric blocks of ``act_block`` values along K (float32
+    scales, chosen on the fly), times the weight-only weight: ``Backend.linear_a8_blocks``."""
+    y, ok = backend.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
+    if not ok:  # the backend checked (the CPU kernel while it quantized, no extra pass); name what was wrong
+        _validate.finite("x", x)
+    return y
+
+
 @_define("linear_qta8a_qga4w(Tensor x_q, Tensor x_scale, Tensor x_zero_point, Tensor w_codes, "
          "Tensor w_scale, Tensor? w_zero_point, int group_size, Tensor? bias) -> Tensor",
          lambda x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias:

@@ -13,7 +13,7 @@ import torch
 
 from .. import _validate
 from ..qtensor import QTensor
-from ..scheme import W4A8_MAX_GROUP, QuantScheme, check_act_weight
+from ..scheme import W4A8_MAX_GROUP, QuantScheme, act_scheme_problem, check_act_weight
 from . import library
 from .pack import pack_bits, unpack_bits
 from .per_token import quantize_per_token
@@ -148,7 +148,7 @@ def _build_weight_parts(qweight: QTensor):
 
 
 def as_act_scheme(act_scheme) -> QuantScheme:
-    """The 8-bit per-token or per-tensor activation scheme ``linear`` accepts, parsed.
+    """The 8-bit activation scheme ``linear`` accepts (per token, per tensor or in blocks), parsed.
 
     Example::
 
@@ -157,11 +157,9 @@ def as_act_scheme(act_scheme) -> QuantScheme:
         QuantScheme('int8-asym-token')
     """
     s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(act_scheme)
-    if s.bits != 8 or s.granularity not in ("token", "tensor"):
-        raise ValueError(
-            f"act_scheme must be an 8-bit per-token or per-tensor scheme (e.g. 'int8-sym-token', "
-            f"'int8-asym-token'), got '{s}'"
-        )
+    problem = act_scheme_problem(s)
+    if problem:
+        raise ValueError(f"act_scheme: {problem}")
     return s
 
 
@@ -176,14 +174,19 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
       into the GEMM on the triton backend).
     * 8-bit activations with a 4-bit grouped weight: W4A8, integer accumulation per
       weight group (``linear_qta8a_qga4w``).
+    * 8-bit activations in blocks along K (``'int8-sym-g32'``) with any 4- or 8-bit weight
+      whose groups are whole blocks: x quantized per block on the fly, integer dot products
+      per block, float scales once per block (``linear_a8_blocks``; llama.cpp's Q8_0
+      activations).
 
     ``x`` is float32, float16 or bfloat16 (float64 too, weight-only) of shape [..., K] with
     K = ``qweight.shape[1]``; ``qweight`` is a 2-D QTensor [N, K]; ``bias`` a 1-D float
     tensor [N]; the result has shape [..., N] and x's dtype.
 
-    Activations are quantized per token on the fly (``'int8-sym-token'`` or
-    ``'int8-asym-token'``), or with a calibrated per-tensor ``act_scale`` (and
-    ``act_zero_point`` for an asymmetric scheme) when ``act_scheme`` is per tensor.
+    Activations are quantized per token or per block on the fly (``'int8-sym-token'``,
+    ``'int8-asym-token'``, ``'int8-sym-g32'``), or with a calibrated per-tensor
+    ``act_scale`` (and ``act_zero_point`` for an asymmetric scheme) when ``act_scheme`` is
+    per tensor.
 
     Example::
 
@@ -230,6 +233,13 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
                          "quantization-aware training use lowbit.fake_quantize on x, or run under torch.no_grad()")
     check_act_weight(w, s, k)
     codes, scales, zps, bits, group = weight_parts(qweight)
+    if s.granularity == "group":
+        if act_scale is not None or act_zero_point is not None:
+            raise ValueError(f"act_scheme='{s}' chooses a scale per block of x on the fly; act_scale / "
+                             "act_zero_point are for per-tensor schemes")
+        y = library.call(library.linear_a8_blocks, backend, x.device, x, codes, scales, zps, bits, group,
+                         s.group_size)
+        return y if bias is None else y + bias.to(y.dtype)
     x2 = x.reshape(-1, k)
     xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)
     if bits == 8:

@@ -1,5 +1,5 @@
 // Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
-// gemm_bf16.cpp, gemm_int8.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
+// gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -9,6 +9,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
+  m.def("has_gemv_f32", &has_gemv_f32, "whether the float32-FMA decode kernels (AVX-512 or AVX2) were compiled in");
+  m.def("has_a8_blocks", &has_a8_blocks, "whether linear_a8_blocks (AVX2 integer dot products) was compiled in");
+  m.def("linear_a8_blocks", &linear_a8_blocks,
+        "weight-only weights x activations quantized to int8 in blocks of 32, integer dot products per block");
+  m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
   m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");

@@ -114,7 +114,9 @@ namespace {
 // A projection: a float nn.Linear (weight, bias), a weight-only quantized one
 // (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group, and the
 // weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; bias added after),
-// or one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8
+// one with 8-bit activations in blocks of 32 (act 3: linear_a8_blocks, the weight as for
+// weight-only, float32 zero points), or one with 8-bit per-token activations (act 1:
+// symmetric, 2: asymmetric): W8A8 (int8
 // codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
 // points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
 // quantization, unsigned codes shifted to int8, then torch._int_mm and the row x column
@@ -126,8 +128,19 @@ struct Proj {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (!codes.defined()) return at::linear(x, weight, bias);
-    at::Tensor y = act ? int8_activations(x) : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel);
+    at::Tensor y = act == 3 ? int8_blocks(x)
+                   : act   ? int8_activations(x)
+                           : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel);
     return bias ? y + bias->to(y.scalar_type()) : y;
+  }
+
+  at::Tensor int8_blocks(const at::Tensor& x) const {
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+    auto [y, finite] = linear_a8_blocks(x2, codes, scale, zero_point, bits, group);
+    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = codes.size(0);
+    return y.to(x.scalar_type()).view(shape);
   }
 
   at::Tensor int8_activations(const at::Tensor& x) const {

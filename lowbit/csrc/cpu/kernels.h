@@ -19,6 +19,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
                                                                         bool symmetric);
 // matmul.cpp
 bool has_avx512();
+bool has_gemv_f32();
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
@@ -30,6 +31,12 @@ at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, cons
                               int64_t kernel);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
+// gemv_a8.cpp
+bool has_a8_blocks();
+std::tuple<at::Tensor, bool> linear_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                              const c10::optional<at::Tensor>& zero_point, int64_t bits,
+                                              int64_t group);
+std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

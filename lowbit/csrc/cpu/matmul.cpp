@@ -35,6 +35,13 @@ constexpr bool kHaveAvx512 = true;
 #else
 constexpr bool kHaveAvx512 = false;
 #endif
+// The weight-only decode kernels exist in two widths: 16 float lanes (AVX-512) and 8
+// (AVX2 + FMA, every x86-64 since 2015: the portable path, e.g. an AVX2-only Zen 3).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LOWBIT_GEMV_F32 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LOWBIT_GEMV_F32 256
+#endif
 
 constexpr int MB = 4;  // activation rows computed together (each unpacked weight reused MB times)
 
@@ -103,32 +110,6 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
-}
-
-template <bool SIGNED, bool HAS_ZP>
-void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t N, int64_t K, int64_t G,
-            int64_t group, int64_t bits, const uint8_t* w, const float* s, const float* z, float* y) {
-  const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wn = w + n * row_bytes;
-      const float* sn = s + n * G;
-      const float* zn = HAS_ZP ? z + n * G : nullptr;
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB) {
-        if (bits == 4)
-          w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-        else
-          w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-      }
-      for (; m < M; ++m) {
-        if (bits == 4)
-          w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-        else
-          w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-      }
-    }
-  });
 }
 
 // ---- W4A8: int8 activations x u4 weights with vpdpbusd ---------------------------------
@@ -229,6 +210,111 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
 }
+#elif LOWBIT_GEMV_F32 == 256
+
+// ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
+// The AVX-512 kernels above at half the width: the same per-group float32 sums, each
+// 16-byte block of packed codes read as two 8-byte halves.
+inline float fsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+template <int R, bool SIGNED, bool HAS_ZP>
+void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
+             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+  __m256 total[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+  const int64_t blocks = group / 32;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t half = 0; half < 16; half += 8) {
+        const int64_t off = (g * group + b * 32) / 2 + half;  // byte offset == index into xe/xo
+        const __m256i v = _mm256_cvtepu8_epi32(bytes8(w + off));
+        __m256i lo, hi;
+        if constexpr (SIGNED) {
+          lo = _mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28);
+          hi = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 28);
+        } else {
+          lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+          hi = _mm256_srli_epi32(v, 4);
+        }
+        const __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
+        for (int r = 0; r < R; ++r) {
+          dot[r] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r]);
+          dot[r] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off), dot[r]);
+        }
+      }
+    }
+    const __m256 sg = _mm256_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm256_fmadd_ps(dot[r], sg, total[r]);
+      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+}
+
+template <int R, bool SIGNED, bool HAS_ZP>
+void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
+             const float* s, const float* z, float* y, int64_t ldy) {
+  __m256 total[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+  const int64_t blocks = group / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = g * group + b * 8;
+      const __m128i bytes = bytes8(w + off);
+      const __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r]);
+    }
+    const __m256 sg = _mm256_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm256_fmadd_ps(dot[r], sg, total[r]);
+      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+}
+#endif
+
+#ifdef LOWBIT_GEMV_F32
+template <bool SIGNED, bool HAS_ZP>
+void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t N, int64_t K, int64_t G,
+            int64_t group, int64_t bits, const uint8_t* w, const float* s, const float* z, float* y) {
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wn = w + n * row_bytes;
+      const float* sn = s + n * G;
+      const float* zn = HAS_ZP ? z + n * G : nullptr;
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) {
+        if (bits == 4)
+          w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        else
+          w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+      }
+      for (; m < M; ++m) {
+        if (bits == 4)
+          w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        else
+          w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+      }
+    }
+  });
+}
+
 #endif
 
 // Split x [M, K] into the even/odd elements of every 32-block: [M, K/2] each.
@@ -246,10 +332,20 @@ void deinterleave(const T* x, T* xe, T* xo, int64_t M, int64_t K) {
 
 bool has_avx512() { return kHaveAvx512; }
 
+bool has_gemv_f32() {
+#ifdef LOWBIT_GEMV_F32
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x: float32 [M, K]; codes: int8/uint8 [N, K] or int32 [N, K/8]; scale, zero_point: float32 [N, G].
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  TORCH_CHECK(kHaveAvx512, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL)");
+#ifndef LOWBIT_GEMV_F32
+  TORCH_CHECK(false, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL) or AVX2 and FMA");
+#endif
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && codes.is_contiguous() &&
                   scale.scalar_type() == at::kFloat && scale.is_contiguous(),
               "lowbit._C.weight_only_gemv: contiguous float32 x and scale expected");
@@ -257,7 +353,7 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
   TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0, "lowbit._C.weight_only_gemv: group must be a multiple of ",
               bits == 4 ? 32 : 16);
   at::Tensor y = at::empty({M, N}, x.options());
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef LOWBIT_GEMV_F32
   const bool has_zp = zero_point.has_value();
   at::Tensor xs = has_zp ? x.view({M, G, group}).sum(-1).contiguous() : at::empty({M, G}, x.options());
   at::Tensor xa = x, xb = x;

@@ -67,12 +67,28 @@ INT8_GEMM_MIN_M = 2
 F32_EXACT_K = 1024
 
 
+# Without AVX-512 (AVX2 + FMA: the 8-lane decode kernels of matmul.cpp, no bf16 dot
+# products) against float32 weight tiles through torch.mm, 1536 x 576, 2 threads, weights
+# cycled through more than the L3, AVX2-only Zen 3 (ms):
+#   4-bit: M=4 0.10-0.12 vs 0.52-0.55, M=16 0.34 vs 0.58-0.66, M=64 1.72-1.87 vs 1.17-1.38
+#   8-bit: M=4 0.10 vs 0.36, M=16 0.52 vs 0.48, M=64 1.35 vs 1.23
+# and bf16 tiles lose to float32 ones there at every M (M=64: 6.8-7.2 vs 1.2-1.4 ms).
+AVX2_GEMV_MAX_M = {4: 16, 8: 8}
+# Activations in int8 blocks (gemv_a8.cpp, vpmaddubsw / vpmaddwd per block of 32) against
+# the same blocks dequantized and multiplied with float32 weight tiles, same setup (ms):
+#   4-bit: M=1 0.04 vs 0.33-0.37, M=16 0.37-0.47 vs 0.58-0.66, M=64 1.27-1.80 vs 1.17-1.38
+#   8-bit: M=1 0.04 vs 0.27, M=16 0.29 vs 0.48, M=64 0.96 vs 1.23
+A8_ROWS_MAX_M = 16
+
+
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
     """Up to how many activation rows a weight-only matmul runs the decode kernels."""
     return _gemv_max_m(bits, dtype, float32_exact(dtype))
 
 
 def _gemv_max_m(bits: int, dtype: torch.dtype, exact: bool) -> int:
+    if not _has_avx512():
+        return AVX2_GEMV_MAX_M[bits]
     if exact:
         return GEMV_MAX_M
     if bits == 8:
@@ -101,6 +117,14 @@ def _has_avx512() -> bool:
     return _C is not None and _C.has_avx512()
 
 
+def _has_gemv_f32() -> bool:
+    return _C is not None and _C.has_gemv_f32()
+
+
+def _has_a8_blocks() -> bool:
+    return _C is not None and _C.has_a8_blocks()
+
+
 def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype) -> Plan:
     return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision())
 
@@ -112,7 +136,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
     if dtype == torch.float64:
         return Plan("reference", "float64 activations")
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
-    fused = _has_avx512() and group % (32 if bits == 4 else 16) == 0
+    fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
     rows = _gemv_max_m(bits, dtype, exact)
     if fused and m <= rows:
         split = dtype != torch.bfloat16
@@ -123,9 +147,22 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
         return Plan("gemv_f32", f"{m} <= {rows} rows: packed weight, float32 FMAs")
     if not exact and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
-    why = ("float32 activations at matmul precision 'highest'" if exact
-           else "no AVX-512 kernel for this group size or machine")
-    return Plan("tiles_f32" if exact else "tiles_bf16", f"L2-sized weight tiles dequantized, torch.mm ({why})")
+    if exact or not _has_avx512():
+        why = ("float32 activations at matmul precision 'highest'" if exact
+               else "no AVX-512: float32 GEMMs beat bf16 ones without bf16 dot products")
+        return Plan("tiles_f32", f"L2-sized weight tiles dequantized, torch.mm ({why})")
+    return Plan("tiles_bf16", "L2-sized weight tiles dequantized, torch.mm (no AVX-512 kernel for this group size)")
+
+
+@lru_cache(maxsize=4096)
+def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
+    if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
+        return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
+    if m <= A8_ROWS_MAX_M:
+        return Plan("a8_blocks", f"{m} <= {A8_ROWS_MAX_M} rows: int8 blocks of x, integer dot products per "
+                                 "block (vpmaddubsw / vpmaddwd)")
+    return Plan("a8_tiles", f"{m} > {A8_ROWS_MAX_M} rows: int8 blocks of x dequantized, float32 weight tiles, "
+                            "torch.mm")
 
 
 @lru_cache(maxsize=4096)
@@ -147,9 +184,12 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
-               "int_mm", "int_mm_f32", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm")
+               "int_mm", "int_mm_f32", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm", "a8_blocks",
+               "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
+        if act is not None and act.granularity == "group":
+            return _a8_blocks_plan(weight.bits, weight.group_size or k, act.group_size, m, k)
         if act is not None:
             return _act8_plan(weight.bits, weight.group_size or k, m, k)
         return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype)
@@ -220,6 +260,30 @@ class CpuBackend(Backend):
             cdt = torch.float32 if kernel == "tiles_f32" else torch.bfloat16
             return _tiles(x, codes, scale, zero_point, bits, group_size, cdt)
         return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel))
+
+    def linear_a8_blocks(self, x, codes, scale, zero_point, bits, group_size, act_block):
+        """Up to ``A8_ROWS_MAX_M`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
+        of 32 (the reference's codes and scales, bit for bit), integer dot products per block
+        (exact), each scaled by its block's float32 scale, per-group sums scaled by the
+        weight's; beyond, the blocks dequantized (the reference's float32 values) and
+        multiplied with float32 weight tiles (``_tiles``).  Only float32 summation order
+        differs from the reference."""
+        k, n = x.shape[-1], codes.shape[0]
+        m = x.numel() // k
+        kernel = _a8_blocks_plan(bits, group_size, act_block, m, k).kernel
+        if kernel == "reference":
+            return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
+        x2 = x.reshape(m, k).to(torch.float32).contiguous()
+        if kernel == "a8_tiles":
+            xd, ok = _C.fake_quantize_a8_blocks(x2)
+            if not ok:
+                return x.new_empty((*x.shape[:-1], n)), False
+            y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32)
+        else:
+            zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+            y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), scale.to(torch.float32).contiguous(), zp, bits,
+                                        group_size)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n), ok
 
     def int8_mm(self, a, b):
         """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation; on a
@@ -319,7 +383,7 @@ BACKEND = CpuBackend()
 # -- the native decode step of lowbit.runtime ------------------------------------------------
 # decode.cpp runs one token through the whole model in one call, each projection with the
 # kernel this backend's plan picks for one row, when the plan picks one of these:
-DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "w4a8_rows")
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "w4a8_rows", "a8_blocks")
 
 
 def decode_available() -> bool:
@@ -342,12 +406,15 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
     """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
     weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
     plan's kernel is not one decode.cpp runs, or the activations are not 8-bit per token."""
-    if (act is not None and act.granularity != "token") or weight.zero_point_domain == "min":
+    if (act is not None and act.granularity == "tensor") or weight.zero_point_domain == "min":
         return None  # decode.cpp computes (q - z) * s, not q * s + m
     kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
         return None
     s = scale.to(torch.float32).contiguous()
+    if kernel == "a8_blocks":
+        zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 3)
     if act is None:
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,

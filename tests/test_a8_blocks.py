@@ -1,0 +1,131 @@
+"""Activations quantized to int8 in blocks along K (``act_scheme="int8-sym-g32"``, llama.cpp's
+Q8_0 activations) with weight-only weights: every backend against the reference."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.kernels import cpu, get_backend
+from lowbit.kernels import reference as ref
+from lowbit.ops import linear
+from lowbit.scheme import QuantScheme, check_act_weight
+
+from .conftest import FAST_BACKENDS, skip_large_for_interpreter
+from .test_matmul import UNIT, abs_products, gamma
+
+ACT = "int8-sym-g32"
+SCHEMES = ["int4-sym-g32-f16", "int4-asym-g64", "int4-asym-g32-zpfloat-f16", "int4-sym-g128-bf16",
+           "int4-asym-channel", "int8-sym", "int8-sym-g32-f16", "int8-asym-g64"]
+
+
+def fake_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x quantized and dequantized in the activation blocks, by the reference (float32)."""
+    s = QuantScheme.parse(ACT)
+    x32 = x.to(torch.float32)
+    scale, _ = ref.choose_qparams(x32, s)
+    return ref.dequantize(ref.quantize(x32, scale, None, s), scale, None, s, torch.float32)
+
+
+def a8_tolerance(x, qt, y_ref):
+    """Both sides sum the same K products (xq * d) * ((q - z) * s) of the dequantized blocks
+    and weight, in different groupings: the reference rounds each factor and sums float32
+    products; the kernels sum exact integer dot products per block, then round once per
+    block (d * dot), once per group (s * sum) and in the zero-point term.  No value passes
+    through more than 2K + 16 float32 roundings on either side, so each side is within
+    gamma_{2K+16} * A of the exact value (A = |x_dequantized| @ |W|, abs_products), plus one
+    rounding of the result to x's dtype on each side."""
+    k = x.shape[-1]
+    a = abs_products(fake_quantized(x), qt)
+    return 2 * gamma(2 * k + 16) * a + 2 * UNIT[x.dtype] * y_ref.double().abs().reshape(a.shape) + 1e-30
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 40])
+def test_linear_with_activation_blocks_matches_the_reference(backend, scheme, dtype, m):
+    # K = 576 (the bundled model): 18 blocks, groups of 32/64/128... that tile it or not (g128
+    # falls back per scheme below); m covers the kernel's 4-row tiles, their tail, and the
+    # many-row path (dequantized blocks times float32 weight tiles) past A8_ROWS_MAX_M.
+    k = 576 if "g128" not in scheme else 512
+    skip_large_for_interpreter(backend, m, 48, k)
+    torch.manual_seed(m)
+    qt = lowbit.quantize(torch.randn(48, k), scheme)
+    x = (torch.randn(m, k) * 3).to(dtype)
+    y_ref = linear(x, qt, act_scheme=ACT, backend="reference")
+    y = linear(x, qt, act_scheme=ACT, backend=backend)
+    assert y.dtype == dtype and y.shape == (m, 48)
+    err = (y.double() - y_ref.double()).abs()
+    assert bool((err <= a8_tolerance(x, qt, y_ref)).all()), float(err.max())
+
+
+def test_the_reference_is_the_weight_only_matmul_of_the_dequantized_blocks():
+    torch.manual_seed(0)
+    qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    x = torch.randn(3, 64)
+    expected = linear(fake_quantized(x), qt, backend="reference")
+    assert torch.equal(linear(x, qt, act_scheme=ACT, backend="reference"), expected)
+    # and the blocks lose something: this is not the weight-only result
+    assert not torch.equal(expected, linear(x, qt, backend="reference"))
+
+
+def test_cpu_blocks_are_the_references_codes_and_scales_bit_for_bit():
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=g) * torch.logspace(-30, 30, 7)[:, None]
+    x[0, :32] = 0  # an all-zero block: scale 1
+    x[1, 32:64] = torch.arange(32) - 16.0  # max 16: codes at ties of 127.5 / 16 steps
+    x[2, 64:96] = 127.5  # x / scale == 127.5 exactly: rounds to 128, clamped to 127
+    x[2, 96:128] = -127.5  # -128 exactly
+    x[3, :] = torch.finfo(torch.float32).max * torch.sign(torch.randn(256, generator=g))
+    x[4, :] = torch.finfo(torch.float32).tiny / 3  # subnormals
+    xd, ok = cpu._C.fake_quantize_a8_blocks(x.contiguous())
+    assert ok and torch.equal(xd, fake_quantized(x))
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST_BACKENDS])
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_activations_are_refused_naming_x(backend, m, bad):
+    qt = lowbit.quantize(torch.randn(16, 64), "int8-sym")
+    x = torch.randn(m, 64)
+    x[m - 1, 37] = bad
+    with pytest.raises(ValueError, match=rf"x contains NaN or Inf \(first at index \[{m - 1}, 37\]"):
+        linear(x, qt, act_scheme=ACT, backend=backend)
+
+
+@pytest.mark.parametrize("weight, act, k, message", [
+    ("int2-asym-g64", ACT, 64, "need an 8-bit or a 4-bit weight"),
+    ("int4-asym-g32-zpmin-f16", ACT, 64, "'min' domain"),
+    ("int8-sym-g16", ACT, 64, "weight groups of 16"),
+    ("int4-sym-channel", ACT, 48, "weight groups of 48"),
+    ("int4-sym-g32", "int8-asym-g32", 64, "symmetric with float32 scales"),
+    ("int4-sym-g32", "int8-sym-g32-f16", 64, "symmetric with float32 scales"),
+])
+def test_weights_and_blocks_that_do_not_fit_are_refused(weight, act, k, message):
+    qt = lowbit.quantize(torch.randn(8, k), weight)
+    with pytest.raises(ValueError, match=message):
+        linear(torch.randn(2, k), qt, act_scheme=act)
+
+
+def test_calibrated_scales_are_refused_with_blocks():
+    qt = lowbit.quantize(torch.randn(8, 64), "int8-sym")
+    with pytest.raises(ValueError, match="per block of x on the fly"):
+        linear(torch.randn(2, 64), qt, act_scheme=ACT, act_scale=torch.tensor(0.1))
+
+
+def test_check_act_weight_accepts_the_presets_pairs():
+    for weight in ("int4-sym-g32-f16", "int8-sym-g32-f16", "int4-asym-g128-f16", "int8-sym"):
+        check_act_weight(weight, ACT, 576)
+
+
+def test_cpu_plan_runs_blocks_on_few_rows_and_tiles_beyond():
+    if not cpu.available() or not cpu._has_a8_blocks():
+        pytest.skip("no AVX2 build of lowbit._C")
+    plan = get_backend("cpu").plan
+    w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
+    assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
+    assert plan(w, a, cpu.A8_ROWS_MAX_M, 576, torch.float32).kernel == "a8_blocks"
+    assert plan(w, a, cpu.A8_ROWS_MAX_M + 1, 576, torch.float32).kernel == "a8_tiles"
+    assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
