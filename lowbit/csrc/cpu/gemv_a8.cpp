@@ -61,10 +61,14 @@ bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, f
     float scale = amax / 127.5f;
     if (!(scale > 0.f)) scale = 1.f;
     int32_t sum = 0;
+    // split (4-bit weights): blocks in pairs of 64 bytes, [b0 even | b1 even | b0 odd | b1 odd],
+    // 16 values each; a last block without a pair is [even | odd].
+    const bool alone = b == K / BLOCK - 1 && b % 2 == 0;
+    const int64_t base = (b / 2) * 2 * BLOCK + (alone ? 0 : (b % 2) * (BLOCK / 2));
     for (int i = 0; i < BLOCK; ++i) {
       const float q = std::min(127.f, std::max(-128.f, std::nearbyint(xb[i] / scale)));
-      const int slot = split ? (i % 2) * (BLOCK / 2) + i / 2 : i;
-      xq[b * BLOCK + slot] = static_cast<Q>(q);
+      const int64_t slot = split ? base + (i % 2) * (alone ? BLOCK / 2 : BLOCK) + i / 2 : b * BLOCK + i;
+      xq[slot] = static_cast<Q>(q);
       sum += static_cast<int32_t>(q);
     }
     d[b] = scale;
@@ -75,7 +79,7 @@ bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, f
 }
 
 #ifdef LOWBIT_A8_BLOCKS
-constexpr int MB = 4;  // activation rows per weight row (each unpacked weight block reused MB times)
+constexpr int MB = 4;  // activation rows computed together
 
 inline float fsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -85,70 +89,110 @@ inline float fsum8(__m256 v) {
 }
 
 
-// R activation rows x one weight row of 4-bit codes.
-template <int R, bool SIGNED, bool HAS_ZP>
-void w4_rows(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
-  const int64_t nb = K / BLOCK, per_group = group / BLOCK;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i flip = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00), ones = _mm256_set1_epi16(1);
-  __m256 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (BLOCK / 2)));
-      const __m256i u = _mm256_xor_si256(
-          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low)), flip);
+// R activation rows x NR weight rows of 4-bit codes, two blocks (64 values, 32 code bytes)
+// per step: the low nibbles of both blocks against their even activations, the high ones
+// against the odd, int16 sums of the two (at most 2 * 3840), vpmaddwd by ones: int32 lanes
+// 0-3 hold block b0's partial sums, 4-7 block b1's, scaled by [d0 s0 x4 | d1 s1 x4].  R * NR
+// independent accumulators (one alone would wait on its own FMA latency every step); each
+// weight step unpacked once for the R rows, each activation step loaded once for NR rows.
+template <int R, int NR, bool SIGNED, bool HAS_ZP>
+void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs, int64_t K, int64_t G,
+             const int32_t* block_group, const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+  const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const int64_t g0 = block_group[b], g1 = block_group[b + 1];  // (no integer division in the loop)
+    __m256 dv[R];  // [d(b) x4 | d(b+1) x4] of each row, laid out when x was quantized
+    for (int r = 0; r < R; ++r) dv[r] = _mm256_loadu_ps(dp + (r * np + b / 2) * 8);
+    for (int j = 0; j < NR; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + b * (BLOCK / 2)));
+      const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, low), flip);
+      const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), flip);
+      const float* sj = s + j * G;
+      // [s(g0) x4 | s(g1) x4]: adjacent floats when the group is one block
+      const __m256 sv = g0 == g1 ? _mm256_broadcast_ss(sj + g0)
+                        : g1 == g0 + 1 ? _mm256_permutevar8x32_ps(
+                              _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sj + g0)))),
+                              halves)
+                                       : _mm256_set_m128(_mm_set1_ps(sj[g1]), _mm_set1_ps(sj[g0]));
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + b) * BLOCK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r * nb + b]), acc[r]);
+        const int8_t* xp = xq + r * K + b * BLOCK;
+        const __m256i p16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + BLOCK))));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[r][j] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv[r], sv), acc[r][j]);
       }
     }
-    const __m256 sg = _mm256_set1_ps(s[g]);
-    const float zg = SIGNED ? 8.f : HAS_ZP ? z[g] : 0.f;
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(acc[r], sg, total[r]);
-      if (SIGNED || HAS_ZP) corr[r] += s[g] * zg * xs[r * G + g];
+  }
+  if (b < nb) {  // a last block alone: the same at 128 bits
+    const __m128i low4 = _mm_set1_epi8(0x0F), flip4 = _mm_set1_epi8(SIGNED ? 0x08 : 0x00);
+    const __m128i ones4 = _mm_set1_epi16(1);
+    const int64_t g = block_group[b];
+    for (int j = 0; j < NR; ++j) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * row_bytes + b * (BLOCK / 2)));
+      const __m128i l = _mm_xor_si128(_mm_and_si128(raw, low4), flip4);
+      const __m128i h = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), flip4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xp = xq + r * K + b * BLOCK;
+        const __m128i xe = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp));
+        const __m128i xo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp + BLOCK / 2));
+        const __m128i p16 = _mm_add_epi16(_mm_maddubs_epi16(l, xe), _mm_maddubs_epi16(h, xo));
+        const __m128 p = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(p16, ones4)),
+                                    _mm_set1_ps(d[r * nb + b] * s[j * G + g]));
+        acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_zextps128_ps256(p));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float corr = 0.f;  // sum_g s z sum_{b in g} d sum xq: signed codes are u - 8
+      if (SIGNED || HAS_ZP)
+        for (int64_t g = 0; g < G; ++g) corr += s[j * G + g] * (SIGNED ? 8.f : z[j * G + g]) * xs[r * G + g];
+      y[r * ldy + j] = fsum8(acc[r][j]) - corr;
+    }
 }
 
-// R activation rows x one weight row of 8-bit codes.
-template <int R, bool SIGNED, bool HAS_ZP>
-void w8_rows(const int16_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
+// R activation rows x NR weight rows of 8-bit codes, one block per step: two vpmaddwd per
+// block and row pair, the block's scale d[r, b] * s[n, g] one float32 product.
+template <int R, int NR, bool SIGNED, bool HAS_ZP>
+void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
              const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, per_group = group / BLOCK;
-  __m256 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+  __m256 acc[R][NR];
+  float corr[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) { acc[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    float sg[NR];
+    for (int j = 0; j < NR; ++j) sg[j] = s[j * G + g];
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK + 16));
-      const __m256i w0 = SIGNED ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
-      const __m256i w1 = SIGNED ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xb = xq + (r * nb + b) * BLOCK;
-        const __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
-            _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r * nb + b]), acc[r]);
+      for (int j = 0; j < NR; ++j) {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + b * BLOCK));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + b * BLOCK + 16));
+        const __m256i w0 = SIGNED ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+        const __m256i w1 = SIGNED ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xb = xq + (r * nb + b) * BLOCK;
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+              _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r * nb + b] * sg[j]), acc[r][j]);
+        }
       }
     }
-    const __m256 sg = _mm256_set1_ps(s[g]);
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(acc[r], sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
-    }
+    if constexpr (HAS_ZP)
+      for (int j = 0; j < NR; ++j)
+        for (int r = 0; r < R; ++r) corr[r][j] += sg[j] * z[j * G + g] * xs[r * G + g];
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) y[r * ldy + j] = fsum8(acc[r][j]) - corr[r][j];
 }
 
 template <typename Q, bool SIGNED, bool HAS_ZP>
@@ -156,34 +200,50 @@ bool run(const float* x, int64_t M, int64_t N, int64_t K, int64_t group, const u
          const float* z, float* y) {
   const int64_t G = K / group, nb = K / BLOCK;
   constexpr bool four = std::is_same<Q, int8_t>::value;
+  const int64_t np = (nb + 1) / 2;
   std::vector<Q> xq(M * K);
-  std::vector<float> d(M * nb), xs(M * G);
+  std::vector<float> d(M * nb), dp(four ? M * np * 8 : 0), xs(M * G);
   std::vector<char> finite(M);
+  std::vector<int32_t> block_group(nb);
+  for (int64_t b = 0; b < nb; ++b) block_group[b] = static_cast<int32_t>(b / (group / BLOCK));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
+    for (int64_t m = m0; m < m1; ++m) {
       finite[m] = quantize_row<Q>(x + m * K, K, group, four, xq.data() + m * K, d.data() + m * nb, xs.data() + m * G);
+      if (four)  // block scales in pairs, [d(2p) x4 | d(2p+1) x4] (0 past the last block)
+        for (int64_t i = 0; i < np * 8; ++i) {
+          const int64_t blk = 2 * (i / 8) + (i % 8) / 4;
+          dp[m * np * 8 + i] = blk < nb ? d[m * nb + blk] : 0.f;
+        }
+    }
   });
   if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f; })) return false;
   const int64_t row_bytes = four ? K / 2 : K;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wn = w + n * row_bytes;
-      const float* sn = s + n * G;
-      const float* zn = HAS_ZP ? z + n * G : nullptr;
-      auto rows = [&](auto r_const, int64_t m) {
-        constexpr int R = decltype(r_const)::value;
-        if constexpr (four)
-          w4_rows<R, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn, sn,
-                                     zn, y + m * N + n, N);
-        else
-          w8_rows<R, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn, sn,
-                                     zn, y + m * N + n, N);
-      };
+  // One row of x: 4 weight rows at a time; 4 rows of x: one (4 accumulators either way, so
+  // that they, the unpacked codes and the scales fit the 16 vector registers).
+  auto tile = [&](auto r_const, auto nr_const, int64_t m, int64_t n) {
+    constexpr int R = decltype(r_const)::value, NR = decltype(nr_const)::value;
+    const uint8_t* wn = w + n * row_bytes;
+    const float* zn = HAS_ZP ? z + n * G : nullptr;
+    if constexpr (four)
+      w4_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, dp.data() + m * np * 8, xs.data() + m * G,
+                                     K, G, block_group.data(), wn, s + n * G, zn, y + m * N + n, N);
+    else
+      w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
+                                     s + n * G, zn, y + m * N + n, N);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Four = std::integral_constant<int, 4>;
+  at::parallel_for(0, N / 4, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = 4 * t;
       int64_t m = 0;
-      for (; m + MB <= M; m += MB) rows(std::integral_constant<int, MB>{}, m);
-      for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m);
+      for (; m + MB <= M; m += MB)
+        for (int64_t j = 0; j < 4; ++j) tile(Four{}, One{}, m, n + j);
+      for (; m < M; ++m) tile(One{}, Four{}, m, n);
     }
   });
+  for (int64_t n = N / 4 * 4; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) tile(One{}, One{}, m, n);
   return true;
 }
 #endif
