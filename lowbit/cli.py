@@ -541,6 +541,81 @@ def info_cmd(path: str) -> dict:
     return meta
 
 
+KERNEL_PLAN_RECIPES = ("w8a16", "w4a16-g128", "q8_0", "q4_0", "q8_0-a8", "q4_0-a8", "w8a8", "w4a8-g128")
+KERNEL_PLAN_ROWS = (1, 4, 16, 64, 512)
+
+
+def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
+    """Print which CPU kernel runs each quantized matmul, for activation rows M = 1 (a
+    decode step) to 512 (a prefill), and why: the plan of ``lowbit.kernels.cpu`` on this
+    machine, for the modules of a checkpoint (``path``) or for the presets at the bundled
+    model's shapes (K = 576 and 1536).  Returns the rows printed.
+
+    Example::
+
+        >>> from lowbit.cli import kernels_cmd
+        >>> rows = kernels_cmd()  # doctest: +ELLIPSIS
+        cpu: ...
+        >>> sorted(rows[0])
+        ['activation', 'k', 'kernels', 'weight']
+    """
+    import torch
+
+    from lowbit.kernels import cpu, get_backend
+    from lowbit.recipe import Recipe, with_group_size
+    from lowbit.scheme import QuantScheme
+
+    dt = _float_dtype(dtype)
+    if not cpu.available():
+        raise ValueError(f"no CPU kernels to plan: {cpu.load_error()}")
+    if path is not None:
+        from lowbit.models.checkpoint import read_metadata
+
+        meta = read_metadata(path)  # checked, config.json's checksum included
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+        hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+
+        def in_features(name: str) -> int:  # a Llama-family decoder: down_proj reads the MLP's width
+            return inter if name.endswith("down_proj") else hidden
+
+        combos = sorted({(v["weight"], v["activation"], in_features(n)) for n, v in meta["modules"].items()
+                         if v["kind"] == "linear"}, key=str)
+        if not combos or not isinstance(hidden, int) or not isinstance(inter, int):
+            raise ValueError(f"{path!r}: no quantized linear, or a config.json without hidden_size / "
+                             "intermediate_size")
+    else:
+        combos = []
+        for name in KERNEL_PLAN_RECIPES:
+            r = Recipe.get(name)
+            for k in (576, 1536):
+                w = QuantScheme.parse(r.weight)
+                if w.granularity == "group" and k % w.group_size:
+                    w = QuantScheme.parse(with_group_size(r.weight, 64))
+                combos.append((str(w), r.activation, k))
+    f = cpu.features()
+    print(f"cpu: {f['cpu']}; {torch.get_num_threads()} threads; flags {' '.join(f['machine']) or '(none of note)'}; "
+          f"lowbit._C built for {' '.join(f['compiled']) or 'no SIMD extension'}")
+    print(f"{dtype} activations, torch float32 matmul precision '{torch.get_float32_matmul_precision()}'")
+    backend = get_backend("cpu")
+    rows, reasons = [], {}
+    head = f"{'weight':<22}{'activations':<16}{'K':>6}  " + "".join(f"{'M=' + str(m):<14}" for m in KERNEL_PLAN_ROWS)
+    print(head)
+    print("-" * len(head))
+    for w, a, k in combos:
+        plans = [backend.plan(QuantScheme.parse(w), None if a is None else QuantScheme.parse(a), m, k, dt)
+                 for m in KERNEL_PLAN_ROWS]
+        for p in plans:
+            reasons.setdefault(p.kernel, set()).add(p.why)
+        rows.append({"weight": w, "activation": a, "k": k, "kernels": [p.kernel for p in plans]})
+        print(f"{w:<22}{a or '-':<16}{k:>6}  " + "".join(f"{p.kernel:<14}" for p in plans))
+    print("why:")
+    for kernel, whys in reasons.items():
+        for why in sorted(whys):
+            print(f"  {kernel:<16}{why}")
+    return rows
+
+
 def _foreign_info(path: str) -> dict:
     """Print and return what a folder quantized by another tool (compressed-tensors, GPTQ,
     AWQ) holds, as lowbit loads it: every check of loading runs."""
@@ -861,11 +936,16 @@ holds: the source model, the recipe, the schemes of its modules, the float dtype
 size of its weights file, and the versions that wrote it.  For a GGUF file: the model,
 its layers and context length, and its tensors by storage type.  For a folder another
 tool quantized (compressed-tensors, GPTQ, AWQ): the lowbit scheme of every linear, as
-`lowbit.load_model` reads it.""", """
+`lowbit.load_model` reads it.  --kernels prints the CPU kernel plan instead: which kernel
+runs each quantized matmul on this machine for 1 to 512 activation rows, and why.""", """
   lowbit info smollm2-w4a16
   lowbit info model.gguf
-  lowbit info llm-compressor-w8a8-folder""")
-    p.add_argument("path", help="checkpoint folder or GGUF file")
+  lowbit info --kernels    # which CPU kernel runs each preset's matmuls here, and why""")
+    p.add_argument("path", nargs="?", help="checkpoint folder or GGUF file (optional with --kernels)")
+    p.add_argument("--kernels", action="store_true",
+                   help="print which CPU kernel runs each quantized matmul on this machine, for 1 to 512 "
+                        "activation rows, and why (of the checkpoint's modules, or of the presets) (default: off)")
+    p.add_argument("--dtype", default="bfloat16", help="activation dtype for --kernels (default: bfloat16)")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
 Quantize every decoder linear weight of a GGUF model at several schemes and print, per
@@ -926,7 +1006,12 @@ def main(argv: list[str] | None = None) -> int:
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                              raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
             elif args.command == "info":
-                info_cmd(args.path)
+                if args.kernels:
+                    kernels_cmd(args.path, dtype=args.dtype)
+                elif args.path is None:
+                    raise ValueError("give a checkpoint folder or GGUF file, or --kernels")
+                else:
+                    info_cmd(args.path)
             elif args.command == "export":
                 export_cmd(args.model, args.output, format=args.format, type=args.type, float_type=args.float_type,
                            strict=args.strict, force=args.force, recipe=args.recipe)

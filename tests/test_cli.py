@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lowbit.cli import build_parser, demo, main
+from lowbit.cli import KERNEL_PLAN_ROWS, build_parser, demo, kernels_cmd, main
 
 
 def test_demo_prints_a_row_per_scheme_on_the_bundled_model(capsys):
@@ -46,6 +46,10 @@ def test_quantize_info_eval_generate_on_the_bundled_model(capsys, tmp_path):
     assert "--force" in capsys.readouterr().err
     assert main(["info", str(out)]) == 0
     assert "210 linears: weight int8-sym" in capsys.readouterr().out
+    assert main(["info", str(out), "--kernels"]) == 0  # its two shapes (K = 576, 1536), M = 1 .. 512
+    table = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("int8-sym ")]
+    assert [row[2] for row in table] == ["1536", "576"] and all(len(row) == 3 + len(KERNEL_PLAN_ROWS) for row in table)
+    assert main(["info"]) == 2 and "--kernels" in capsys.readouterr().err
     assert main(["eval", str(out), "--windows", "1", "--ctx", "64", "--no-speed", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["model"] for r in rows] == ["float", "smol-w8"]  # compared with its float source
@@ -185,3 +189,19 @@ def test_export_compressed_tensors_and_load_it_back(capsys, tmp_path):
     assert main(["export", "--recipe", str(recipe), "--format", "compressed-tensors", "-o", str(out)]) == 2
     assert "exists; pass overwrite=True" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct", "layer0-w8a8.json"]
+
+
+def test_info_kernels_shows_the_cpu_plan_of_the_presets(capsys):
+    from lowbit.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    rows = kernels_cmd()
+    out = capsys.readouterr().out
+    assert out.startswith("cpu: ") and "why:" in out
+    assert {(r["weight"], r["activation"]) for r in rows} >= {("int4-sym-g32-f16", "int8-sym-g32"),
+                                                               ("int8-sym", None)}
+    for r in rows:  # every kernel named is explained, and the decode rows run no weight tiles
+        assert all(f"  {k}" in out for k in r["kernels"])
+        if cpu._has_gemv_f32() and r["activation"] is None:
+            assert r["kernels"][0].startswith("gemv"), r

@@ -2,8 +2,45 @@
 // gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
+// The instruction-set extensions this build was compiled for (-march=native at install).
+static std::vector<std::string> compiled_features() {
+  std::vector<std::string> f;
+#ifdef __AVX2__
+  f.push_back("avx2");
+#endif
+#ifdef __FMA__
+  f.push_back("fma");
+#endif
+#ifdef __F16C__
+  f.push_back("f16c");
+#endif
+#ifdef __AVX512F__
+  f.push_back("avx512f");
+#endif
+#ifdef __AVX512BW__
+  f.push_back("avx512bw");
+#endif
+#ifdef __AVX512VL__
+  f.push_back("avx512vl");
+#endif
+#ifdef __AVX512VNNI__
+  f.push_back("avx512_vnni");
+#endif
+#ifdef __AVX512BF16__
+  f.push_back("avx512_bf16");
+#endif
+#ifdef __AVXVNNI__
+  f.push_back("avx_vnni");
+#endif
+#ifdef __AMX_TILE__
+  f.push_back("amx_tile");
+#endif
+  return f;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
+  m.def("compiled_features", &compiled_features, "the x86 extensions this build was compiled for");
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
   m.def("dequantize_min", &dequantize_min, "unpack-and-dequantize rows of codes in the 'min' zero-point domain");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");

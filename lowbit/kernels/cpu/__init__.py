@@ -113,6 +113,34 @@ def weight_only_kernel_index(kernel: str) -> int:
     return _WEIGHT_ONLY_KERNELS.index(kernel)
 
 
+def features() -> dict:
+    """What the plan's choices rest on: the CPU's model name and its x86 flags that lowbit's
+    kernels use (from /proc/cpuinfo, Linux), and the ones ``lowbit._C`` was compiled for
+    (``-march=native`` at install: the same, unless the build moved to another machine).
+
+    Example::
+
+        >>> f = features()
+        >>> sorted(f)
+        ['compiled', 'cpu', 'machine']
+    """
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+              "amx_tile")
+    cpu, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and cpu == "unknown":
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": cpu, "machine": [w for w in wanted if w in flags],
+            "compiled": list(_C.compiled_features()) if _C is not None else []}
+
+
 def _has_avx512() -> bool:
     return _C is not None and _C.has_avx512()
 
@@ -142,9 +170,9 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
         split = dtype != torch.bfloat16
         if bits == 4 and _C.gemv_bf16_supported(k, group) and (not split or m <= (0 if exact else SPLIT_MAX_M)):
             if split:
-                return Plan("gemv_bf16_split", f"{m} <= {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
-            return Plan("gemv_bf16", f"{m} <= {rows} rows: packed weight, bf16 dot products")
-        return Plan("gemv_f32", f"{m} <= {rows} rows: packed weight, float32 FMAs")
+                return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
+            return Plan("gemv_bf16", f"up to {rows} rows: packed weight, bf16 dot products")
+        return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
     if not exact and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if exact or not _has_avx512():
@@ -159,9 +187,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
     if m <= A8_ROWS_MAX_M:
-        return Plan("a8_blocks", f"{m} <= {A8_ROWS_MAX_M} rows: int8 blocks of x, integer dot products per "
+        return Plan("a8_blocks", f"up to {A8_ROWS_MAX_M} rows: int8 blocks of x, integer dot products per "
                                  "block (vpmaddubsw / vpmaddwd)")
-    return Plan("a8_tiles", f"{m} > {A8_ROWS_MAX_M} rows: int8 blocks of x dequantized, float32 weight tiles, "
+    return Plan("a8_tiles", f"over {A8_ROWS_MAX_M} rows: int8 blocks of x dequantized, float32 weight tiles, "
                             "torch.mm")
 
 
@@ -176,7 +204,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
         return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
     if _has_avx512() and group % 32 == 0:
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
-            return Plan("w4a8_panels", f"{m} > {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
+            return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
         return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
     return Plan("w4a8_int_mm", "torch._int_mm per weight group, float scaling per group")
 
