@@ -129,3 +129,24 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_tiles_beyond():
     assert plan(w, a, cpu.A8_ROWS_MAX_M, 576, torch.float32).kernel == "a8_blocks"
     assert plan(w, a, cpu.A8_ROWS_MAX_M + 1, 576, torch.float32).kernel == "a8_tiles"
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym", "int8-asym-g32"])
+@pytest.mark.parametrize("m", [1, 6])
+def test_cpu_several_weights_in_one_call_give_the_bits_of_one_call_each(scheme, m):
+    # the decode step's q/k/v and gate/up: one pass over x, one parallel region; row counts
+    # that are not multiples of the 4-row tiles in every weight
+    if not cpu.available() or not cpu._has_a8_blocks():
+        pytest.skip("no AVX2 build of lowbit._C")
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(m)
+    x = torch.randn(m, 192)
+    parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 13)]
+    args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
+    bits, group = parts[0][3], parts[0][4]
+    ys, ok = cpu._C.linear_a8_blocks_many(x, *map(list, zip(*args)), bits, group)
+    assert ok and len(ys) == 3
+    for y, (c, s, z) in zip(ys, args):
+        one, ok1 = cpu._C.linear_a8_blocks(x, c, s, z, bits, group)
+        assert ok1 and torch.equal(y, one)

@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_a8_blocks", &has_a8_blocks, "whether linear_a8_blocks (AVX2 integer dot products) was compiled in");
   m.def("linear_a8_blocks", &linear_a8_blocks,
         "weight-only weights x activations quantized to int8 in blocks of 32, integer dot products per block");
+  m.def("linear_a8_blocks_many", &linear_a8_blocks_many,
+        "linear_a8_blocks of one x with several weights of one kind: x quantized once, one parallel region");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");

@@ -166,6 +166,43 @@ struct Proj {
   }
 };
 
+// Projections of the same input with activations in int8 blocks and the same kind of
+// weight (bits, group, zero points or not) run as one call: x is quantized once and one
+// parallel region covers all their rows (linear_a8_blocks_many).  The same arithmetic per
+// output as one call each, so the same bits.
+bool share_blocks(const std::vector<const Proj*>& ps) {
+  for (const Proj* p : ps)
+    if (!p->codes.defined() || p->act != 3 || p->bits != ps[0]->bits || p->group != ps[0]->group ||
+        p->zero_point.has_value() != ps[0]->zero_point.has_value())
+      return false;
+  return true;
+}
+
+std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Tensor& x) {
+  std::vector<at::Tensor> out;
+  if (ps.size() < 2 || !share_blocks(ps)) {
+    for (const Proj* p : ps) out.push_back((*p)(x));
+    return out;
+  }
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  std::vector<at::Tensor> codes, scales;
+  std::vector<c10::optional<at::Tensor>> zps;
+  for (const Proj* p : ps) {
+    codes.push_back(p->codes);
+    scales.push_back(p->scale);
+    zps.push_back(p->zero_point);
+  }
+  auto [ys, finite] = linear_a8_blocks_many(x2, codes, scales, zps, ps[0]->bits, ps[0]->group);
+  TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
+  for (size_t i = 0; i < ps.size(); ++i) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = ps[i]->codes.size(0);
+    at::Tensor y = ys[i].to(x.scalar_type()).view(shape);
+    out.push_back(ps[i]->bias ? y + ps[i]->bias->to(y.scalar_type()) : y);
+  }
+  return out;
+}
+
 struct Layer {
   at::Tensor ln1, ln2;
   Proj q, k, v, o, gate, up, down;
@@ -199,14 +236,16 @@ class Decoder {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       at::Tensor x = rms(h, L.ln1);
-      at::Tensor q = rope(proj(L.q, x).view({1, H, hd})).transpose(0, 1);
-      at::Tensor k = rope(proj(L.k, x).view({1, KV, hd})).transpose(0, 1);
+      const std::vector<at::Tensor> qkv = project({&L.q, &L.k, &L.v}, x);
+      at::Tensor q = rope(qkv[0].view({1, H, hd})).transpose(0, 1);
+      at::Tensor k = rope(qkv[1].view({1, KV, hd})).transpose(0, 1);
       keys[i].slice(1, pos, pos + 1).copy_(k);
-      values[i].slice(1, pos, pos + 1).copy_(proj(L.v, x).view({1, KV, hd}).transpose(0, 1));
+      values[i].slice(1, pos, pos + 1).copy_(qkv[2].view({1, KV, hd}).transpose(0, 1));
       at::Tensor o = decode_attention(q.select(1, 0), keys[i], values[i], pos + 1, scaling_);
       h = h + proj(L.o, o.reshape({1, H * hd}));
       x = rms(h, L.ln2);
-      h = h + proj(L.down, at::silu(proj(L.gate, x)) * proj(L.up, x));
+      const std::vector<at::Tensor> gate_up = project({&L.gate, &L.up}, x);
+      h = h + proj(L.down, at::silu(gate_up[0]) * gate_up[1]);
     }
     return proj(lm_head_, rms(h, norm_));
   }

@@ -36,6 +36,11 @@ bool has_a8_blocks();
 std::tuple<at::Tensor, bool> linear_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                               const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                               int64_t group);
+std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor& x,
+                                                                const std::vector<at::Tensor>& codes,
+                                                                const std::vector<at::Tensor>& scales,
+                                                                const std::vector<c10::optional<at::Tensor>>& zero_points,
+                                                                int64_t bits, int64_t group);
 std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);
