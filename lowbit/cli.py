@@ -575,9 +575,11 @@ def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
             config = json.load(fh)
         hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+        heads = config.get("num_attention_heads") or 1
+        attn = heads * (config.get("head_dim") or (hidden or 0) // heads)
 
-        def in_features(name: str) -> int:  # a Llama-family decoder: down_proj reads the MLP's width
-            return inter if name.endswith("down_proj") else hidden
+        def in_features(name: str) -> int:  # a Llama-family decoder: down_proj and o_proj read their own widths
+            return inter if name.endswith("down_proj") else attn if name.endswith("o_proj") else hidden
 
         combos = sorted({(v["weight"], v["activation"], in_features(n)) for n, v in meta["modules"].items()
                          if v["kind"] == "linear"}, key=str)
@@ -945,7 +947,8 @@ runs each quantized matmul on this machine for 1 to 512 activation rows, and why
     p.add_argument("--kernels", action="store_true",
                    help="print which CPU kernel runs each quantized matmul on this machine, for 1 to 512 "
                         "activation rows, and why (of the checkpoint's modules, or of the presets) (default: off)")
-    p.add_argument("--dtype", default="bfloat16", help="activation dtype for --kernels (default: bfloat16)")
+    p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), metavar="DTYPE", default="bfloat16",
+                   help="activation dtype for --kernels: one of %(choices)s (default: bfloat16)")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
 Quantize every decoder linear weight of a GGUF model at several schemes and print, per
@@ -1008,6 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "info":
                 if args.kernels:
                     kernels_cmd(args.path, dtype=args.dtype)
+                elif args.dtype != "bfloat16":
+                    raise ValueError("--dtype applies to --kernels only")
                 elif args.path is None:
                     raise ValueError("give a checkpoint folder or GGUF file, or --kernels")
                 else:

@@ -181,6 +181,8 @@ class Recipe:
         d = asdict(self)
         d["modules"] = list(self.modules)
         d["overrides"] = [[p, o] for p, o in self.overrides]
+        if d["lm_head_activation"] is None:  # left out, so that lowbit before it still reads the recipe
+            del d["lm_head_activation"]
         return d
 
     @classmethod

@@ -150,3 +150,44 @@ def test_cpu_several_weights_in_one_call_give_the_bits_of_one_call_each(scheme, 
     for y, (c, s, z) in zip(ys, args):
         one, ok1 = cpu._C.linear_a8_blocks(x, c, s, z, bits, group)
         assert ok1 and torch.equal(y, one)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 32), ("int4-asym-g32", 96), ("int4-sym-channel", 160),
+                                       ("int4-asym-g96", 288), ("int4-sym-g96", 96), ("int8-asym-g96", 288),
+                                       ("int8-sym-channel", 160)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_odd_block_counts_and_groups_across_block_pairs(backend, scheme, k, m):
+    # an odd number of 32-blocks (the 4-bit kernels' last block alone), groups of 96 (a pair of
+    # blocks straddles two groups), one group per row (channel)
+    torch.manual_seed(k + m)
+    qt = lowbit.quantize(torch.randn(11, k), scheme)
+    x = torch.randn(m, k)
+    y_ref = linear(x, qt, act_scheme=ACT, backend="reference")
+    y = linear(x, qt, act_scheme=ACT, backend=backend)
+    err = (y.double() - y_ref.double()).abs()
+    assert bool((err <= a8_tolerance(x, qt, y_ref)).all()), float(err.max())
+
+
+def test_lm_head_activation_is_checked_and_saved():
+    base = dict(weight="int4-sym-g32-f16", activation=ACT)
+    with pytest.raises(ValueError, match="lm_head stays float"):
+        lowbit.Recipe(**base, lm_head_activation=ACT)
+    with pytest.raises(ValueError, match="per-tensor scheme needs calibrated scales"):
+        lowbit.Recipe(**base, lm_head="int8-sym", lm_head_activation="int8-sym-tensor")
+    with pytest.raises(ValueError, match="lm_head/lm_head_activation"):
+        lowbit.Recipe(**base, lm_head="int4-asym-g32-zpmin-f16", lm_head_activation=ACT)
+    r = lowbit.Recipe(**base, lm_head="int8-sym-g32-f16", lm_head_activation=ACT)
+    assert r.scheme_for("lm_head") == ("int8-sym-g32-f16", ACT)
+    assert lowbit.Recipe.from_dict(r.to_dict()) == r
+    assert "lm_head_activation" not in lowbit.Recipe(**base).to_dict()  # older lowbit reads it
+
+
+def test_compressed_tensors_refuses_block_activations_before_quantizing():
+    from lowbit.formats.compressed_tensors import CompressedTensorsError, check_recipe
+
+    for name in ("q4_0-a8", "q8_0-a8"):
+        with pytest.raises(CompressedTensorsError, match="no compressed-tensors form"):
+            check_recipe(lowbit.Recipe.get(name))
+    with pytest.raises(CompressedTensorsError, match="no compressed-tensors form"):
+        check_recipe(lowbit.Recipe(weight="int8-sym", lm_head="int8-sym", lm_head_activation=ACT))

@@ -150,7 +150,7 @@ def check_recipe(recipe) -> None:
     for w in [recipe.weight, recipe.lm_head] + [o.get("weight") for _, o in recipe.overrides]:
         if w is not None:
             weight_args(w)
-    for a in [recipe.activation] + [o.get("activation") for _, o in recipe.overrides]:
+    for a in [recipe.activation, recipe.lm_head_activation] + [o.get("activation") for _, o in recipe.overrides]:
         activation_args(a)
 
 

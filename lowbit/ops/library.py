@@ -287,6 +287,7 @@ def linear_a8_blocks(backend, x, codes, scale, zero_point, bits, group_size, act
     y, ok = backend.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
     if not ok:  # the backend checked (the CPU kernel while it quantized, no extra pass); name what was wrong
         _validate.finite("x", x)
+        raise ValueError("x holds values past the largest float32 (the blocks are quantized in float32)")
     return y
 
 

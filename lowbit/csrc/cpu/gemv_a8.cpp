@@ -2,7 +2,7 @@
 // int8 on the fly in blocks of 32 values (symmetric, float32 scale per block: the scheme
 // int8-sym-g32), the way llama.cpp runs its Q4_0/Q8_0 matmuls against Q8_0 activations.
 // The products inside a block are exact integer dot products; floats enter once per block.
-// AVX2 only (every x86-64 since 2015, and the AVX-512 machines): what makes it fast where
+// AVX2 only (most x86-64 CPUs since 2013-2015, the AVX-512 ones included): what makes it fast where
 // float32 FMAs are the bottleneck is the integer multiply-add, not the vector width.
 //
 //   x[m, k] ~ d[m, b] * xq[m, k]   for k in block b (32 values), xq in [-128, 127]

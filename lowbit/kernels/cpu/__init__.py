@@ -88,7 +88,7 @@ def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
 
 def _gemv_max_m(bits: int, dtype: torch.dtype, exact: bool) -> int:
     if not _has_avx512():
-        return AVX2_GEMV_MAX_M[bits]
+        return AVX2_GEMV_MAX_M.get(bits, 0)
     if exact:
         return GEMV_MAX_M
     if bits == 8:
@@ -277,8 +277,8 @@ class CpuBackend(Backend):
         accumulation: bf16 torch.matmul's arithmetic, 4-5x faster than float32 here, and
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
-        (float32 at the float32 matmul precision "highest") through torch.mm.  No float
-        copy of W larger than x is made."""
+        (float32 at the float32 matmul precision "highest", and on machines without
+        AVX-512) through torch.mm.  No float copy of W larger than x is made."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         kernel = _weight_only_plan(bits, group_size, m, k, x.dtype).kernel
@@ -294,8 +294,10 @@ class CpuBackend(Backend):
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
         (exact), each scaled by its block's float32 scale, per-group sums scaled by the
         weight's; beyond, the blocks dequantized (the reference's float32 values) and
-        multiplied with float32 weight tiles (``_tiles``).  Only float32 summation order
-        differs from the reference."""
+        multiplied with float32 weight tiles (``_tiles``).  The codes and scales are the
+        reference's; the float32 roundings differ (order of the sums, one product of the
+        two scales per block, the zero-point term apart), within the bound derived in
+        tests/test_a8_blocks.py."""
         k, n = x.shape[-1], codes.shape[0]
         m = x.numel() // k
         kernel = _a8_blocks_plan(bits, group_size, act_block, m, k).kernel
@@ -435,9 +437,10 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
                      dtype: torch.dtype):
     """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
     weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
-    plan's kernel is not one decode.cpp runs, or the activations are not 8-bit per token."""
+    plan's kernel is not one decode.cpp runs, the activations are per tensor (static scales),
+    or the weight is in the "min" domain (decode.cpp computes (q - z) * s, not q * s + m)."""
     if (act is not None and act.granularity == "tensor") or weight.zero_point_domain == "min":
-        return None  # decode.cpp computes (q - z) * s, not q * s + m
+        return None
     kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
         return None

@@ -27,6 +27,8 @@ class TritonBackend(Backend):
         group = weight.group_size or k
         if act is None:
             return _weight_only_plan(weight.bits, group, m, k, dtype)
+        if act.granularity == "group":
+            return Plan("reference", "no triton kernel for activations in int8 blocks")
         if weight.bits == 8:
             return Plan("int8_gemm", "int8 tensor-core GEMM with the accumulator epilogue fused")
         if int8.w4a8_block_k_ok(group):
