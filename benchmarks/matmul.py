@@ -9,7 +9,8 @@ For each (M, N, K) and activation dtype it prints the median time, the ratio to 
 and to bfloat16 torch.matmul on the same shape (>1: faster), the ratio to the best peer
 row, and the weight bytes streamed per second next to the machine's read bandwidth (a
 large tensor sum) measured in the same run.  Every row cycles through copies of its
-weight totalling >= 96 MiB, so weights stream from DRAM, not from the last-level cache.
+weight totalling >= 96 MiB, so weights stream from DRAM, not from the last-level cache
+(``--cache-resident``: one copy, which stays in cache).
 Peers (torchao, optimum-quanto) are rows where they are installed; they are not
 dependencies of lowbit.
 """
@@ -115,6 +116,9 @@ def rows(n: int, k: int, m: int, dtype: torch.dtype):
     yield f"lowbit W4A16 int4-sym-g{g}", lowbit_linear(f"int4-sym-g{g}"), False
     yield "lowbit W8A8 dyn. per-token", lowbit_linear("int8-sym", "int8-sym-token"), False
     yield f"lowbit W4A8 int4-asym-g{g}", lowbit_linear(f"int4-asym-g{g}", "int8-asym-token"), False
+    # llama.cpp's arithmetic: Q4_0 / Q8_0 weights, activations in int8 blocks of 32
+    yield "lowbit q4_0 x int8 blocks", lowbit_linear("int4-sym-g32-f16", "int8-sym-g32"), False
+    yield "lowbit q8_0 x int8 blocks", lowbit_linear("int8-sym-g32-f16", "int8-sym-g32"), False
     yield "peer torch._weight_int8pack_mm", int8pack, True
     yield f"peer torch._weight_int4pack_mm g{g}", int4pack, True
     yield "peer torchao Int8WeightOnly", module(lambda w: torchao_linear(w, dtype, "Int8WeightOnlyConfig")), True
@@ -145,10 +149,15 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="*", default=[1, 16, 128])
     ap.add_argument("--shapes", nargs="*", help="NxK, e.g. 4096x4096")
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    ap.add_argument("--cache-resident", action="store_true",
+                    help="one copy of each weight, called again and again (it stays in cache), instead of "
+                         "copies cycled through >= 96 MiB")
     args = ap.parse_args()
     reps = 5 if args.quick else 15
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    torch.set_grad_enabled(False)
+    # as lowbit.Runner runs: under inference mode lowbit's public functions call the op's
+    # implementation directly, without the dispatcher's ~20 us Python-kernel round trip
+    torch.inference_mode().__enter__()
     bw = read_bandwidth(reps)
     print(f"read bandwidth (sum of 256 MiB): {bw:.1f} GB/s; threads: {torch.get_num_threads()}; "
           f"lowbit backends: {lowbit.available_backends()}")
@@ -163,7 +172,8 @@ def main() -> None:
                 for name, make, peer in rows(n, k, m, dtype):
                     try:
                         fn, wbytes = make(w)
-                        copies = [fn] + [make(w)[0] for _ in range(-(-COLD_BYTES // wbytes) - 1)]
+                        cold = 0 if args.cache_resident else COLD_BYTES
+                        copies = [fn] + [make(w)[0] for _ in range(-(-cold // wbytes) - 1)]
                         turn = iter(range(10**9))
                         t = timeit(lambda: copies[next(turn) % len(copies)](), reps)
                     except Exception as e:  # a peer missing, or refusing this shape or dtype

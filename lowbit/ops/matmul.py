@@ -156,7 +156,10 @@ def as_act_scheme(act_scheme) -> QuantScheme:
         >>> as_act_scheme("int8-asym-token")
         QuantScheme('int8-asym-token')
     """
-    s = act_scheme if isinstance(act_scheme, QuantScheme) else QuantScheme.parse(act_scheme)
+    if isinstance(act_scheme, QuantScheme):
+        s = act_scheme
+    else:  # parsed once per string: a decode step asks for the same scheme 210 times a token
+        s = library.scheme_of(act_scheme) if isinstance(act_scheme, str) else QuantScheme.parse(act_scheme)
     problem = act_scheme_problem(s)
     if problem:
         raise ValueError(f"act_scheme: {problem}")
