@@ -545,11 +545,12 @@ KERNEL_PLAN_RECIPES = ("w8a16", "w4a16-g128", "q8_0", "q4_0", "q8_0-a8", "q4_0-a
 KERNEL_PLAN_ROWS = (1, 4, 16, 64, 512)
 
 
-def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
+def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]:
     """Print which CPU kernel runs each quantized matmul, for activation rows M = 1 (a
     decode step) to 512 (a prefill), and why: the plan of ``lowbit.kernels.cpu`` on this
     machine, for the modules of a checkpoint (``path``) or for the presets at the bundled
-    model's shapes (K = 576 and 1536).  Returns the rows printed.
+    model's shapes (K = 576 and 1536), with activations of ``dtype`` (default: the
+    checkpoint's float dtype, bfloat16 for the presets).  Returns the rows printed.
 
     Example::
 
@@ -565,7 +566,6 @@ def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
     from lowbit.recipe import Recipe, with_group_size
     from lowbit.scheme import QuantScheme
 
-    dt = _float_dtype(dtype)
     if not cpu.available():
         raise ValueError(f"no CPU kernels to plan: {cpu.load_error()}")
     if path is not None:
@@ -583,6 +583,7 @@ def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
 
         combos = sorted({(v["weight"], v["activation"], in_features(n)) for n, v in meta["modules"].items()
                          if v["kind"] == "linear"}, key=str)
+        dtype = dtype or meta["dtype"]
         if not combos or not isinstance(hidden, int) or not isinstance(inter, int):
             raise ValueError(f"{path!r}: no quantized linear, or a config.json without hidden_size / "
                              "intermediate_size")
@@ -595,6 +596,8 @@ def kernels_cmd(path: str | None = None, dtype: str = "bfloat16") -> list[dict]:
                 if w.granularity == "group" and k % w.group_size:
                     w = QuantScheme.parse(with_group_size(r.weight, 64))
                 combos.append((str(w), r.activation, k))
+    dtype = dtype or "bfloat16"
+    dt = _float_dtype(dtype)
     f = cpu.features()
     print(f"cpu: {f['cpu']}; {torch.get_num_threads()} threads; flags {' '.join(f['machine']) or '(none of note)'}; "
           f"lowbit._C built for {' '.join(f['compiled']) or 'no SIMD extension'}")
@@ -947,8 +950,9 @@ runs each quantized matmul on this machine for 1 to 512 activation rows, and why
     p.add_argument("--kernels", action="store_true",
                    help="print which CPU kernel runs each quantized matmul on this machine, for 1 to 512 "
                         "activation rows, and why (of the checkpoint's modules, or of the presets) (default: off)")
-    p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), metavar="DTYPE", default="bfloat16",
-                   help="activation dtype for --kernels: one of %(choices)s (default: bfloat16)")
+    p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), metavar="DTYPE",
+                   help="activation dtype for --kernels: one of %(choices)s (default: the checkpoint's float "
+                        "dtype, bfloat16 for the presets)")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
 Quantize every decoder linear weight of a GGUF model at several schemes and print, per
@@ -1011,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "info":
                 if args.kernels:
                     kernels_cmd(args.path, dtype=args.dtype)
-                elif args.dtype != "bfloat16":
+                elif args.dtype is not None:
                     raise ValueError("--dtype applies to --kernels only")
                 elif args.path is None:
                     raise ValueError("give a checkpoint folder or GGUF file, or --kernels")
