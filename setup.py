@@ -22,7 +22,7 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
                                    "lowbit/csrc/cpu/gemv_a8.cpp",
                                    "lowbit/csrc/cpu/decode.cpp", "lowbit/csrc/cpu/gptq.cpp",
                                    "lowbit/csrc/cpu/ggml.cpp"],
-                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h"],
+                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])
     ]
     cmdclass = {"build_ext": BuildExtension}

@@ -563,7 +563,8 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
     import torch
 
     from lowbit.kernels import cpu, get_backend
-    from lowbit.recipe import Recipe, with_group_size
+    from lowbit.models.quantize import _fit_group
+    from lowbit.recipe import Recipe
     from lowbit.scheme import QuantScheme
 
     if not cpu.available():
@@ -591,11 +592,8 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
         combos = []
         for name in KERNEL_PLAN_RECIPES:
             r = Recipe.get(name)
-            for k in (576, 1536):
-                w = QuantScheme.parse(r.weight)
-                if w.granularity == "group" and k % w.group_size:
-                    w = QuantScheme.parse(with_group_size(r.weight, 64))
-                combos.append((str(w), r.activation, k))
+            for k in (576, 1536):  # the group each module gets, as quantize_model fits it
+                combos.append((_fit_group(r.weight, k), r.activation, k))
     dtype = dtype or "bfloat16"
     dt = _float_dtype(dtype)
     f = cpu.features()

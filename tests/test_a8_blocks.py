@@ -20,10 +20,7 @@ SCHEMES = ["int4-sym-g32-f16", "int4-asym-g64", "int4-asym-g32-zpfloat-f16", "in
 
 def fake_quantized(x: torch.Tensor) -> torch.Tensor:
     """x quantized and dequantized in the activation blocks, by the reference (float32)."""
-    s = QuantScheme.parse(ACT)
-    x32 = x.to(torch.float32)
-    scale, _ = ref.choose_qparams(x32, s)
-    return ref.dequantize(ref.quantize(x32, scale, None, s), scale, None, s, torch.float32)
+    return ref.int8_blocks(x, QuantScheme.parse(ACT).group_size)
 
 
 def a8_tolerance(x, qt, y_ref):

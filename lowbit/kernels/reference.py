@@ -222,15 +222,19 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
-def linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block):
+def int8_blocks(x, act_block):
     """x quantized and dequantized in symmetric int8 blocks of ``act_block`` values along K
     (the scheme ``int8-sym-g<act_block>``: float32 scale max|x| / 127.5 per block, codes in
-    [-128, 127]), then the weight-only matmul in float32, rounded once to x's dtype."""
+    [-128, 127]), float32."""
     s = QuantScheme.parse(f"int8-sym-g{act_block}")
     x32 = x.to(torch.float32)
     xs, _ = choose_qparams(x32, s)
-    xd = dequantize(quantize(x32, xs, None, s), xs, None, s, torch.float32)
-    return weight_only_matmul(xd, codes, scale, zero_point, bits, group_size).to(x.dtype)
+    return dequantize(quantize(x32, xs, None, s), xs, None, s, torch.float32)
+
+
+def linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block):
+    """``int8_blocks`` of x, then the weight-only matmul in float32, rounded once to x's dtype."""
+    return weight_only_matmul(int8_blocks(x, act_block), codes, scale, zero_point, bits, group_size).to(x.dtype)
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

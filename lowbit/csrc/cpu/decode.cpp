@@ -134,14 +134,7 @@ struct Proj {
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
 
-  at::Tensor int8_blocks(const at::Tensor& x) const {
-    const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
-    auto [y, finite] = linear_a8_blocks(x2, codes, scale, zero_point, bits, group);
-    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = codes.size(0);
-    return y.to(x.scalar_type()).view(shape);
-  }
+  at::Tensor int8_blocks(const at::Tensor& x) const;
 
   at::Tensor int8_activations(const at::Tensor& x) const {
     const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
@@ -178,12 +171,8 @@ bool share_blocks(const std::vector<const Proj*>& ps) {
   return true;
 }
 
-std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  std::vector<at::Tensor> out;
-  if (ps.size() < 2 || !share_blocks(ps)) {
-    for (const Proj* p : ps) out.push_back((*p)(x));
-    return out;
-  }
+// x through projections with activations in int8 blocks (share_blocks), bias not added.
+std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, const at::Tensor& x) {
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   std::vector<at::Tensor> codes, scales;
   std::vector<c10::optional<at::Tensor>> zps;
@@ -197,10 +186,24 @@ std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Te
   for (size_t i = 0; i < ps.size(); ++i) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = ps[i]->codes.size(0);
-    at::Tensor y = ys[i].to(x.scalar_type()).view(shape);
-    out.push_back(ps[i]->bias ? y + ps[i]->bias->to(y.scalar_type()) : y);
+    ys[i] = ys[i].to(x.scalar_type()).view(shape);
   }
-  return out;
+  return ys;
+}
+
+at::Tensor Proj::int8_blocks(const at::Tensor& x) const { return run_int8_blocks({this}, x)[0]; }
+
+// x through several projections: those that share_blocks as one call.
+std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Tensor& x) {
+  if (ps.size() < 2 || !share_blocks(ps)) {
+    std::vector<at::Tensor> out;
+    for (const Proj* p : ps) out.push_back((*p)(x));
+    return out;
+  }
+  std::vector<at::Tensor> ys = run_int8_blocks(ps, x);
+  for (size_t i = 0; i < ps.size(); ++i)
+    if (ps[i]->bias) ys[i] = ys[i] + ps[i]->bias->to(ys[i].scalar_type());
+  return ys;
 }
 
 struct Layer {

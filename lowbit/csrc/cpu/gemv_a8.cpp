@@ -20,6 +20,7 @@
 // at most 2 * 255 * 128 in int32), as vpmaddubsw would saturate on 8-bit x 8-bit pairs.
 
 #include "kernels.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -40,13 +41,10 @@ namespace {
 
 constexpr int64_t BLOCK = 32;  // activation values per int8 block
 
-// Quantize row x [K] (float32, finite) into blocks: d[b] = max|x| / 127.5 (1 for an all-zero
-// block), xq = clamp(round_half_even(x / d), -128, 127): choose_qparams and quantize of the
-// reference for "int8-sym-g32", bit for bit.  Writes the codes in the kernel's layout
-// (int8, even elements then odd ones per block, for 4-bit weights; int16 in order for
-// 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point term).
-// Returns whether the row was finite (NaN and Inf fail "a <= FLT_MAX").
-// One block: its scale and codes q[32] (int32), and whether it was finite.
+// One block of 32 values: d = max|x| / 127.5 (1 for an all-zero block) and the codes
+// q = clamp(round_half_even(x / d), -128, 127) as int32: choose_qparams and quantize of the
+// reference for "int8-sym-g32", bit for bit.  Returns whether the block was finite (NaN and
+// Inf fail "a <= FLT_MAX").
 inline bool block_codes(const float* xb, float& scale, int32_t* q) {
 #ifdef LOWBIT_A8_BLOCKS
   const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
@@ -84,6 +82,10 @@ inline bool block_codes(const float* xb, float& scale, int32_t* q) {
 #endif
 }
 
+// Quantize row x [K] into blocks (block_codes): writes the codes in the kernel's layout
+// (int8, even elements then odd ones per block, for 4-bit weights; int16 in order for
+// 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point term).
+// Returns whether the row was finite.
 template <typename Q>
 bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, float* d, float* xs) {
   const int64_t per_group = group / BLOCK;
@@ -112,14 +114,6 @@ bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, f
 #ifdef LOWBIT_A8_BLOCKS
 constexpr int MB = 4;  // activation rows computed together
 
-inline float fsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-
 // R activation rows x NR weight rows of 4-bit codes, two blocks (64 values, 32 code bytes)
 // per step: the low nibbles of both blocks against their even activations, the high ones
 // against the odd, int16 sums of the two (at most 2 * 3840), vpmaddwd by ones: int32 lanes
@@ -128,8 +122,8 @@ inline float fsum8(__m256 v) {
 // weight step unpacked once for the R rows, each activation step loaded once for NR rows.
 template <int R, int NR, bool SIGNED, bool HAS_ZP>
 void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs, int64_t K, int64_t G,
-             const int32_t* block_group, const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
-  const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2;
+             int64_t group, const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+  const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2, per_group = group / BLOCK;
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -138,7 +132,8 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    const int64_t g0 = block_group[b], g1 = block_group[b + 1];  // (no integer division in the loop)
+    // a group is at least one block, so the pair's second block is in the same group or the next
+    const int64_t g0 = b / per_group, g1 = (b + 1) / per_group;
     __m256 dv[R];  // [d(b) x4 | d(b+1) x4] of each row, laid out when x was quantized
     for (int r = 0; r < R; ++r) dv[r] = _mm256_loadu_ps(dp + (r * np + b / 2) * 8);
     for (int j = 0; j < NR; ++j) {
@@ -146,12 +141,11 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
       const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, low), flip);
       const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), flip);
       const float* sj = s + j * G;
-      // [s(g0) x4 | s(g1) x4]: adjacent floats when the group is one block
+      // [s(g0) x4 | s(g1) x4]: one broadcast, or two adjacent floats spread over the halves
       const __m256 sv = g0 == g1 ? _mm256_broadcast_ss(sj + g0)
-                        : g1 == g0 + 1 ? _mm256_permutevar8x32_ps(
-                              _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sj + g0)))),
-                              halves)
-                                       : _mm256_set_m128(_mm_set1_ps(sj[g1]), _mm_set1_ps(sj[g0]));
+                                 : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
+                                                                _mm_load_sd(reinterpret_cast<const double*>(sj + g0)))),
+                                                            halves);
       for (int r = 0; r < R; ++r) {
         const int8_t* xp = xq + r * K + b * BLOCK;
         const __m256i p16 = _mm256_add_epi16(
@@ -165,7 +159,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
   if (b < nb) {  // a last block alone: the same at 128 bits
     const __m128i low4 = _mm_set1_epi8(0x0F), flip4 = _mm_set1_epi8(SIGNED ? 0x08 : 0x00);
     const __m128i ones4 = _mm_set1_epi16(1);
-    const int64_t g = block_group[b];
+    const int64_t g = b / per_group;
     for (int j = 0; j < NR; ++j) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * row_bytes + b * (BLOCK / 2)));
       const __m128i l = _mm_xor_si128(_mm_and_si128(raw, low4), flip4);
@@ -246,8 +240,6 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   std::vector<Q> xq(M * K);
   std::vector<float> d(M * nb), dp(four ? M * np * 8 : 0), xs(M * G);
   std::vector<char> finite(M);
-  std::vector<int32_t> block_group(nb);
-  for (int64_t b = 0; b < nb; ++b) block_group[b] = static_cast<int32_t>(b / (group / BLOCK));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       finite[m] = quantize_row<Q>(x + m * K, K, group, four, xq.data() + m * K, d.data() + m * nb, xs.data() + m * G);
@@ -268,7 +260,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
     const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
     if constexpr (four)
       w4_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, dp.data() + m * np * 8, xs.data() + m * G,
-                                     K, G, block_group.data(), wn, wt.s + n * G, zn, wt.y + m * wt.N + n, wt.N);
+                                     K, G, group, wn, wt.s + n * G, zn, wt.y + m * wt.N + n, wt.N);
     else
       w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
                                      wt.s + n * G, zn, wt.y + m * wt.N + n, wt.N);

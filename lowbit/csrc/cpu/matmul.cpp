@@ -19,6 +19,7 @@
 // applied once per group.
 
 #include "kernels.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -215,12 +216,6 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 // ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
 // The AVX-512 kernels above at half the width: the same per-group float32 sums, each
 // 16-byte block of packed codes read as two 8-byte halves.
-inline float fsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 

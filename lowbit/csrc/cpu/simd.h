@@ -1,0 +1,13 @@
+// Small vector helpers the CPU kernels share.
+#pragma once
+#include <immintrin.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The sum of the 8 float lanes of v.
+inline float fsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
