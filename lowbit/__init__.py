@@ -27,8 +27,9 @@ _EXPORTS = {
     "load_model": "models", "quantize_model": "models", "save_quantized": "models", "load_quantized": "models",
     "Runner": "runtime",
     "evaluate": "evaluation",
+    "export": "passes",
 }
-_MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime")
+_MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime", "passes")
 
 __all__ = sorted(_EXPORTS) + list(_MODULES)
 

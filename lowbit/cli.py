@@ -563,8 +563,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
     import torch
 
     from lowbit.kernels import cpu, get_backend
-    from lowbit.models.quantize import _fit_group
-    from lowbit.recipe import Recipe
+    from lowbit.recipe import Recipe, fit_group
     from lowbit.scheme import QuantScheme
 
     if not cpu.available():
@@ -593,7 +592,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
         for name in KERNEL_PLAN_RECIPES:
             r = Recipe.get(name)
             for k in (576, 1536):  # the group each module gets, as quantize_model fits it
-                combos.append((_fit_group(r.weight, k), r.activation, k))
+                combos.append((fit_group(r.weight, k), r.activation, k))
     dtype = dtype or "bfloat16"
     dt = _float_dtype(dtype)
     f = cpu.features()

@@ -372,4 +372,25 @@ def with_group_size(scheme: str, group_size: int) -> str:
     return str(replace(QuantScheme.parse(scheme), group_size=group_size))
 
 
-__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "METHODS", "with_group_size"]
+def fit_group(scheme: str, in_features: int) -> str:
+    """``scheme`` with a group size that divides ``in_features``: the largest power of
+    two from 32 up to the asked one (the sizes other runtimes load), else per channel.
+
+    Example::
+
+        >>> from lowbit.recipe import fit_group
+        >>> fit_group("int4-asym-g128", 576), fit_group("int4-asym-g128", 100)
+        ('int4-asym-g64', 'int4-asym')
+    """
+    s = QuantScheme.parse(scheme)
+    if s.granularity != "group" or in_features % s.group_size == 0:
+        return scheme
+    g = 1 << (s.group_size.bit_length() - 1)
+    while g >= 32:
+        if in_features % g == 0:
+            return with_group_size(scheme, g)
+        g //= 2
+    return str(replace(s, granularity="channel", group_size=None))
+
+
+__all__ = ["Recipe", "RECIPE_PRESETS", "DECODER_LINEARS", "METHODS", "with_group_size", "fit_group"]

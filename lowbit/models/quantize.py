@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -14,23 +13,9 @@ from torch import nn
 from ..algorithms import build
 from ..nn import QuantEmbedding, QuantLinear
 from ..ops import dequantize
-from ..recipe import Recipe, with_group_size
-from ..scheme import QuantScheme, check_act_weight
+from ..recipe import Recipe, fit_group
+from ..scheme import check_act_weight
 from .calibrate import calibrate_and_quantize, set_module as _set_module
-
-
-def _fit_group(scheme: str, in_features: int) -> str:
-    """``scheme`` with a group size that divides ``in_features``: the largest power of
-    two from 32 up to the asked one (the sizes other runtimes load), else per channel."""
-    s = QuantScheme.parse(scheme)
-    if s.granularity != "group" or in_features % s.group_size == 0:
-        return scheme
-    g = 1 << (s.group_size.bit_length() - 1)
-    while g >= 32:
-        if in_features % g == 0:
-            return with_group_size(scheme, g)
-        g //= 2
-    return str(replace(s, granularity="channel", group_size=None))
 
 
 def _shallow_copy(model: nn.Module) -> nn.Module:
@@ -61,14 +46,14 @@ def plan(model: nn.Module, recipe: Recipe) -> dict[str, dict]:
             chosen = recipe.scheme_for(name)
             if chosen is not None:
                 w, a = chosen
-                fitted = _fit_group(w, mod.in_features)
+                fitted = fit_group(w, mod.in_features)
                 try:  # what depends on the module (in_features): refused before any weight is quantized
                     check_act_weight(fitted, a, mod.in_features)
                 except ValueError as e:
                     raise ValueError(f"cannot quantize module '{name}': {e}") from None
                 out[name] = dict(kind="linear", weight=fitted, activation=a, asked=w)
         elif isinstance(mod, nn.Embedding) and recipe.embedding and re.search(r"(^|\.)embed_tokens$", name):
-            out[name] = dict(kind="embedding", weight=_fit_group(recipe.embedding, mod.embedding_dim),
+            out[name] = dict(kind="embedding", weight=fit_group(recipe.embedding, mod.embedding_dim),
                              activation=None, asked=recipe.embedding)
     return out
 
