@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -53,7 +54,9 @@ def float_dtype(name: str, dtype, allowed: Iterable[torch.dtype] = FLOAT_DTYPES)
 
 def has_values(t: torch.Tensor) -> bool:
     """Whether ``t`` holds values a check can read: not empty, not a meta tensor (meta and
-    fake tensors carry shapes only; value checks skip them)."""
+    fake tensors carry shapes only; value checks skip them, and so do traces)."""
+    if type(t) is not torch.Tensor and is_fake(t):  # torch.export, make_fx: no values to read
+        return False
     return t.numel() > 0 and t.device.type != "meta"
 
 

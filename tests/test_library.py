@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lowbit
+import lowbit.passes  # noqa: F401  (defines lowbit::observe_range, the calibration observer)
 from lowbit.kernels import use_backend
 from lowbit.ops import library
 from lowbit.ops import dequantize_accumulator, dequantize_per_token, quantize_per_token
@@ -54,6 +55,7 @@ def _samples():
     xs = torch.randn(4, 64, requires_grad=True)
     yield "fake_quantize", (xs, *ops.choose_qparams(xs.detach(), "int4-asym-g32"), "int4-asym-g32")
     yield "fake_quantize", (xs, torch.rand(4) + 0.1, None, "int8-sym")
+    yield "observe_range", (torch.randn(3, 16), "opcheck")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,8 +15,10 @@ from lowbit.kernels import get_backend
 from lowbit.kernels import reference as ref
 from lowbit.models.quantize import dequantized_copy
 from lowbit.ops.matmul import weight_parts
-from lowbit.passes import dequant, export, fuse, lower, op_counts, quantize_weights
+from lowbit.passes import (calibrate, dequant, export, fuse, lower, op_counts, quantize_activations,
+                           quantize_weights)
 from lowbit.passes.lower import ROWS
+from lowbit.passes.weights import module_of
 from lowbit.scheme import QuantScheme
 
 VOCAB = 128
@@ -308,3 +310,115 @@ def test_the_bundled_model_fused_program_is_the_eager_quantized_model():
     # the same lowbit.weight_only_matmul calls on the same parts as the eager model: bit for bit
     assert torch.equal(logits(fused.module(), x), logits(eager, x))
     assert op_counts(fused)["lowbit.weight_only_matmul"] == 210
+
+
+# -- activations: quantize -> dequantize pairs, calibration, and their fusion ----------------------
+ACT_RECIPES = {"w8a8": "lowbit.int8_linear", "w4a8-g128": "lowbit.linear_qta8a_qga4w",
+               "q4_0-a8": "lowbit.linear_a8_blocks", "q8_0-a8": "lowbit.linear_a8_blocks"}
+
+
+@pytest.mark.parametrize("recipe", sorted(ACT_RECIPES))
+def test_fused_activation_program_is_the_eager_quantized_model(model, program, recipe):
+    r = lowbit.Recipe.get(recipe)
+    pairs = quantize_activations(quantize_weights(program, r), r)
+    heads = 1 if r.lm_head_activation else 0  # q*_0-a8 run the output projection on blocks too
+    assert op_counts(pairs)["aten.linear"] == 15 and op_counts(pairs)["lowbit.dequantize_per_token"] + \
+        op_counts(pairs)["lowbit.dequantize"] == 14 + heads
+    f = fuse(pairs)
+    assert op_counts(f)[ACT_RECIPES[recipe]] == 14 + heads and op_counts(f)["aten.linear"] == 1 - heads
+    assert op_counts(f)["lowbit.dequantize_per_token"] == op_counts(f)["lowbit.dequantize"] == 0
+    eager = lowbit.quantize_model(model, r, inplace=False)
+    assert torch.equal(logits(f.module(), ids(8)), logits(eager, ids(8)))
+    assert quantize_activations(pairs, r).graph_module.code == pairs.graph_module.code  # idempotent
+    assert fuse(f).graph_module.code == f.graph_module.code
+
+
+@pytest.mark.parametrize("act", ["int8-sym-token", "int8-asym-token", "int8-sym-g32"])
+@pytest.mark.parametrize("weight", ["int8-sym", "int4-asym-g32", "int4-sym-g32-f16"])
+def test_a_quantize_dequantize_pair_is_what_the_fused_matmul_computes(act, weight):
+    from lowbit.scheme import check_act_weight
+
+    try:
+        check_act_weight(weight, act, 128)
+    except ValueError:
+        pytest.skip(f"{weight} does not take {act}")
+    lin = torch.nn.Sequential(torch.nn.Linear(128, 24, bias=False)).requires_grad_(False)
+    recipe = {"weight": weight, "activation": act, "modules": ["^0$"]}
+    x = torch.randn(5, 128) * 2
+    pairs = quantize_activations(quantize_weights(torch.export.export(lin, (x,)), recipe), recipe)
+    fused = fuse(pairs)
+    w = lowbit.quantize(lin[0].weight, weight)
+    from lowbit.passes.activations import qdq
+
+    x_hat, w_hat = qdq(x, act), lowbit.dequantize(w)
+    with torch.inference_mode():
+        unfused, y = pairs.module()(x), fused.module()(x)
+    assert torch.equal(y, lowbit.linear(x, w, act_scheme=act))
+    assert torch.equal(unfused, torch.nn.functional.linear(x_hat, w_hat))
+    # The pair's float32 matmul and the integer matmul sum the same products of x_hat and
+    # w_hat; float32 accumulation over K terms plus the epilogue's two roundings (scale
+    # products, output) differ by at most gamma_{K+2} * sum_k |x_hat_k| |w_hat_k| each.
+    u = 2.0 ** -24
+    gamma = (128 + 2) * u / (1 - (128 + 2) * u)
+    assert ((unfused - y).abs() <= 2 * gamma * (x_hat.abs() @ w_hat.abs().T)).all()
+
+
+STATIC = {"weight": "int8-sym", "activation": "int8-asym-tensor"}
+
+
+def _linear_inputs(model, calibration):
+    """min and max of each decoder linear's input over the calibration rows, by hooks."""
+    seen = {}
+
+    def hook(name):
+        def record(_mod, args):
+            lo, hi = args[0].min().item(), args[0].max().item()
+            old = seen.get(name, (lo, hi))
+            seen[name] = (min(old[0], lo), max(old[1], hi))
+        return record
+
+    handles = [mod.register_forward_pre_hook(hook(name)) for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers.")]
+    for row in calibration:
+        logits(model, row[None])
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_calibrate_records_each_linears_input_range(model, program):
+    cal = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
+    q = quantize_weights(program, STATIC)
+    c = calibrate(q, STATIC, cal)
+    want = _linear_inputs(dequantized_copy(lowbit.quantize_model(model, "w8a16", inplace=False)), cal)
+    got = {module_of(n): tuple(n.meta["custom"]["lowbit_act_range"]) for n in c.graph.nodes
+           if "lowbit_act_range" in n.meta.get("custom", {})}
+    assert got == want and len(got) == 14
+    assert op_counts(c) == op_counts(q)  # no observer left in the program
+    again = calibrate(c, STATIC, cal)
+    assert [n.meta.get("custom") for n in again.graph.nodes] == [n.meta.get("custom") for n in c.graph.nodes]
+
+
+def test_static_activation_program_is_the_eager_model_with_its_scales(model, program):
+    cal = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
+    f = fuse(quantize_activations(calibrate(quantize_weights(program, STATIC), STATIC, cal), STATIC))
+    assert op_counts(f)["lowbit.int8_linear"] == 14
+    # lowbit.quantize_model calibrates layer by layer on the quantized layers before, the
+    # pass on the program as given: the eager model gets the program's scales to compare
+    eager = lowbit.quantize_model(model, lowbit.Recipe.from_dict(STATIC), inplace=False, calibration=cal)
+    for name, mod in eager.named_modules():
+        if isinstance(mod, lowbit.nn.QuantLinear):
+            mod.set_act_qparams(f.state_dict[f"{name}.act_scale"], f.state_dict[f"{name}.act_zero_point"])
+    assert torch.equal(logits(f.module(), ids(7)), logits(eager, ids(7)))
+
+
+def test_activation_passes_refuse_what_they_cannot_do(program):
+    q = quantize_weights(program, STATIC)
+    with pytest.raises(ValueError, match="no calibrated range: run lowbit.passes.calibrate"):
+        quantize_activations(q, STATIC)
+    with pytest.raises(ValueError, match="act_observer 'percentile'"):
+        calibrate(q, {**STATIC, "act_observer": "percentile"}, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="calibration must be token ids"):
+        calibrate(q, STATIC, torch.zeros(4))
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        calibrate(quantize_weights(program, "w8a8"), "w8a8", torch.zeros(1, 4, dtype=torch.long))

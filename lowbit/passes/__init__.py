@@ -23,10 +23,11 @@ Example::
     1
 """
 
+from .activations import calibrate, quantize_activations
 from .export import export
 from .fuse import fuse
 from .lower import lower
 from .program import op_counts
 from .weights import quantize_weights
 
-__all__ = ["export", "quantize_weights", "fuse", "lower", "op_counts"]
+__all__ = ["export", "quantize_weights", "calibrate", "quantize_activations", "fuse", "lower", "op_counts"]

@@ -81,26 +81,28 @@ def _template(leaves: dict[str, torch.Tensor], bits: int, group_size: int, n: in
     return w
 
 
-def _same(t, a, mapping: dict, leaf_ok) -> bool:
-    """Whether graph value ``a`` is computed as template value ``t`` (``mapping``: template
-    placeholder -> graph node, filled as the walk meets them)."""
+def same(t, a, mapping: dict, leaf_ok) -> bool:
+    """Whether graph value ``a`` is computed as template value ``t``: the same ops with the
+    same literal arguments, each template placeholder standing for one graph node that
+    ``leaf_ok(placeholder, node)`` accepts (``mapping``: template placeholder -> graph
+    node, filled as the walk meets them)."""
     if isinstance(t, fx.Node):
         if not isinstance(a, fx.Node):
             return False
         if t.op == "placeholder":
             if t in mapping:
                 return mapping[t] is a
-            if a in mapping.values() or not leaf_ok(t.name, a):
+            if a in mapping.values() or not leaf_ok(t, a):
                 return False
             mapping[t] = a
             return True
         if a.op != "call_function" or a.target != t.target or len(a.args) != len(t.args) or a.kwargs.keys() != t.kwargs.keys():
             return False
-        return (all(_same(x, y, mapping, leaf_ok) for x, y in zip(t.args, a.args))
-                and all(_same(t.kwargs[key], a.kwargs[key], mapping, leaf_ok) for key in t.kwargs))
+        return (all(same(x, y, mapping, leaf_ok) for x, y in zip(t.args, a.args))
+                and all(same(t.kwargs[key], a.kwargs[key], mapping, leaf_ok) for key in t.kwargs))
     if isinstance(t, (list, tuple)):
         return isinstance(a, (list, tuple)) and len(t) == len(a) and all(
-            _same(x, y, mapping, leaf_ok) for x, y in zip(t, a))
+            same(x, y, mapping, leaf_ok) for x, y in zip(t, a))
     return type(t) is type(a) and t == a
 
 
@@ -151,10 +153,10 @@ def match(weight: fx.Node, is_state) -> DequantForm | None:
         template = _template(shapes, bits, group, n, k, val.dtype, val.device)
         mapping: dict = {}
 
-        def leaf_ok(name, node, shapes=shapes, bits=bits, has_zp=has_zp):
+        def leaf_ok(t, node, shapes=shapes, bits=bits, has_zp=has_zp):
             v = node.meta["val"]
-            return tuple(v.shape) == shapes[name] and v.dtype in _LEAF_DTYPES[name, bits, has_zp]
-        if _same(template, weight, mapping, leaf_ok):
+            return is_state(node) and tuple(v.shape) == shapes[t.name] and v.dtype in _LEAF_DTYPES[t.name, bits, has_zp]
+        if same(template, weight, mapping, leaf_ok):
             parts = {t.name: a for t, a in mapping.items()}
             return DequantForm(parts["codes"], parts["scale"], parts.get("zero_point"), bits, group)
     return None

@@ -1,24 +1,67 @@
-"""The fusion pass: ``linear(x, dequantize(W))`` -> ``lowbit.weight_only_matmul(x, W)``,
-found by pattern matching (``lowbit.passes.dequant.match``)."""
+"""The fusion pass: ``linear(x, dequantize(W))`` -> lowbit's weight-only matmul, and
+``linear(dequantize(quantize(x)), dequantize(W))`` -> lowbit's integer matmul, found by
+pattern matching (``dequant.match``, ``activations.match_qdq``) and replaced by
+``lowbit.linear`` itself, traced: the fused program runs the ops an eager ``QuantLinear``
+runs, with the same arguments."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import fx
 from torch.export import ExportedProgram
 
-from .dequant import match
-from .program import Edit
+from ..ops import linear
+from ..qtensor import QTensor
+from ..scheme import QuantScheme, check_act_weight
+from . import dequant
+from .activations import form_scheme, match_qdq
+from .program import Edit, Example, trace, value_key
 
 aten = torch.ops.aten
+# the activation forms tried on a linear that does not say which it has (``quantize_activations``
+# records it in the linear's metadata)
+ACT_FORMS = ("int8-sym-token", "int8-asym-token", "int8-sym-tensor", "int8-asym-tensor", "int8-sym-g32")
+MATMUL_OPS = ("weight_only_matmul", "int8_linear", "linear_qta8a_qga4w", "linear_a8_blocks")
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_graph(weight: str, n: int, k: int, x_key: tuple, act: str | None, bias: torch.dtype | None,
+                  static: tuple | None) -> fx.GraphModule:
+    """``lowbit.linear`` traced for a weight of scheme ``weight`` [n, k] given as its
+    parts, inputs ``(x, codes, scale[, zero_point][, bias][, act_scale[, act_zero_point]])``."""
+    w = QuantScheme.parse(weight)
+    shape = torch.Size((n, k))
+    examples = [Example(*x_key), Example(w.packed_shape(shape), w.code_dtype),
+                Example(w.scale_shape(shape), w.scale_dtype)]
+    if not w.symmetric:
+        examples.append(Example(w.scale_shape(shape), w.zero_point_dtype))
+    if bias is not None:
+        examples.append(Example((n,), bias))
+    if static is not None:
+        examples += [Example((1,), dtype) for dtype in static if dtype is not None]
+
+    def f(x, codes, scale, *rest):
+        rest = list(rest)
+        zp = None if w.symmetric else rest.pop(0)
+        b = rest.pop(0) if bias is not None else None
+        return linear(x, QTensor(codes, scale, zp, w, shape), b, act_scheme=act, act_scale=rest[0] if rest else None,
+                      act_zero_point=rest[1] if len(rest) > 1 else None)
+
+    return trace(f, examples)
 
 
 def fuse(ep: ExportedProgram) -> ExportedProgram:
     """Rewrite every ``aten.linear`` whose weight is the dequantization of the program's
-    quantized parts (as ``quantize_weights`` writes it, matched op for op) into one
-    ``lowbit.weight_only_matmul`` on those parts (plus the bias), so no float copy of
-    the weight is made.  The dequantizing ops go when nothing else reads them.  Anything
-    else is left as it is: a weight computed any other way, a dequantized weight that
-    feeds another op, a ``lowbit.dequantize`` of a scheme the matmul ops do not take.
+    quantized parts (as ``quantize_weights`` writes it, matched op for op) into the ops
+    ``lowbit.linear`` runs on those parts: ``lowbit.weight_only_matmul``, or, when its
+    input is a quantize -> dequantize pair as ``quantize_activations`` writes it and the
+    weight takes those activations, the integer matmul (``lowbit.int8_linear``,
+    ``linear_qta8a_qga4w``, ``linear_a8_blocks``) on the pair's input.  No float copy of
+    the weight is made.  The replaced ops go when nothing else reads them.  Anything
+    else stays as it is: a weight computed any other way, a dequantized weight that feeds
+    another op, a ``lowbit.dequantize`` of a scheme the matmul ops do not take.
     Idempotent.
 
     Example::
@@ -36,23 +79,43 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
         True
     """
     edit = Edit(ep)
+    is_state = lambda n: edit.state(n) is not None  # noqa: E731
     old = []
     for node in edit.call_functions(aten.linear.default):
         x, weight, bias = (list(node.args) + [None])[:3]
-        form = match(weight, lambda n: edit.state(n) is not None)
+        form = dequant.match(weight, is_state)
         if form is None:
             continue
+        w = form_scheme(edit, form)
+        n, k = weight.meta["val"].shape
+        act, act_inputs, static = None, [], None
+        hint = node.meta.get("custom", {}).get("lowbit_activation")
+        for s in [hint] if hint else ACT_FORMS:
+            found = match_qdq(x, s, is_state)
+            if found is None:
+                continue
+            try:
+                check_act_weight(w, s, k)
+            except ValueError:
+                break  # these weights do not take these activations: the pair stays, fused weight-only
+            x, act_inputs = found
+            act = s
+            static = tuple(a.meta["val"].dtype for a in act_inputs) or None
+            break
+        parts = [form.codes, form.scale] + ([form.zero_point] if form.zero_point is not None else [])
+        if (form.zero_point is not None and form.zero_point.meta["val"].dtype != w.zero_point_dtype):
+            continue  # an int8/int32 zero point: the matmul ops take it, a QTensor does not
+        graph = _linear_graph(str(w), n, k, value_key(x.meta["val"]), act,
+                              None if bias is None else bias.meta["val"].dtype, static)
         with edit.graph.inserting_before(node):
-            y = mm = edit.call(torch.ops.lowbit.weight_only_matmul.default,
-                               (x, form.codes, form.scale, form.zero_point, form.bits, form.group_size), like=node)
-            if bias is not None:
-                b = bias
-                if bias.meta["val"].dtype != mm.meta["val"].dtype:
-                    b = edit.call(aten._to_copy.default, (bias,), {"dtype": mm.meta["val"].dtype}, like=node)
-                y = edit.call(aten.add.Tensor, (mm, b), like=node)
-        mm.meta.setdefault("custom", {}).update(node.meta.get("custom", {}))
+            y = edit.inline(graph, [x, *parts, *([bias] if bias is not None else []), *act_inputs], like=node)
+        for new in edit.created:
+            if new.op == "call_function" and getattr(new.target, "namespace", None) == "lowbit" \
+                    and new.target._opname in MATMUL_OPS:
+                new.meta.setdefault("custom", {}).update(node.meta.get("custom", {}))
+        edit.created.clear()
+        old += [node.args[0], weight]
         node.replace_all_uses_with(y)
         edit.graph.erase_node(node)
-        old.append(weight)
     edit.erase_unused(old)
     return edit.program()

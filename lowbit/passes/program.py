@@ -55,6 +55,7 @@ class Edit:
         self.specs = {n.name: _renamed(s, n.name) for n, s in zip(placeholders, ep.graph_signature.input_specs)}
         self.state_dict = dict(ep.state_dict)
         self.constants = dict(ep.constants)
+        self.created: list[fx.Node] = []  # nodes ``call`` inserted (a pass may clear it)
         self.fake_mode = torch._guards.detect_fake_mode(
             [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"])
 
@@ -106,6 +107,7 @@ class Edit:
         value (and the module path and stack trace of ``like``, the node it stands for)."""
         kwargs = kwargs or {}
         node = self.graph.call_function(target, args, kwargs)
+        self.created.append(node)
         vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*vals[0], **vals[1])
@@ -115,14 +117,31 @@ class Edit:
                     node.meta[key] = like.meta[key]
         return node
 
+    def inline(self, gm: fx.GraphModule, inputs: list, *, like: fx.Node | None = None):
+        """Insert the nodes of a traced function (``trace``) at the insertion point, its
+        inputs bound to ``inputs`` (nodes, or None for an argument it was traced without);
+        returns the node(s) of its output."""
+        env = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for ph, value in zip(placeholders, inputs, strict=True):
+            env[ph] = value
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = self.call(n.target, args, kwargs, like=like)
+            elif n.op == "output":
+                return fx.node.map_arg(n.args[0], env.__getitem__)
+            elif n.op != "placeholder":
+                raise ValueError(f"cannot inline a traced {n.op} node ({n.name}): trace functions of their inputs only")
+
     def erase_unused(self, nodes) -> None:
         """Erase the nodes of ``nodes`` that nothing uses any more, then their inputs that
         became unused in turn (a placeholder with its spec and tensor); side-effecting
         nodes stay."""
-        todo = list(nodes)
+        todo, erased = list(nodes), set()
         while todo:
             node = todo.pop()
-            if node.graph is not self.graph or node.users or node.op == "output" or (
+            if node in erased or node.graph is not self.graph or node.users or node.op == "output" or (
                     node.op == "call_function" and node.is_impure()):
                 continue
             if node.op == "placeholder":
@@ -132,8 +151,9 @@ class Edit:
                 del self.specs[node.name]
                 if self.state_dict.pop(spec.target, None) is None:
                     self.constants.pop(spec.target, None)
-            todo += [n for n in node.all_input_nodes]
+            todo += node.all_input_nodes
             self.graph.erase_node(node)
+            erased.add(node)
 
     def program(self) -> ExportedProgram:
         """The edited graph as a new ExportedProgram (the input specs in placeholder order)."""
@@ -160,3 +180,40 @@ def _renamed(spec, name: str | None):
     if not isinstance(spec.arg, TensorArgument) or name is None:
         return spec
     return dataclasses.replace(spec, arg=TensorArgument(name))
+
+
+class Example:
+    """A stand-in input for ``trace``: a shape (None for a dynamic dim) and a dtype."""
+
+    def __init__(self, shape, dtype: torch.dtype):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device("cpu")
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def value_key(v) -> tuple:
+    """(shape with None for dynamic dims, dtype) of a node's value: a cache key of traces."""
+    return tuple(d if isinstance(d, int) else None for d in v.shape), v.dtype
+
+
+def trace(fn, examples: list) -> fx.GraphModule:
+    """``fn`` traced to aten and lowbit ops for inputs like ``examples`` (``Example``\\ s,
+    fake values of program nodes), every size symbolic: the graph ``Edit.inline``
+    writes into a program, and the template a matcher compares a subgraph with."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # a fresh size for each dynamic dim: not 0 or 1 (those specialize) and equal to no static
+    # size of a weight (tracing ties equal sizes to one symbol)
+    sizes = iter((1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049))
+
+    def real(v):
+        if not isinstance(v, (torch.Tensor, Example)):
+            return v
+        shape = [d if isinstance(d, int) else next(sizes) for d in v.shape]
+        return torch.zeros(shape, dtype=v.dtype, device=v.device) if not v.is_floating_point() else \
+            torch.ones(shape, dtype=v.dtype, device=v.device)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(*[real(v) for v in examples])
+    gm.graph.eliminate_dead_code()  # the trace keeps unused outputs of multi-output ops
+    return gm
