@@ -240,9 +240,9 @@ def _quantize_streaming(model, r, output, dtype, force, backend, calib, calib_sa
     return {"recipe": r.name, "modules": len(meta["modules"]), "path": str(out)}
 
 
-def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: str | None = None,
+def export_cmd(model: str | None, output: str, *, format: str | None = None, type: str | None = None,
                float_type: str | None = None, strict: bool = False, force: bool = False,
-               recipe: str | None = None) -> dict:
+               recipe: str | None = None, graph: bool = False, unfused: bool = False) -> dict:
     r"""Write MODEL (a lowbit checkpoint, or a float model, quantized on the fly with
     ``recipe`` when given) as another tool's format: a GGUF file for llama.cpp
     (``format="gguf"``; prints, per source scheme, the ggml type, whether the tensors are
@@ -264,11 +264,21 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
 
     (The embedding, stored as Q8_0 in the bundled GGUF, comes back exactly: ggml's Q8_0
     quantizer finds the same codes and scales again; the Q4_1 linears do not.)
+
+    ``graph=True`` writes a torch.export program instead (``graph_export``).
     """
     import warnings
 
     import lowbit
 
+    if graph:
+        if format is not None or type is not None or float_type is not None or strict:
+            raise ValueError("--graph writes a torch.export program; --format, --type, --float-type and --strict "
+                             "are for gguf and compressed-tensors")
+        return graph_export(model, output, recipe=recipe, force=force, unfused=unfused)
+    if unfused:
+        raise ValueError("--unfused applies to --graph")
+    format = format or "gguf"
     if format not in EXPORT_FORMATS:
         raise ValueError(f"--format must be one of {list(EXPORT_FORMATS)}, got {format!r}")
     if format == "gguf":
@@ -317,6 +327,118 @@ def export_cmd(model: str | None, output: str, *, format: str = "gguf", type: st
     inexact = sum(not t.exact for t in result.tensors)
     return {"path": out, "tensors": len(result.tensors), "inexact": inexact,
             "bits_per_weight": result.bits_per_weight}
+
+
+GRAPH_COLUMNS = ("aten.linear", "aten.bitwise_and", "lowbit.dequantize", "lowbit.weight_only_matmul",
+                 "lowbit.int8_linear", "lowbit.linear_qta8a_qga4w", "lowbit.linear_a8_blocks")
+
+
+def graph_export(model: str | None, output: str, *, recipe: str | None = None, force: bool = False,
+                 unfused: bool = False) -> dict:
+    """Write MODEL as a torch.export program (``torch.export.save``, a .pt2 file) that
+    maps token ids [1, seq] to logits and runs with only the lowbit ops imported:
+    ``lowbit.passes.export``, then with ``recipe`` the passes ``quantize_weights``
+    (``calibrate`` and ``quantize_activations`` when it quantizes activations), then
+    ``fuse`` (unless ``unfused``: the dequantization stays as aten ops, the form a
+    compiler sees) and ``lower``.  Prints the graph's op counts after each pass.  A
+    recipe whose method calibrates the weights (GPTQ, AWQ, SmoothQuant, MSE clipping)
+    quantizes the eager model first; its program shows the fused ops from the start.
+    The file is written beside its name and renamed; ``force`` replaces only an earlier
+    program.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lowbit.cli import graph_export
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = graph_export(None, d + "/m.pt2", recipe="w8a16")  # doctest: +ELLIPSIS
+        pass                   nodes  aten.linear  lowbit.weight_only_matmul  seconds
+        export                  ...
+        quantize_weights        ...
+        fuse                    ...         1                        210  ...
+        lower                   ...
+        wrote .../m.pt2 (...)...
+        >>> out["ops"]["lowbit.weight_only_matmul"]
+        210
+    """
+    import torch
+
+    import lowbit
+    from lowbit import passes
+    from lowbit.recipe import Recipe
+
+    out = os.path.abspath(output)
+    _check_program_output(out, force)
+    r = Recipe.get(recipe) if recipe is not None else None
+    eager = r is not None and (r.method != "rtn" or r.smoothquant is not None or r.observer != "minmax"
+                               or r.embedding is not None)
+    t0 = time.perf_counter()
+    m, tok = lowbit.load_model(model)
+    _err(f"loaded {model or 'the bundled model'} in {time.perf_counter() - t0:.1f}s")
+    if eager:
+        calibration = _calibration([r], tok, None, 128, 512)
+        _err(f"recipe {r.name}: method {r.method}; quantizing the eager model, then exporting it")
+        m = lowbit.quantize_model(m, r, progress=True, calibration=calibration)
+    rows = []
+
+    def step(name, ep, t):
+        rows.append((name, len(ep.graph.nodes), passes.op_counts(ep), time.perf_counter() - t))
+        _err(f"{name}: {rows[-1][3]:.1f}s")
+        return ep
+
+    t = time.perf_counter()
+    ep = step("export", passes.export(m), t)
+    if r is not None and not eager:
+        t = time.perf_counter()
+        ep = step("quantize_weights", passes.quantize_weights(ep, r), t)
+        if r.static_activations:
+            t = time.perf_counter()
+            ep = step("calibrate", passes.calibrate(ep, r, _calibration([r], tok, None, 32, 512)), t)
+        if r.activation is not None or r.lm_head_activation is not None:
+            t = time.perf_counter()
+            ep = step("quantize_activations", passes.quantize_activations(ep, r), t)
+    if not unfused:
+        t = time.perf_counter()
+        ep = step("fuse", passes.fuse(ep), t)
+    t = time.perf_counter()
+    ep = step("lower", passes.lower(ep), t)
+    columns = [c for c in GRAPH_COLUMNS if any(counts[c] for _, _, counts, _ in rows)]
+    print(f"{'pass':<22}{'nodes':>6}  " + "  ".join(columns) + "  seconds")
+    for name, nodes, counts, seconds in rows:
+        print(f"{name:<22}{nodes:>6}  " + "  ".join(f"{counts[c]:>{len(c)}}" for c in columns) + f"  {seconds:7.1f}")
+    tmp = f"{out}.tmp-{os.getpid()}.pt2"  # torch.export.save wants the suffix
+    try:
+        torch.export.save(ep, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB): load with `import lowbit.ops; "
+          f"torch.export.load(path).module()(input_ids)`")
+    return {"path": out, "ops": dict(passes.op_counts(ep)), "nodes": len(ep.graph.nodes)}
+
+
+def _check_program_output(out: str, force: bool) -> None:
+    """Refuse, before any work, an output that exists (without ``force``) or is not a
+    torch.export program (even with ``force``), or a folder that cannot be written."""
+    import zipfile
+
+    if os.path.isdir(out):
+        raise ValueError(f"output {out!r} is a folder; --graph writes one .pt2 file")
+    if os.path.exists(out):
+        if not force:
+            raise ValueError(f"output {out!r} exists; pass --force to replace it")
+        try:
+            with zipfile.ZipFile(out) as z:
+                program = any(n.endswith("/archive_format") for n in z.namelist())
+        except (OSError, zipfile.BadZipFile):
+            program = False
+        if not program:
+            raise ValueError(f"output {out!r} exists and is not a torch.export program; --force replaces only "
+                             "a program an earlier `lowbit export --graph` wrote")
+    folder = os.path.dirname(out) or "."
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write {out!r}: {folder!r} is not a writable folder")
 
 
 def _check_output(output: str, force: bool) -> None:
@@ -906,14 +1028,23 @@ compressed-tensors: every quantized linear keeps its codes, scales and integer z
 points (pack-quantized for weight-only schemes, int-quantized with int8 activations);
 a scheme the format cannot hold (float or min zero points, a quantized embedding) is
 refused.  The folder is written beside its name and renamed into place; --force
-replaces only a folder an earlier compressed-tensors export wrote.""", """
+replaces only a folder an earlier compressed-tensors export wrote.
+
+--graph: a torch.export program (.pt2, token ids [1, seq] -> logits, seq dynamic, no KV
+cache) built by lowbit's graph passes: export, quantize_weights (codes, scales, zero
+points as buffers, dequantized by aten ops before each linear), calibrate and
+quantize_activations for recipes with int8 activations, fuse (dequantize -> linear
+into lowbit's quantized matmuls; --unfused keeps the aten form) and lower (the kernel
+plan of this machine in each matmul node's metadata).  The op counts after each pass
+are printed.  Load it with `import lowbit.ops` and `torch.export.load(path)`.""", """
   lowbit export smollm2-gptq -o smollm2.gguf --strict   # after lowbit quantize --recipe q4_0 --method gptq -o smollm2-gptq
   lowbit export --recipe w8a8 --format compressed-tensors -o smollm2-w8a8   # for vLLM
-  lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf""")
+  lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf
+  lowbit export --recipe w4a16-g128 --graph -o smollm2-w4a16.pt2   # a torch.export program""")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("-o", "--output", required=True,
                    help="file (gguf) or folder (compressed-tensors) to write (required)")
-    p.add_argument("--format", choices=EXPORT_FORMATS, default="gguf", help="output format (default: %(default)s)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, help="output format (default: gguf)")
     p.add_argument("--type", type=str.lower,  # checked by gguf_export.check_arguments, before loading
                    help="gguf: ggml type of every decoder linear weight: q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, "
                         "q3_k, q4_k, q5_k, q6_k, f16, bf16 or f32 (default: per weight, from its scheme: "
@@ -931,6 +1062,12 @@ replaces only a folder an earlier compressed-tensors export wrote.""", """
     p.add_argument("--force", action="store_true",
                    help="replace an existing output, a compressed-tensors folder only if an earlier export "
                         "wrote it (default: refuse)")
+    p.add_argument("--graph", action="store_true",
+                   help="write a torch.export program (.pt2) instead: the model exported, quantized by graph "
+                        "passes, fused and lowered; it runs with only `import lowbit.ops`")
+    p.add_argument("--unfused", action="store_true",
+                   help="with --graph: keep the dequantization as aten ops before each linear (default: fuse "
+                        "into lowbit's quantized matmuls)")
 
     p = _command(sub, "info", "what a lowbit checkpoint folder (or a GGUF file, a quantized folder) holds", """
 Print what a checkpoint folder written by `lowbit quantize` (or lowbit.save_quantized)
@@ -1020,7 +1157,8 @@ def main(argv: list[str] | None = None) -> int:
                     info_cmd(args.path)
             elif args.command == "export":
                 export_cmd(args.model, args.output, format=args.format, type=args.type, float_type=args.float_type,
-                           strict=args.strict, force=args.force, recipe=args.recipe)
+                           strict=args.strict, force=args.force, recipe=args.recipe, graph=args.graph,
+                           unfused=args.unfused)
     except (OSError, ValueError, TypeError) as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
         return 2

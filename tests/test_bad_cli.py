@@ -378,3 +378,33 @@ def test_quantize_refuses_an_output_under_a_file_before_loading(capsys, tmp_path
     assert main(["quantize", "--recipe", "w8a16", "-o", str(tmp_path / "file" / "out")]) == 2
     assert "is not a folder" in _last_error(capsys, "quantize")
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_export_graph_writes_a_program_and_refuses_what_it_must(tiny, tmp_path, capsys):
+    out = tmp_path / "w8a8.pt2"
+    assert main(["export", str(tiny), "--recipe", "w8a8", "--graph", "-o", str(out)]) == 0
+    lines = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert list(lines) == ["export", "quantize_weights", "quantize_activations", "fuse", "lower"]
+    assert lines["fuse"][1:3] == ["1", "7"]  # aten.linear (the output projection), lowbit.int8_linear
+    program = torch.export.load(out)
+    model, _ = lowbit.load_model(tiny)
+    eager = lowbit.quantize_model(model, "w8a8", inplace=False)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        assert torch.equal(program.module()(ids), eager(ids).logits)
+    before = out.stat().st_mtime_ns
+    assert main(["export", str(tiny), "--graph", "-o", str(out)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    unfused = tmp_path / "w4.pt2"
+    assert main(["export", str(tiny), "--recipe", "w4a16-g32", "--graph", "--unfused", "-o", str(unfused)]) == 0
+    assert "aten.bitwise_and" in capsys.readouterr().out
+    (tmp_path / "notes.txt").write_text("mine")
+    for argv, message in [
+            (["--graph", "--force", "-o", str(tmp_path / "notes.txt")], "is not a torch.export program"),
+            (["--graph", "--format", "gguf", "-o", str(tmp_path / "x.pt2")], "--graph writes a torch.export program"),
+            (["--unfused", "-o", str(tmp_path / "x.gguf")], "--unfused applies to --graph"),
+            (["--graph", "-o", str(tmp_path)], "is a folder")]:
+        assert main(["export", str(tiny), *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine" and out.stat().st_mtime_ns == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "w4.pt2", "w8a8.pt2"]
