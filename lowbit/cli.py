@@ -158,9 +158,15 @@ def _calibration(recipes, tok, calib: str | None, samples: int, length: int, see
 def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: str = "float32",
                  force: bool = False, backend: str | None = None, *, method: str | None = None,
                  smoothquant=None, calib: str | None = None, calib_samples: int = 128,
-                 calib_len: int = 512, stream: bool = False) -> dict:
+                 calib_len: int = 512, stream: bool = False, target_bits: float | None = None,
+                 candidates: list[str] | None = None) -> dict:
     r"""Load MODEL, quantize it with RECIPE (a preset name, a recipe file or a ``Recipe``)
     and save a checkpoint folder; prints what it did and returns a summary.
+
+    With ``target_bits``, RECIPE is the base of an automatic mix (which modules, method,
+    activations; default ``w4a16-g128``): ``mixed_precision_recipe`` chooses each
+    module's weight scheme among ``candidates`` for that average bits per weight, and
+    the checkpoint folder gets ``sensitivity.csv``, ``.json`` and ``.png``.
 
     Example (a preset such as ``"w4a16-g128"`` quantizes all 30 layers; this recipe only
     the first layer's 7 linears, to keep the example fast)::
@@ -179,7 +185,13 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     import lowbit
     from lowbit.evaluation import weight_bytes
 
-    r = _with_method(recipe, method, smoothquant)
+    if recipe is None and target_bits is None:
+        raise ValueError("give --recipe, or --target-bits for an automatic mix")
+    if target_bits is None and candidates is not None:
+        raise ValueError("--candidates applies to --target-bits")
+    if target_bits is not None and stream:
+        raise ValueError("--target-bits measures every module on the loaded model; it does not --stream")
+    r = _with_method(recipe or "w4a16-g128", method, smoothquant)
     _check_output(output, force)
     if calib is not None and r.needs_calibration:
         lowbit.evaluation.load_corpus(calib)  # a missing or unreadable file: say so before loading the model
@@ -189,6 +201,9 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype))
     _err(f"loaded {getattr(m, 'lowbit_source', model)} in {time.perf_counter() - t0:.1f}s")
     before = weight_bytes(m)["weight_bytes"]
+    mix = None
+    if target_bits is not None:
+        r, mix = mixed_precision_recipe(m, tok, r, target_bits, candidates, calib)
     ids = _calibration([r], tok, calib, calib_samples, calib_len)
     t0 = time.perf_counter()
     lowbit.quantize_model(m, r, backend=backend, progress=True, calibration=ids)
@@ -205,7 +220,55 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     if fallbacks:
         print(f"  ({fallbacks} modules use a smaller group: their in_features is not a multiple of the asked one)")
     print(f"weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; saved to {out}")
+    if mix is not None:
+        from lowbit.models.mixed_precision import save_sensitivity
+
+        paths = save_sensitivity(*mix, out, target_bits)
+        print(f"sensitivity table and plot: {', '.join(p.name for p in paths)} in {out}")
     return {"recipe": r.name, "modules": len(m.lowbit_modules), "weight_bytes": after, "path": str(out)}
+
+
+def mixed_precision_recipe(model, tok, base, target_bits: float, candidates=None, calib: str | None = None,
+                           samples: int = 2, length: int = 256):
+    r"""The recipe ``--target-bits`` quantizes with: every module's sensitivity measured
+    on ``samples`` x ``length`` calibration tokens (``measure_sensitivity``), the schemes
+    allocated for ``target_bits`` (``allocate``), written as ``base``'s overrides.
+    Prints the proxy's rank correlation with the measured KL and the mix; returns
+    ``(recipe, (sensitivity, choice))``.
+
+    Example::
+
+        >>> import lowbit
+        >>> from lowbit.cli import mixed_precision_recipe
+        >>> model, tok = lowbit.load_model()
+        >>> base = lowbit.Recipe(weight="int4-asym-g32-f16", modules=[r"layers\.0\.mlp"])  # 3 modules: fast
+        >>> r, (sens, choice) = mixed_precision_recipe(model, tok, base, 6.0, ["int8-sym", "int4-asym-g32-f16"],
+        ...                                            samples=1, length=32)  # doctest: +ELLIPSIS
+        sensitivity: 3 modules x 2 schemes on 1 x 32 calibration tokens in ...s
+        ...
+        >>> sorted(set(choice.values())), r.name
+        (['int4-asym-g32-f16', 'int8-sym'], 'auto-6b')
+    """
+    from lowbit.evaluation import calibration_set
+    from lowbit.models.mixed_precision import DEFAULT_CANDIDATES, allocate, measure_sensitivity, mixed_recipe
+
+    candidates = list(candidates or DEFAULT_CANDIDATES)
+    ids = calibration_set(tok, calib, samples=samples, length=length)
+    t0 = time.perf_counter()
+    sens = measure_sensitivity(model, ids, base, candidates, progress=True)
+    print(f"sensitivity: {len(sens.kl)} modules x {len(candidates)} schemes on {samples} x {length} calibration "
+          f"tokens in {time.perf_counter() - t0:.0f}s")
+    rho = sens.spearman()
+    print("proxy (input-weighted weight error) vs measured KL, Spearman rank correlation: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in rho.items()))
+    choice = allocate(sens, target_bits)
+    total = sum(sens.numel.values())
+    achieved = sum(sens.bits[n][s] * sens.numel[n] for n, s in choice.items()) / total
+    counts = Counter(choice.values())
+    print(f"allocation for {target_bits:g} bits/weight: {achieved:.3f} achieved, predicted KL "
+          f"{sum(sens.kl[n][s] for n, s in choice.items()):.4f}; "
+          + ", ".join(f"{n} x {s}" for s, n in counts.most_common()))
+    return mixed_recipe(base, choice, target_bits), (sens, choice)
 
 
 def _quantize_streaming(model, r, output, dtype, force, backend, calib, calib_samples, calib_len) -> dict:
@@ -944,11 +1007,20 @@ data; gptq and awq (and --smoothquant) run calibration text through the model de
 layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
 `lowbit generate` load it.""", """
   lowbit quantize --recipe w4a16-g128 -o smollm2-w4a16
-  lowbit quantize --recipe w4a16-g32 --method gptq --calib-samples 32 -o smollm2-gptq
-  lowbit quantize ~/models/Llama-2-7b-hf --stream --recipe w4a16-g128 -o llama2-w4 --dtype bfloat16""")
+  lowbit quantize ~/models/Llama-2-7b-hf --stream --recipe w4a16-g128 -o llama2-w4 --dtype bfloat16
+  lowbit quantize --target-bits 4.5 -o smollm2-auto4.5   # mixed precision from measured sensitivities""")
     _model_options(p, "float32", "float dtype of the model's unquantized parts")
-    p.add_argument("--recipe", required=True,
-                   help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file (required)")
+    p.add_argument("--recipe",
+                   help=f"a preset ({', '.join(RECIPE_PRESETS)}) or a JSON/YAML recipe file; with --target-bits, "
+                        "the base of the mix (which modules, method, activations) (default: required without "
+                        "--target-bits, w4a16-g128 with it)")
+    p.add_argument("--target-bits", type=positive_float, metavar="BITS",
+                   help="choose each module's weight scheme for this average bits per weight (scales and zero "
+                        "points counted) from measured sensitivities; writes sensitivity.csv/.json/.png into "
+                        "the checkpoint (default: the recipe's schemes)")
+    p.add_argument("--candidates", type=scheme_list, metavar="SCHEMES",
+                   help="with --target-bits: comma-separated weight schemes to choose from (default: "
+                        "int8-sym,int4-asym-g128-f16,int4-asym-g32-f16,int3-asym-g32-f16,int2-asym-g32-f16)")
     p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (required)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder (default: refuse)")
     p.add_argument("--method", choices=_LibraryChoices(_methods), metavar="METHOD", help="how weights are rounded (default: the recipe's, rtn for "
@@ -1039,7 +1111,6 @@ plan of this machine in each matmul node's metadata).  The op counts after each 
 are printed.  Load it with `import lowbit.ops` and `torch.export.load(path)`.""", """
   lowbit export smollm2-gptq -o smollm2.gguf --strict   # after lowbit quantize --recipe q4_0 --method gptq -o smollm2-gptq
   lowbit export --recipe w8a8 --format compressed-tensors -o smollm2-w8a8   # for vLLM
-  lowbit export model-folder --type q8_0 --float-type f16 -o model-q8_0.gguf
   lowbit export --recipe w4a16-g128 --graph -o smollm2-w4a16.pt2   # a torch.export program""")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("-o", "--output", required=True,
@@ -1064,7 +1135,7 @@ are printed.  Load it with `import lowbit.ops` and `torch.export.load(path)`."""
                         "wrote it (default: refuse)")
     p.add_argument("--graph", action="store_true",
                    help="write a torch.export program (.pt2) instead: the model exported, quantized by graph "
-                        "passes, fused and lowered; it runs with only `import lowbit.ops`")
+                        "passes, fused and lowered; it runs with only `import lowbit.ops` (default: --format)")
     p.add_argument("--unfused", action="store_true",
                    help="with --graph: keep the dequantization as aten ops before each linear (default: fuse "
                         "into lowbit's quantized matmuls)")
@@ -1136,7 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "quantize":
                 quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend,
                              method=args.method, smoothquant=args.smoothquant, calib=args.calib,
-                             calib_samples=args.calib_samples, calib_len=args.calib_len, stream=args.stream)
+                             calib_samples=args.calib_samples, calib_len=args.calib_len, stream=args.stream,
+                             target_bits=args.target_bits, candidates=args.candidates)
             elif args.command == "eval":
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
                          windows=args.windows, protocol=args.protocol, speed=not args.no_speed,
