@@ -8,8 +8,8 @@ Bits per weight count everything a module stores: codes, scales and zero points
 (``scheme_bits``).  The loss of a mix is predicted as the sum of the modules' measured
 KL increases (first order: small perturbations add), and the allocation is a greedy
 multiple-choice knapsack: start from every module's largest candidate, then repeatedly
-take the step down (to the module's next smaller non-dominated candidate) that saves
-bits at the least KL per bit, until the budget holds.
+take the step down (to the module's next candidate on the lower convex hull of its
+(bits, KL) points) that saves bits at the least KL per bit, until the budget holds.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
             ref = []
             for row in calibration:
                 resume.begin()
-                ref.append(torch.log_softmax(model(row[None]).logits.float(), -1))
+                ref.append(torch.log_softmax(model(row[None], use_cache=False).logits.float(), -1))
     finally:
         for h in handles + resume.handles:
             h.remove()
@@ -215,21 +215,43 @@ class _Resume:
     def logits(self, name: str, sample: int, row: torch.Tensor) -> torch.Tensor:
         start = _layer(name)
         if self.layers is None or start < 0 or start not in self.inputs[sample]:
-            return self.model(row[None]).logits  # not a decoder layer's module: the whole forward
+            return self.model(row[None], use_cache=False).logits  # not a decoder layer's module: the whole forward
         args, kwargs = self.inputs[sample][start]
         h = args[0] if args else kwargs["hidden_states"]
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        if rest.get("past_key_values") is not None or rest.get("use_cache"):
+            raise ValueError("the reference pass ran with a KV cache: resuming would attend to its keys")
         for layer in self.layers[start:]:
             out = layer(h, *args[1:], **rest)
             h = out[0] if isinstance(out, tuple) else out
         return self.model.lm_head(self.norm(h))
 
 
+def _ladder(kl: dict[str, float], bits: dict[str, float]) -> list[str]:
+    """A module's candidates worth stepping through, largest first: the lower convex hull
+    of (bits, KL).  A candidate with more bits and no less KL than a smaller one is never
+    worth taking; one above the line between its neighbours is never the cheapest way to
+    save those bits (the greedy steps at the least KL per bit follow the hull)."""
+    ladder: list[str] = []
+    for scheme in sorted(kl, key=lambda s: (-bits[s], kl[s])):
+        while ladder and kl[ladder[-1]] >= kl[scheme]:
+            ladder.pop()  # more bits for no less loss
+        while len(ladder) >= 2:
+            a, b = ladder[-2], ladder[-1]  # is b above the line from a to this scheme?
+            if (kl[b] - kl[a]) * (bits[a] - bits[scheme]) >= (kl[scheme] - kl[a]) * (bits[a] - bits[b]):
+                ladder.pop()
+            else:
+                break
+        ladder.append(scheme)
+    return ladder
+
+
 def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
     """Per module the candidate scheme (as asked) that meets an average of ``target_bits``
     bits per weight over the measured modules with the least summed KL (greedy: see the
-    module docstring).  Refuses a budget below the smallest candidates' or above the
-    largest's.
+    module docstring; then the bits the last step left over are spent on steps back up,
+    and one scheme for every module wins if it fits with less loss).  Refuses a budget
+    below the smallest candidates'; above the largest's, every module gets its largest.
 
     Example::
 
@@ -245,14 +267,7 @@ def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
     total = sum(sens.numel.values())
     # each module's non-dominated candidates by bits, largest first: a candidate with more bits
     # and no less KL than a smaller one is never worth taking
-    ladders = {}
-    for name, per in sens.kl.items():
-        ladder = []
-        for scheme in sorted(per, key=lambda s: (-sens.bits[name][s], per[s])):
-            while ladder and per[ladder[-1]] >= per[scheme]:
-                ladder.pop()  # more bits for no less loss
-            ladder.append(scheme)
-        ladders[name] = ladder
+    ladders = {name: _ladder(per, sens.bits[name]) for name, per in sens.kl.items()}
     lo = sum(sens.bits[n][ladders[n][-1]] * sens.numel[n] for n in ladders) / total
     hi = sum(sens.bits[n][ladders[n][0]] * sens.numel[n] for n in ladders) / total
     if target_bits < lo - 1e-9:
@@ -275,7 +290,34 @@ def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
         a, b = ladders[best][step[best]], ladders[best][step[best] + 1]
         used -= (sens.bits[best][a] - sens.bits[best][b]) * sens.numel[best]
         step[best] += 1
-    return {name: ladders[name][step[name]] for name in ladders}
+    while True:  # the last step may have saved more than needed: spend what is left on steps back up
+        best, best_gain = None, 0.0
+        for name, ladder in ladders.items():
+            i = step[name]
+            if i > 0:
+                a, b = ladder[i - 1], ladder[i]
+                cost = (sens.bits[name][a] - sens.bits[name][b]) * sens.numel[name]
+                gain = sens.kl[name][b] - sens.kl[name][a]
+                if used + cost <= budget + 1e-6 and gain > best_gain:
+                    best, best_gain = name, gain
+        if best is None:
+            break
+        a, b = ladders[best][step[best] - 1], ladders[best][step[best]]
+        used += (sens.bits[best][a] - sens.bits[best][b]) * sens.numel[best]
+        step[best] -= 1
+    choice = {name: ladders[name][step[name]] for name in ladders}
+    # one scheme for all that fits is a mix too: the greedy's last step can lose to it
+    common = set.intersection(*(set(per) for per in sens.kl.values()))
+    for scheme in sorted(common):
+        uniform = dict.fromkeys(sens.kl, scheme)
+        if sum(sens.bits[n][scheme] * sens.numel[n] for n in uniform) <= budget + 1e-6 and \
+                _loss(sens, uniform) < _loss(sens, choice):
+            choice = uniform
+    return choice
+
+
+def _loss(sens: Sensitivity, choice: dict[str, str]) -> float:
+    return sum(sens.kl[n][s] for n, s in choice.items())
 
 
 def mixed_recipe(base: Recipe | str, choice: dict[str, str], target_bits: float) -> Recipe:
