@@ -1,5 +1,6 @@
 import math
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton's interpreter runs the triton backend's kernels on CPU tensors (tests/test_triton.py;
@@ -41,3 +42,25 @@ def _seed():
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+TINY_POSITIONS = 48
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A Hugging Face folder: a 1-layer random Llama with max_position_embeddings=48."""
+    import transformers
+
+    from lowbit.models.load import bundled_model_path, convert_gguf
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=TINY_POSITIONS, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in convert_gguf(bundled_model_path(), progress=False).iterdir():  # the bundled model's tokenizer
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out

@@ -18,26 +18,7 @@ import lowbit
 from lowbit.cli import demo, main
 from lowbit.recipe import Recipe
 
-TINY_POSITIONS = 48
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A Hugging Face folder: a 1-layer random Llama with max_position_embeddings=48."""
-    import transformers
-
-    from lowbit.models.load import bundled_model_path, convert_gguf
-
-    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=TINY_POSITIONS, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
-    for f in convert_gguf(bundled_model_path(), progress=False).iterdir():  # the bundled model's tokenizer
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
+from .conftest import TINY_POSITIONS
 
 
 def _last_error(capsys, command: str) -> str:

@@ -15,8 +15,6 @@ from lowbit.models.mixed_precision import (Sensitivity, _ladder, allocate, measu
                                            save_sensitivity, scheme_bits)
 from lowbit.recipe import fit_group
 
-from .test_bad_cli import tiny  # noqa: F401  (the 1-layer Llama folder fixture)
-
 CANDIDATES = ["int8-sym", "int4-asym-g32-f16", "int3-asym-g32-f16", "int2-asym-g32-f16"]
 
 
@@ -154,7 +152,7 @@ def test_the_mixed_recipe_quantizes_each_module_as_chosen(small, tmp_path):
     assert len(paths[0].read_text().splitlines()) == 1 + 14 * len(CANDIDATES)
 
 
-def test_quantize_target_bits_writes_the_mix_and_its_sensitivities(tiny, tmp_path, capsys):  # noqa: F811
+def test_quantize_target_bits_writes_the_mix_and_its_sensitivities(tiny, tmp_path, capsys):
     out = tmp_path / "auto"
     argv = ["quantize", str(tiny), "--target-bits", "6", "--candidates", "int8-sym,int4-asym-g32-f16", "-o", str(out)]
     assert main(argv) == 0
