@@ -422,3 +422,12 @@ def test_activation_passes_refuse_what_they_cannot_do(program):
         calibrate(q, STATIC, torch.zeros(4))
     with pytest.raises(ValueError, match="nothing to calibrate"):
         calibrate(quantize_weights(program, "w8a8"), "w8a8", torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_model_with_a_quantized_embedding_exports():
+    model = tiny_llama(tie=False)
+    q = lowbit.quantize_model(model, lowbit.Recipe(weight="int4-asym-g32", embedding="int8-sym", lm_head="int8-sym"),
+                              inplace=False)
+    ep = export(q)
+    assert op_counts(ep)["lowbit.dequantize"] == 1 and op_counts(ep)["lowbit.weight_only_matmul"] == 15
+    assert torch.equal(logits(ep.module(), ids(6)), logits(q, ids(6)))
