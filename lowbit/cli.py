@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -208,7 +209,22 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     t0 = time.perf_counter()
     lowbit.quantize_model(m, r, backend=backend, progress=True, calibration=ids)
     seconds = time.perf_counter() - t0
-    out = lowbit.save_quantized(m, output, tok, overwrite=force)
+    staging = None
+    if mix is not None:  # written (the plot too) before the checkpoint, moved in once it is saved
+        import tempfile
+
+        from lowbit.models.mixed_precision import save_sensitivity
+
+        parent = os.path.dirname(os.path.abspath(output)) or "."
+        staging = tempfile.mkdtemp(prefix=".lowbit-sensitivity-", dir=parent)
+    try:
+        staged = save_sensitivity(*mix, staging, target_bits) if mix is not None else []
+        out = lowbit.save_quantized(m, output, tok, overwrite=force)
+        for f in staged:
+            os.replace(f, os.path.join(out, f.name))
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     after = weight_bytes(m)["weight_bytes"]
     counts = Counter((v["weight"], v["activation"]) for v in m.lowbit_modules.values())
     fallbacks = sum(v["weight"] != v["asked"] for v in m.lowbit_modules.values())
@@ -220,11 +236,8 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     if fallbacks:
         print(f"  ({fallbacks} modules use a smaller group: their in_features is not a multiple of the asked one)")
     print(f"weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; saved to {out}")
-    if mix is not None:
-        from lowbit.models.mixed_precision import save_sensitivity
-
-        paths = save_sensitivity(*mix, out, target_bits)
-        print(f"sensitivity table and plot: {', '.join(p.name for p in paths)} in {out}")
+    if staged:
+        print(f"sensitivity table and plot: {', '.join(f.name for f in staged)} in {out}")
     return {"recipe": r.name, "modules": len(m.lowbit_modules), "weight_bytes": after, "path": str(out)}
 
 
@@ -260,7 +273,7 @@ def mixed_precision_recipe(model, tok, base, target_bits: float, candidates=None
           f"tokens in {time.perf_counter() - t0:.0f}s")
     rho = sens.spearman()
     print("proxy (input-weighted weight error) vs measured KL, Spearman rank correlation: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in rho.items()))
+          + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in rho.items()))
     choice = allocate(sens, target_bits)
     total = sum(sens.numel.values())
     achieved = sum(sens.bits[n][s] * sens.numel[n] for n, s in choice.items()) / total
@@ -434,7 +447,7 @@ def graph_export(model: str | None, output: str, *, recipe: str | None = None, f
     _check_program_output(out, force)
     r = Recipe.get(recipe) if recipe is not None else None
     eager = r is not None and (r.method != "rtn" or r.smoothquant is not None or r.observer != "minmax"
-                               or r.embedding is not None)
+                               or r.embedding is not None or (r.static_activations and r.act_observer != "minmax"))
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model)
     _err(f"loaded {model or 'the bundled model'} in {time.perf_counter() - t0:.1f}s")
@@ -1015,9 +1028,9 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
                         "the base of the mix (which modules, method, activations) (default: required without "
                         "--target-bits, w4a16-g128 with it)")
     p.add_argument("--target-bits", type=positive_float, metavar="BITS",
-                   help="choose each module's weight scheme for this average bits per weight (scales and zero "
-                        "points counted) from measured sensitivities; writes sensitivity.csv/.json/.png into "
-                        "the checkpoint (default: the recipe's schemes)")
+                   help="choose each decoder linear's weight scheme for this average bits per weight (scales "
+                        "and zero points counted) from sensitivities measured on 2 x 256 calibration tokens; "
+                        "writes sensitivity.csv/.json/.png into the checkpoint (default: the recipe's schemes)")
     p.add_argument("--candidates", type=scheme_list, metavar="SCHEMES",
                    help="with --target-bits: comma-separated weight schemes to choose from (default: "
                         "int8-sym,int4-asym-g128-f16,int4-asym-g32-f16,int3-asym-g32-f16,int2-asym-g32-f16)")

@@ -94,9 +94,10 @@ def _random_sensitivity(seed, modules=5):
         name = f"m{m}"
         sens.numel[name] = int(torch.randint(1, 5, (1,), generator=g)) * 100
         base = float(torch.rand(1, generator=g))
+        # "4b" has 4's bits (another scale dtype), "6" may be dominated or above the hull
         sens.kl[name] = {s: base * f * float(1 + torch.rand(1, generator=g)) for s, f in
-                         [("8", 0.01), ("4", 1.0), ("3", 3.0), ("2", 12.0)]}
-        sens.bits[name] = {"8": 8.25, "4": 4.75, "3": 3.75, "2": 2.75}
+                         [("8", 0.01), ("6", 0.8), ("4", 1.0), ("4b", 1.0), ("3", 3.0), ("2", 12.0)]}
+        sens.bits[name] = {"8": 8.25, "6": 6.25, "4": 4.75, "4b": 4.75, "3": 3.75, "2": 2.75}
         sens.proxy[name] = dict(sens.kl[name])
     return sens
 
@@ -106,7 +107,7 @@ def _bits(sens, choice):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("target", [3.0, 4.0, 5.0, 6.5])
+@pytest.mark.parametrize("target", [3.0, 4.0, 4.75, 5.0, 6.5])
 def test_allocation_meets_the_budget_and_is_near_the_exhaustive_optimum(seed, target):
     sens = _random_sensitivity(seed)
     choice = allocate(sens, target)
@@ -118,12 +119,27 @@ def test_allocation_meets_the_budget_and_is_near_the_exhaustive_optimum(seed, ta
                 if _bits(sens, dict(zip(names, combo))) <= target + 1e-9]
     best = min(feasible)
     # greedy on the convex hulls: optimal up to the one step that crosses the budget, which
-    # costs at most the largest single step's KL
-    worst_step = max(max(per.values()) - min(per.values()) for per in sens.kl.values())
+    # costs at most the largest single step along a ladder
+    worst_step = max(sens.kl[n][b] - sens.kl[n][a] for n in names
+                     for a, b in zip(_ladder(sens.kl[n], sens.bits[n]), _ladder(sens.kl[n], sens.bits[n])[1:]))
     assert best <= loss <= best + worst_step
-    uniform = [sum(sens.kl[n][s] for n in names) for s in ["8", "4", "3", "2"]
+    uniform = [sum(sens.kl[n][s] for n in names) for s in ["8", "6", "4", "4b", "3", "2"]
                if _bits(sens, dict.fromkeys(names, s)) <= target + 1e-9]
     assert loss <= min(uniform)  # never worse than one scheme for all that fits
+
+
+def test_the_mix_overrides_the_base_recipe_and_leaves_the_output_projection(small):
+    model, calibration, _ = small
+    base = lowbit.Recipe(weight="int4-asym-g32-f16", lm_head="int8-sym",
+                         overrides=(("q_proj", {"weight": "int8-sym"}),))
+    sens = measure_sensitivity(model, calibration, base, ["int8-sym", "int2-asym-g32-f16"])
+    assert "lm_head" not in sens.kl  # keeps the recipe's own scheme
+    choice = dict.fromkeys(sens.kl, "int2-asym-g32-f16")
+    r = mixed_recipe(base, choice, 3.0)
+    assert all(r.scheme_for(n)[0] == "int2-asym-g32-f16" for n in choice)  # the base's q_proj override loses
+    assert r.scheme_for("lm_head")[0] == "int8-sym"
+    with pytest.raises(ValueError, match="candidate 'int2-asym-g32-f16' cannot run module"):
+        measure_sensitivity(model, calibration, "w8a8", ["int8-sym", "int2-asym-g32-f16"])
 
 
 def test_allocation_refuses_an_unreachable_budget(small):
@@ -132,6 +148,8 @@ def test_allocation_refuses_an_unreachable_budget(small):
         allocate(sens, 2.5)
     with pytest.raises(ValueError, match="positive number"):
         allocate(sens, float("nan"))
+    with pytest.raises(ValueError, match="no module"):
+        allocate(Sensitivity(), 4.0)
     assert set(allocate(sens, 99).values()) == {"int8-sym"}  # a budget above the largest: all at the largest
 
 

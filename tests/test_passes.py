@@ -112,8 +112,9 @@ def test_quantized_program_is_the_dequantized_eager_model(model, program, recipe
     assert torch.equal(logits(q.module(), ids(9)), logits(eager, ids(9)))
     assert not decoder_weights(q.state_dict)  # no float copy of a quantized weight is held
     assert sum(k.endswith(".weight.codes") for k in q.state_dict) == 14
-    assert program.state_dict.keys() != q.state_dict.keys()  # the input program is untouched
-    assert "model.layers.0.mlp.up_proj.weight" in program.state_dict
+    # the input program is untouched
+    assert program.graph_module.code == export(model).graph_module.code
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in program.state_dict.items())
 
 
 def test_quantize_weights_takes_overrides_and_the_output_projection(model, program):
@@ -132,7 +133,9 @@ def test_quantize_weights_takes_overrides_and_the_output_projection(model, progr
 
 def test_quantize_weights_refuses_what_it_cannot_do(program):
     with pytest.raises(ValueError, match="selects no aten.linear"):
-        quantize_weights(quantize_weights(program, "w8a16"), "w8a16")
+        quantize_weights(program, {"weight": "int8-sym", "modules": ["no_such_module"]})
+    with pytest.raises(ValueError, match="rounds weights by method 'gptq'.*pass a quantizer"):
+        quantize_weights(program, "w4a16-g128:gptq")
     with pytest.raises(ValueError, match="quantizes the embedding"):
         quantize_weights(program, {"weight": "int8-sym", "embedding": "int8-sym"})
     bad = torch.nn.Sequential(torch.nn.Linear(64, 8)).requires_grad_(False)
@@ -247,8 +250,8 @@ def test_passes_are_idempotent(program):
     again = lower(low)
     assert again.graph_module.code == low.graph_module.code
     assert [n.meta.get("custom") for n in again.graph.nodes] == [n.meta.get("custom") for n in low.graph.nodes]
-    with pytest.raises(ValueError, match="was it quantized already"):  # nothing float left to quantize
-        quantize_weights(q, "w4a16-g32")
+    again = quantize_weights(q, "w4a16-g32")  # every selected linear is quantized already
+    assert again.graph_module.code == q.graph_module.code and again.state_dict.keys() == q.state_dict.keys()
 
 
 # -- lower ------------------------------------------------------------------------------------------
@@ -364,6 +367,7 @@ def test_a_quantize_dequantize_pair_is_what_the_fused_matmul_computes(act, weigh
 
 
 STATIC = {"weight": "int8-sym", "activation": "int8-asym-tensor"}
+STATIC_SYM = {"weight": "int8-sym", "activation": "int8-sym-tensor"}
 
 
 def _linear_inputs(model, calibration):
@@ -399,16 +403,19 @@ def test_calibrate_records_each_linears_input_range(model, program):
     assert [n.meta.get("custom") for n in again.graph.nodes] == [n.meta.get("custom") for n in c.graph.nodes]
 
 
-def test_static_activation_program_is_the_eager_model_with_its_scales(model, program):
+@pytest.mark.parametrize("recipe", [STATIC, STATIC_SYM], ids=["asym", "sym"])
+def test_static_activation_program_is_the_eager_model_with_its_scales(model, program, recipe):
     cal = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
-    f = fuse(quantize_activations(calibrate(quantize_weights(program, STATIC), STATIC, cal), STATIC))
-    assert op_counts(f)["lowbit.int8_linear"] == 14
+    pairs = quantize_activations(calibrate(quantize_weights(program, recipe), recipe, cal), recipe)
+    assert quantize_activations(pairs, recipe).graph_module.code == pairs.graph_module.code  # idempotent
+    f = fuse(pairs)
+    assert op_counts(f)["lowbit.int8_linear"] == 14 and op_counts(f)["lowbit.dequantize"] == 0
     # lowbit.quantize_model calibrates layer by layer on the quantized layers before, the
     # pass on the program as given: the eager model gets the program's scales to compare
-    eager = lowbit.quantize_model(model, lowbit.Recipe.from_dict(STATIC), inplace=False, calibration=cal)
+    eager = lowbit.quantize_model(model, lowbit.Recipe.from_dict(recipe), inplace=False, calibration=cal)
     for name, mod in eager.named_modules():
         if isinstance(mod, lowbit.nn.QuantLinear):
-            mod.set_act_qparams(f.state_dict[f"{name}.act_scale"], f.state_dict[f"{name}.act_zero_point"])
+            mod.set_act_qparams(f.state_dict[f"{name}.act_scale"], f.state_dict.get(f"{name}.act_zero_point"))
     assert torch.equal(logits(f.module(), ids(7)), logits(eager, ids(7)))
 
 
@@ -431,3 +438,14 @@ def test_a_model_with_a_quantized_embedding_exports():
     ep = export(q)
     assert op_counts(ep)["lowbit.dequantize"] == 1 and op_counts(ep)["lowbit.weight_only_matmul"] == 15
     assert torch.equal(logits(ep.module(), ids(6)), logits(q, ids(6)))
+
+
+def test_a_bfloat16_model_runs_every_pass_like_its_eager_quantized_model():
+    model = tiny_llama().to(torch.bfloat16)
+    program = export(model)
+    for recipe in ["w4a16-g32", "w8a8", "q4_0-a8"]:
+        r = lowbit.Recipe.get(recipe)
+        f = lower(fuse(quantize_activations(quantize_weights(program, r), r)))
+        out = logits(f.module(), ids(6))
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, logits(lowbit.quantize_model(model, r, inplace=False), ids(6)))

@@ -18,7 +18,7 @@ import csv
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..ops import dequantize, quantize
 from ..recipe import Recipe, fit_group
-from ..scheme import QuantScheme
+from ..scheme import QuantScheme, check_act_weight
 
 # 8, 4, 3 and 2 bits; two group sizes at 4 bits (float16 scales and zero points, as GGUF stores them)
 DEFAULT_CANDIDATES = ("int8-sym", "int4-asym-g128-f16", "int4-asym-g32-f16", "int3-asym-g32-f16",
@@ -66,7 +66,7 @@ class Sensitivity:
     numel: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
 
-    def spearman(self) -> dict[str, float]:
+    def spearman(self) -> dict[str, float | None]:
         """Rank correlation of the proxy with the measured KL over modules, per candidate
         scheme (as asked; a module's fitted group size counts as the same candidate) and
         over every (module, candidate) pair (``"all"``)."""
@@ -85,12 +85,23 @@ class Sensitivity:
                 for name in self.kl for scheme in self.kl[name]]
 
 
-def _spearman(pairs: list[tuple[float, float]]) -> float:
+def _ranks(v: torch.Tensor) -> torch.Tensor:
+    """Ranks of ``v`` from 0, ties given the mean of the ranks they span."""
+    order = v.argsort()
+    ranks = torch.empty_like(v)
+    ranks[order] = torch.arange(len(v), dtype=v.dtype)
+    for value in v.unique():
+        tied = v == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def _spearman(pairs: list[tuple[float, float]]) -> float | None:
     a = torch.tensor(pairs, dtype=torch.float64)
-    ranks = a.argsort(dim=0).argsort(dim=0).to(torch.float64)
+    ranks = torch.stack([_ranks(a[:, 0]), _ranks(a[:, 1])], dim=1)
     ranks -= ranks.mean(dim=0)
     denom = ranks.norm(dim=0).prod()
-    return float((ranks[:, 0] * ranks[:, 1]).sum() / denom) if denom > 0 else float("nan")
+    return float((ranks[:, 0] * ranks[:, 1]).sum() / denom) if denom > 0 else None  # no spread: undefined
 
 
 def _layer(name: str) -> int:
@@ -133,11 +144,24 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
         raise ValueError("give at least one candidate scheme")
     for c in candidates:
         QuantScheme.parse(c)  # a bad scheme is named before any work
+    # the output projection keeps the recipe's own scheme (Recipe.scheme_for gives it no
+    # overrides; tied to the embedding, changing it would change the embedding too)
     linears = {name: mod for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and recipe.scheme_for(name) is not None}
+               if isinstance(mod, nn.Linear) and recipe.scheme_for(name) is not None
+               and not (name == "lm_head" or name.endswith(".lm_head"))}
     if not linears:
         raise ValueError(f"recipe '{recipe.name}' selects no linear of this model")
-    energy = {name: torch.zeros(mod.in_features, dtype=torch.float64) for name, mod in linears.items()}
+    for name, mod in linears.items():  # every candidate must take the module's activations
+        act = recipe.scheme_for(name)[1]
+        for c in candidates:
+            try:
+                check_act_weight(fit_group(c, mod.in_features), act, mod.in_features)
+            except ValueError as e:
+                raise ValueError(f"candidate '{c}' cannot run module '{name}' with the recipe's activations: "
+                                 f"{e}") from None
+    device = next(model.parameters()).device
+    calibration = calibration.to(device)
+    energy = {name: torch.zeros(mod.in_features, dtype=torch.float64, device=device) for name, mod in linears.items()}
     count = {"tokens": 0}
 
     def record(name):
@@ -168,7 +192,7 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
         w = mod.weight
         n, k = w.shape
         out.numel[name] = n * k
-        mean_sq = (energy[name] / count["tokens"]).to(torch.float32)
+        mean_sq = (energy[name] / count["tokens"]).to(torch.float32).to(w.device)
         for asked in candidates:
             scheme = fit_group(asked, k)
             dq = dequantize(quantize(w.detach().float(), scheme), w.dtype)
@@ -234,6 +258,8 @@ def _ladder(kl: dict[str, float], bits: dict[str, float]) -> list[str]:
     save those bits (the greedy steps at the least KL per bit follow the hull)."""
     ladder: list[str] = []
     for scheme in sorted(kl, key=lambda s: (-bits[s], kl[s])):
+        if ladder and bits[ladder[-1]] == bits[scheme]:
+            continue  # as many bits as the one kept (sorted: no less KL): no step between them
         while ladder and kl[ladder[-1]] >= kl[scheme]:
             ladder.pop()  # more bits for no less loss
         while len(ladder) >= 2:
@@ -264,6 +290,8 @@ def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
     """
     if isinstance(target_bits, bool) or not isinstance(target_bits, (int, float)) or not target_bits > 0:
         raise ValueError(f"target_bits must be a positive number, got {target_bits!r}")
+    if not sens.kl:
+        raise ValueError("the sensitivity holds no module to allocate bits to")
     total = sum(sens.numel.values())
     # each module's non-dominated candidates by bits, largest first: a candidate with more bits
     # and no less KL than a smaller one is never worth taking
@@ -322,7 +350,8 @@ def _loss(sens: Sensitivity, choice: dict[str, str]) -> float:
 
 def mixed_recipe(base: Recipe | str, choice: dict[str, str], target_bits: float) -> Recipe:
     """``base`` with one override per module naming its chosen weight scheme (the most
-    common choice is the recipe's ``weight``); activations and the rest as in ``base``.
+    common choice is also the recipe's ``weight``); activations and the rest as in
+    ``base``.
 
     Example::
 
@@ -330,19 +359,22 @@ def mixed_recipe(base: Recipe | str, choice: dict[str, str], target_bits: float)
         >>> r = mixed_recipe("w4a16-g128", {"model.layers.0.mlp.up_proj": "int8-sym",
         ...                                 "model.layers.0.mlp.down_proj": "int4-asym-g32-f16",
         ...                                 "model.layers.1.mlp.down_proj": "int4-asym-g32-f16"}, 5)
-        >>> r.weight, r.overrides, r.name
-        ('int4-asym-g32-f16', (('^model\\\\.layers\\\\.0\\\\.mlp\\\\.up_proj$', {'weight': 'int8-sym'}),), 'auto-5b')
+        >>> r.weight, r.overrides[0], len(r.overrides), r.name
+        ('int4-asym-g32-f16', ('^model\\\\.layers\\\\.0\\\\.mlp\\\\.up_proj$', {'weight': 'int8-sym'}), 3, 'auto-5b')
     """
     base = Recipe.get(base)
     counts: dict[str, int] = {}
     for s in choice.values():
         counts[s] = counts.get(s, 0) + 1
     weight = max(counts, key=counts.get)
-    overrides = tuple(base.overrides) + tuple((f"^{re.escape(name)}$", {"weight": s})
-                                              for name, s in choice.items() if s != weight)
-    from dataclasses import replace
-
-    return replace(base, weight=weight, overrides=overrides, name=f"auto-{target_bits:g}b")
+    # one override per module, after the base's own: each module gets its choice whatever
+    # the base's overrides say (the last matching override wins)
+    overrides = tuple(base.overrides) + tuple((f"^{re.escape(name)}$", {"weight": s}) for name, s in choice.items())
+    recipe = replace(base, weight=weight, overrides=overrides, name=f"auto-{target_bits:g}b")
+    wrong = [n for n, s in choice.items() if (recipe.scheme_for(n) or (None,))[0] != s]
+    if wrong:
+        raise ValueError(f"the recipe cannot give these modules their chosen scheme: {wrong[:5]}")
+    return recipe
 
 
 def save_sensitivity(sens: Sensitivity, choice: dict[str, str], folder: str | Path, target_bits: float) -> list[Path]:
@@ -352,6 +384,9 @@ def save_sensitivity(sens: Sensitivity, choice: dict[str, str], folder: str | Pa
     folder = Path(folder)
     rows = sens.rows(choice)
     paths = [folder / "sensitivity.csv", folder / "sensitivity.json", folder / "sensitivity.png"]
+    for p in paths:
+        if p.exists():
+            raise ValueError(f"{p} exists")
     with open(paths[0], "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()

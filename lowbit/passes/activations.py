@@ -73,8 +73,8 @@ def _qdq_graph(scheme: str, x_key: tuple, static: tuple | None) -> fx.GraphModul
     x = Example(*x_key)
     if static is None:
         return trace(lambda x_: qdq(x_, scheme), [x])
-    scale = torch.ones(1, dtype=static[0])
-    zp = None if static[1] is None else torch.full((1,), 128, dtype=static[1])
+    scale = Example((1,), static[0], x.device)
+    zp = None if static[1] is None else Example((1,), static[1], x.device)
     if zp is None:
         return trace(lambda x_, s_: qdq(x_, scheme, s_), [x, scale])
     return trace(lambda x_, s_, z_: qdq(x_, scheme, s_, z_), [x, scale, zp])
@@ -164,10 +164,12 @@ def calibrate(ep: ExportedProgram, recipe: Recipe | str | dict, calibration: tor
         raise ValueError(f"recipe '{recipe.name}' gives no quantized linear of this program static (per-tensor) "
                          "activations: nothing to calibrate")
     program = observed.program().module()
+    device = next((n.meta["val"].device for n in observed.graph.nodes if n.op == "placeholder"
+                   and isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
     _RANGES.clear()
     try:
         with torch.inference_mode():
-            for row in calibration:
+            for row in calibration.to(device):
                 program(row[None])
         ranges = dict(_RANGES)
     finally:

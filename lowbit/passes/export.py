@@ -52,9 +52,12 @@ def export(model: nn.Module, example_inputs: tuple[torch.Tensor] | None = None, 
         raise TypeError(f"model must be a transformers causal LM (an nn.Module with get_input_embeddings), "
                         f"got {type(model).__name__}")
     config = getattr(model, "config", None)
-    limit = max_seq_len or getattr(config, "max_position_embeddings", None) or 2048
+    if max_seq_len is not None:
+        limit, source = max_seq_len, "max_seq_len"
+    else:
+        limit, source = getattr(config, "max_position_embeddings", None) or 2048, "the config's max_position_embeddings"
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
-        raise ValueError(f"max_seq_len must be an int >= 2, got {limit!r}")
+        raise ValueError(f"{source} must be an int >= 2, got {limit!r}")
     device = next(model.parameters()).device
     if example_inputs is None:
         example_inputs = (torch.zeros(1, min(8, limit), dtype=torch.int64, device=device),)

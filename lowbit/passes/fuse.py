@@ -33,14 +33,15 @@ def _linear_graph(weight: str, n: int, k: int, x_key: tuple, act: str | None, bi
     parts, inputs ``(x, codes, scale[, zero_point][, bias][, act_scale[, act_zero_point]])``."""
     w = QuantScheme.parse(weight)
     shape = torch.Size((n, k))
-    examples = [Example(*x_key), Example(w.packed_shape(shape), w.code_dtype),
-                Example(w.scale_shape(shape), w.scale_dtype)]
+    device = x_key[2]
+    examples = [Example(*x_key), Example(w.packed_shape(shape), w.code_dtype, device),
+                Example(w.scale_shape(shape), w.scale_dtype, device)]
     if not w.symmetric:
-        examples.append(Example(w.scale_shape(shape), w.zero_point_dtype))
+        examples.append(Example(w.scale_shape(shape), w.zero_point_dtype, device))
     if bias is not None:
-        examples.append(Example((n,), bias))
+        examples.append(Example((n,), bias, device))
     if static is not None:
-        examples += [Example((1,), dtype) for dtype in static if dtype is not None]
+        examples += [Example((1,), dtype, device) for dtype in static if dtype is not None]
 
     def f(x, codes, scale, *rest):
         rest = list(rest)

@@ -183,18 +183,19 @@ def _renamed(spec, name: str | None):
 
 
 class Example:
-    """A stand-in input for ``trace``: a shape (None for a dynamic dim) and a dtype."""
+    """A stand-in input for ``trace``: a shape (None for a dynamic dim), a dtype, a device."""
 
-    def __init__(self, shape, dtype: torch.dtype):
-        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device("cpu")
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
 
 def value_key(v) -> tuple:
-    """(shape with None for dynamic dims, dtype) of a node's value: a cache key of traces."""
-    return tuple(d if isinstance(d, int) else None for d in v.shape), v.dtype
+    """(shape with None for dynamic dims, dtype, device) of a node's value: a cache key of
+    traces (a trace can hold the device: a zero point made with ``torch.zeros``)."""
+    return tuple(d if isinstance(d, int) else None for d in v.shape), v.dtype, str(v.device)
 
 
 def trace(fn, examples: list) -> fx.GraphModule:

@@ -46,8 +46,8 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
     dequantize them before the linear (``lowbit.passes.dequant``).  A weight the matmul
     ops cannot take (2/3-bit, "min" zero points) is dequantized by ``lowbit.dequantize``.
     The recipe's activation scheme is checked against each weight here and applied by
-    ``quantize_activations``.  Idempotent: a quantized weight is no float parameter any
-    more, so a second run finds nothing to do.
+    ``quantize_activations``.  Idempotent: a second run finds every selected linear
+    quantized and returns the program as it is.
 
     ``quantizer(module, float_weight, scheme) -> QTensor`` rounds each weight (default:
     round to nearest, ``lowbit.quantize``).  Methods that calibrate (GPTQ, AWQ) run on the
@@ -66,16 +66,22 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
         (1, 1)
     """
     recipe = Recipe.from_dict(recipe) if isinstance(recipe, dict) else Recipe.get(recipe)
+    if quantizer is None and (recipe.method != "rtn" or recipe.observer != "minmax" or recipe.smoothquant is not None):
+        raise ValueError(f"recipe '{recipe.name}' rounds weights by method {recipe.method!r} (observer "
+                         f"{recipe.observer!r}, smoothquant {recipe.smoothquant!r}); the pass rounds to nearest "
+                         "with min-max scales: pass a quantizer, or quantize with lowbit.quantize_model, then export")
     if recipe.embedding is not None:
         raise ValueError(f"recipe '{recipe.name}' quantizes the embedding; the graph pass quantizes linears: "
                          "quantize the model with lowbit.quantize_model, then export it")
     edit = Edit(ep)
-    done, old = 0, []
+    done, already, old = 0, 0, []
     for node in edit.call_functions(aten.linear.default):
         weight, name = node.args[1], module_of(node)
         w = edit.state(weight)
-        chosen = None if w is None or name is None else recipe.scheme_for(name)
-        if chosen is None or not w.is_floating_point() or w.dim() != 2:
+        chosen = None if name is None else recipe.scheme_for(name)
+        if chosen is not None and "lowbit_weight" in node.meta.get("custom", {}):
+            already += 1  # quantized by an earlier run
+        if chosen is None or w is None or not w.is_floating_point() or w.dim() != 2:
             continue
         scheme = fit_group(chosen[0], w.shape[1])
         try:
@@ -90,9 +96,12 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
         node.meta.setdefault("custom", {})["lowbit_weight"] = str(qt.scheme)
         old.append(weight)
         done += 1
+    if not done and already:
+        return ep  # every linear the recipe selects is quantized already
     if not done:
         raise ValueError(f"recipe '{recipe.name}' selects no aten.linear of this program with a float weight "
-                         f"(modules={list(recipe.modules)}, lm_head={recipe.lm_head!r}); was it quantized already?")
+                         f"(modules={list(recipe.modules)}, lm_head={recipe.lm_head!r}); a program quantized "
+                         "eagerly holds lowbit matmuls, a decomposed one (run_decompositions) no aten.linear")
     edit.erase_unused(old)
     return edit.program()
 
