@@ -11,6 +11,7 @@ and per uniform scheme the ratio of the automatic mix's KL to the uniform one's.
 
     python benchmarks/mixed_precision.py            # about 15 minutes on 2 cores
     python benchmarks/mixed_precision.py --quick    # a smoke test: 2 layers, 2 windows
+    python benchmarks/mixed_precision.py --gguf benchmarks/.llama.cpp/gguf/*.Q{3,4}_K_M.gguf
 
 The bundled model's linears are an exact dequantization of Q4_1 (group 32, float16
 scale and min): every 4-bit scheme here is a second rounding, the same for both sides.
@@ -33,8 +34,8 @@ from lowbit.models.mixed_precision import allocate, measure_sensitivity, mixed_r
 from lowbit.recipe import DECODER_LINEARS, Recipe, fit_group  # noqa: E402
 
 UNIFORM = ["int3-asym-g64-f16", "int4-asym-f16", "int4-sym-g32-f16", "int4-asym-g32-f16"]
-CANDIDATES = ["int8-sym", "int4-asym-g32-f16", "int4-sym-g32-f16", "int4-asym-f16", "int3-asym-g32-f16",
-              "int3-asym-g64-f16", "int2-asym-g32-f16"]
+CANDIDATES = ["int8-sym", "int4-asym-g32-f16", "int4-sym-g32-f16", "int4-asym-f16", "int3-asym-g64-f16",
+              "int2-asym-g32-f16"]
 
 
 def uniform_bits(model, recipe: Recipe) -> float:
@@ -57,6 +58,10 @@ def main() -> None:
     p.add_argument("--length", type=int, default=256, help="tokens per calibration row")
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of --ctx tokens")
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--gguf", nargs="*", default=[],
+                   help="GGUF files of the same model to compare (llama.cpp's fixed mixes: llama-quantize the F32 "
+                        "export to Q3_K_M, Q4_K_M), run on their own tensors, with the automatic mix at their "
+                        "decoder linears' bits per weight")
     p.add_argument("--quick", action="store_true", help="2 decoder layers, 2 windows of 128 tokens")
     args = p.parse_args()
     modules = (r"layers\.[01]\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$",) if args.quick \
@@ -85,7 +90,17 @@ def main() -> None:
     for t in args.targets:
         choice = allocate(sens, t)
         recipes[f"auto-{t:g}"] = (mixed_recipe(base, choice, t), _bits(sens, choice), _loss(sens, choice))
+    ggufs = {}
+    for path in args.gguf:
+        g, _ = lowbit.load_model(path, gguf="native")
+        name = "llama.cpp " + os.path.basename(path).rsplit(".", 2)[-2]
+        bits = gguf_decoder_bits(path)
+        ggufs[name] = (g, bits, dict(sorted(g.lowbit_gguf["native"].items())))
+        choice = allocate(sens, bits)
+        recipes[f"auto@{name.split()[-1]}"] = (mixed_recipe(base, choice, bits), _bits(sens, choice),
+                                               _loss(sens, choice))
     models = {name: lowbit.quantize_model(model, r, inplace=False) for name, (r, _, _) in recipes.items()}
+    models.update({name: g for name, (g, _, _) in ggufs.items()})
     t0 = time.perf_counter()
     rows = evaluate(models, tok, reference=model, ctx=args.ctx, max_windows=args.windows, speed=False,
                     greedy_tokens=16)
@@ -98,11 +113,29 @@ def main() -> None:
         row = by[name]
         print(f"{name:<26}{bits:>8.3f}{predicted:>10.4f}{row['kl_divergence']:>9.4f}"
               f"{row['top1_agreement']:>8.3f}{row['perplexity']:>9.3f}")
+    for name, (_, bits, types) in ggufs.items():
+        row = by[name]
+        print(f"{name:<26}{bits:>8.3f}{'':>10}{row['kl_divergence']:>9.4f}"
+              f"{row['top1_agreement']:>8.3f}{row['perplexity']:>9.3f}   tensors: {types}")
     print("\nautomatic / uniform at the same bits per weight (below 1: the mix is better)")
     for u in args.uniform:
         a, b = by[f"auto@{u}"], by[u]
         print(f"  {u:<22} KL {a['kl_divergence'] / b['kl_divergence']:.3f}   "
               f"perplexity {a['perplexity'] / b['perplexity']:.3f}")
+
+
+def gguf_decoder_bits(path: str) -> float:
+    """Bits per weight of a GGUF file's decoder linears (blk.N.attn_q/k/v/output, ffn_gate/up/down) as stored."""
+    import re
+
+    from lowbit.formats.gguf_file import read_gguf
+
+    bits = numel = 0
+    for t in read_gguf(path).tensors:
+        if re.fullmatch(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight", t.name):
+            bits += int(t.n_bytes) * 8
+            numel += int(t.n_elements)
+    return bits / numel
 
 
 def _bits(sens, choice) -> float:
