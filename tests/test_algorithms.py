@@ -297,7 +297,7 @@ def test_recipe_method_args_are_checked_before_any_work():
 def test_cli_quantize_with_gptq_records_the_method(tmp_path, capsys):
     from lowbit.cli import main
     from lowbit.models.checkpoint import read_metadata
-    from tests.test_bad_cli import tiny  # noqa: F401  (the fixture's function, called below)
+    from tests.conftest import tiny  # the fixture's function, called below
 
     folder = tiny.__wrapped__(tmp_path_factory=_Factory(tmp_path))
     out = tmp_path / "gptq"
@@ -313,7 +313,7 @@ def test_cli_quantize_with_gptq_records_the_method(tmp_path, capsys):
 
 def test_cli_refuses_bad_calibration_before_writing(tmp_path, capsys):
     from lowbit.cli import main
-    from tests.test_bad_cli import tiny  # noqa: F401
+    from tests.conftest import tiny
 
     folder = tiny.__wrapped__(tmp_path_factory=_Factory(tmp_path))
     empty = tmp_path / "empty.txt"
