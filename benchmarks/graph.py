@@ -288,12 +288,12 @@ def child(args) -> None:
     with torch.inference_mode():
         for x in (ids, one, ids, one):  # compiles (the Inductor cache is warm) and warms up
             fn(x)
+        out["proc_peak"] = _status("VmHWM")  # ru_maxrss would include the parent's, from before the exec
         out["fixed"] = fixed_mmap_threshold()
         _trim()
         out["rss_built"] = _status("VmRSS")
         out["one"], out["how"] = peak_increase(lambda: fn(one))
         out["prefill"], _ = peak_increase(lambda: fn(ids))
-    out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("CHILD_RESULT " + json.dumps(out), flush=True)
 
 
@@ -575,7 +575,7 @@ def report(args, variants: list[Variant], progs: dict, elsize: int) -> None:
                 cols += f"  ({mem['error']})  "
             else:
                 how.add(mem["how"] + ("" if mem.get("fixed") else " (glibc mmap threshold not fixed)"))
-                cols += f"{mem['one'] / MiB:>10.1f}{mem['prefill'] / MiB:>12.1f}{mem['maxrss'] / MiB:>9.0f}"
+                cols += f"{mem['one'] / MiB:>10.1f}{mem['prefill'] / MiB:>12.1f}{mem['proc_peak'] / MiB:>9.0f}"
         print(f"{v.program:<24}{v.mode:<10}{total / MiB:>7.1f}{dec / MiB:>9.1f}{written:>12}{cols}"
               f"{v.diff:>13.3g}")
     print("state: distinct storages of the program's state dict (the tied embedding / lm_head counted once); "
@@ -584,7 +584,8 @@ def report(args, variants: list[Variant], progs: dict, elsize: int) -> None:
     if sub:
         print("RSS: read from " + (", ".join(sorted(how)) or "-") + " after gc and malloc_trim, with glibc's "
               "mmap threshold fixed at 128 KiB (every block of 128 KiB or more has its own pages, returned on "
-              "free); proc max: the subprocess's ru_maxrss (model load, export and compile included)")
+              "free); proc max: the subprocess's VmHWM before those forwards (model load, export, compile and "
+              "warm-up included)")
     print("max|dlogit|: vs lowbit.quantize_model(m, recipe) run eagerly (quantized rows), vs the float model "
           "(float rows); the larger of the prefill and the one-token forward")
 
