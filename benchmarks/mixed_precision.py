@@ -86,10 +86,12 @@ def main() -> None:
         predicted = sum(sens.kl[n].get(u, float("nan")) for n in sens.kl)
         recipes[u] = (r, bits, predicted)
         choice = allocate(sens, bits)
-        recipes[f"auto@{u}"] = (mixed_recipe(r, choice, bits), _bits(sens, choice), _loss(sens, choice))
+        recipes[f"auto@{u}"] = (mixed_recipe(r, choice, bits), sens.bits_per_weight(choice),
+                                sens.predicted_kl(choice))
     for t in args.targets:
         choice = allocate(sens, t)
-        recipes[f"auto-{t:g}"] = (mixed_recipe(base, choice, t), _bits(sens, choice), _loss(sens, choice))
+        recipes[f"auto-{t:g}"] = (mixed_recipe(base, choice, t), sens.bits_per_weight(choice),
+                                  sens.predicted_kl(choice))
     ggufs = {}
     for path in args.gguf:
         g, _ = lowbit.load_model(path, gguf="native")
@@ -97,8 +99,8 @@ def main() -> None:
         bits = gguf_decoder_bits(path)
         ggufs[name] = (g, bits, dict(sorted(g.lowbit_gguf["native"].items())))
         choice = allocate(sens, bits)
-        recipes[f"auto@{name.split()[-1]}"] = (mixed_recipe(base, choice, bits), _bits(sens, choice),
-                                               _loss(sens, choice))
+        recipes[f"auto@{name.split()[-1]}"] = (mixed_recipe(base, choice, bits), sens.bits_per_weight(choice),
+                                               sens.predicted_kl(choice))
     models = {name: lowbit.quantize_model(model, r, inplace=False) for name, (r, _, _) in recipes.items()}
     models.update({name: g for name, (g, _, _) in ggufs.items()})
     t0 = time.perf_counter()
@@ -136,14 +138,6 @@ def gguf_decoder_bits(path: str) -> float:
             bits += int(t.n_bytes) * 8
             numel += int(t.n_elements)
     return bits / numel
-
-
-def _bits(sens, choice) -> float:
-    return sum(sens.bits[n][s] * sens.numel[n] for n, s in choice.items()) / sum(sens.numel.values())
-
-
-def _loss(sens, choice) -> float:
-    return sum(sens.kl[n][s] for n, s in choice.items())
 
 
 if __name__ == "__main__":

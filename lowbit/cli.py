@@ -275,11 +275,9 @@ def mixed_precision_recipe(model, tok, base, target_bits: float, candidates=None
     print("proxy (input-weighted weight error) vs measured KL, Spearman rank correlation: "
           + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in rho.items()))
     choice = allocate(sens, target_bits)
-    total = sum(sens.numel.values())
-    achieved = sum(sens.bits[n][s] * sens.numel[n] for n, s in choice.items()) / total
     counts = Counter(choice.values())
-    print(f"allocation for {target_bits:g} bits/weight: {achieved:.3f} achieved, predicted KL "
-          f"{sum(sens.kl[n][s] for n, s in choice.items()):.4f}; "
+    print(f"allocation for {target_bits:g} bits/weight: {sens.bits_per_weight(choice):.3f} achieved, predicted KL "
+          f"{sens.predicted_kl(choice):.4f}; "
           + ", ".join(f"{n} x {s}" for s, n in counts.most_common()))
     return mixed_recipe(base, choice, target_bits), (sens, choice)
 

@@ -198,16 +198,21 @@ class Recipe:
         return cls(**d)
 
     @classmethod
-    def get(cls, name_or_path: "str | Recipe") -> "Recipe":
-        """A preset by name (``RECIPE_PRESETS``), or a recipe from a .json / .yaml file.
+    def get(cls, name_or_path: "str | Recipe | dict") -> "Recipe":
+        """A preset by name (``RECIPE_PRESETS``), a recipe from a .json / .yaml file, or
+        one from its dict form (``from_dict``).
 
         Example::
 
             >>> Recipe.get("w8a8").activation
             'int8-sym-token'
+            >>> Recipe.get({"weight": "int8-sym"}).name
+            'custom'
         """
         if isinstance(name_or_path, Recipe):
             return name_or_path
+        if isinstance(name_or_path, dict):
+            return cls.from_dict(name_or_path)
         if name_or_path in RECIPE_PRESETS:
             return RECIPE_PRESETS[name_or_path]
         if isinstance(name_or_path, str) and ":" in name_or_path and not os.path.exists(name_or_path):

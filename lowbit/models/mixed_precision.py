@@ -66,6 +66,14 @@ class Sensitivity:
     numel: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
 
+    def bits_per_weight(self, choice: dict[str, str]) -> float:
+        """The average bits per weight of a choice of scheme per module, over the modules."""
+        return sum(self.bits[n][s] * self.numel[n] for n, s in choice.items()) / sum(self.numel.values())
+
+    def predicted_kl(self, choice: dict[str, str]) -> float:
+        """The KL a choice is predicted to cost: the sum of its modules' measured KL."""
+        return sum(self.kl[n][s] for n, s in choice.items())
+
     def spearman(self) -> dict[str, float | None]:
         """Rank correlation of the proxy with the measured KL over modules, per candidate
         scheme (as asked; a module's fitted group size counts as the same candidate) and
@@ -162,7 +170,6 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
     device = next(model.parameters()).device
     calibration = calibration.to(device)
     energy = {name: torch.zeros(mod.in_features, dtype=torch.float64, device=device) for name, mod in linears.items()}
-    count = {"tokens": 0}
 
     def record(name):
         def hook(_mod, args):
@@ -181,8 +188,7 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
     finally:
         for h in handles + resume.handles:
             h.remove()
-    count["tokens"] = calibration.numel()
-    out = Sensitivity(tokens=count["tokens"])
+    out = Sensitivity(tokens=calibration.numel())
     items = list(linears.items())
     if progress:
         from tqdm.auto import tqdm
@@ -192,7 +198,7 @@ def measure_sensitivity(model: nn.Module, calibration: torch.Tensor, recipe: Rec
         w = mod.weight
         n, k = w.shape
         out.numel[name] = n * k
-        mean_sq = (energy[name] / count["tokens"]).to(torch.float32).to(w.device)
+        mean_sq = (energy[name] / out.tokens).to(torch.float32).to(w.device)
         for asked in candidates:
             scheme = fit_group(asked, k)
             dq = dequantize(quantize(w.detach().float(), scheme), w.dtype)
@@ -296,8 +302,8 @@ def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
     # each module's non-dominated candidates by bits, largest first: a candidate with more bits
     # and no less KL than a smaller one is never worth taking
     ladders = {name: _ladder(per, sens.bits[name]) for name, per in sens.kl.items()}
-    lo = sum(sens.bits[n][ladders[n][-1]] * sens.numel[n] for n in ladders) / total
-    hi = sum(sens.bits[n][ladders[n][0]] * sens.numel[n] for n in ladders) / total
+    lo = sens.bits_per_weight({n: ladder[-1] for n, ladder in ladders.items()})
+    hi = sens.bits_per_weight({n: ladder[0] for n, ladder in ladders.items()})
     if target_bits < lo - 1e-9:
         raise ValueError(f"target_bits={target_bits} is below {lo:.3f}, the smallest the candidates reach")
     step = {name: 0 for name in ladders}
@@ -338,14 +344,10 @@ def allocate(sens: Sensitivity, target_bits: float) -> dict[str, str]:
     common = set.intersection(*(set(per) for per in sens.kl.values()))
     for scheme in sorted(common):
         uniform = dict.fromkeys(sens.kl, scheme)
-        if sum(sens.bits[n][scheme] * sens.numel[n] for n in uniform) <= budget + 1e-6 and \
-                _loss(sens, uniform) < _loss(sens, choice):
+        if sens.bits_per_weight(uniform) * total <= budget + 1e-6 and \
+                sens.predicted_kl(uniform) < sens.predicted_kl(choice):
             choice = uniform
     return choice
-
-
-def _loss(sens: Sensitivity, choice: dict[str, str]) -> float:
-    return sum(sens.kl[n][s] for n, s in choice.items())
 
 
 def mixed_recipe(base: Recipe | str, choice: dict[str, str], target_bits: float) -> Recipe:
@@ -391,8 +393,7 @@ def save_sensitivity(sens: Sensitivity, choice: dict[str, str], folder: str | Pa
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    total = sum(sens.numel.values())
-    achieved = sum(sens.bits[n][s] * sens.numel[n] for n, s in choice.items()) / total
+    achieved = sens.bits_per_weight(choice)
     paths[1].write_text(json.dumps({"target_bits": target_bits, "bits_per_weight": achieved,
                                     "calibration_tokens": sens.tokens, "spearman_proxy_vs_kl": sens.spearman(),
                                     "choice": choice, "rows": rows}, indent=1))

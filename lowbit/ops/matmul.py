@@ -147,6 +147,22 @@ def _build_weight_parts(qweight: QTensor):
     return codes, scale.contiguous(), None if zp is None else zp.contiguous(), s.bits, group
 
 
+def matmul_form(scheme: QuantScheme, k: int) -> bool:
+    """Whether the matmul ops take a weight of ``scheme`` with K = ``k`` as it is: 8-bit
+    codes, or 4-bit codes filling whole u32 words, with (q - z) * s arithmetic.  The others
+    are dequantized first: 2/3-bit codes, 4-bit codes of a K that fills no whole u32 word
+    (u8 packing), a "min" zero point (q * s + m).
+
+    Example::
+
+        >>> from lowbit.ops.matmul import matmul_form
+        >>> from lowbit.scheme import QuantScheme
+        >>> matmul_form(QuantScheme.parse("int4-asym-g32"), 64), matmul_form(QuantScheme.parse("int3-asym-g32"), 64)
+        (True, False)
+    """
+    return (scheme.bits == 8 or (scheme.bits == 4 and k % 8 == 0)) and scheme.zero_point_domain != "min"
+
+
 def as_act_scheme(act_scheme) -> QuantScheme:
     """The 8-bit activation scheme ``linear`` accepts (per token, per tensor or in blocks), parsed.
 
@@ -212,16 +228,12 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[out_features]")
     w = qweight.scheme
-    # The matmul ops take 8-bit codes or u32x8 words: 2/3-bit codes, and 4-bit codes of a K
-    # that fills no whole u32 word (u8 packing), are dequantized first.
-    # A "min" zero point (q * s + m) is dequantized first too: the matmul kernels take (q - z) * s.
-    matmul_form = (w.bits == 8 or (w.bits == 4 and k % 8 == 0)) and w.zero_point_domain != "min"
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
             raise ValueError("act_scale / act_zero_point need an act_scheme")
         if k == 0:
             y = x.new_zeros((*x.shape[:-1], n))
-        elif matmul_form:
+        elif matmul_form(w, k):
             codes, scales, zps, bits, group = weight_parts(qweight)
             y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group)
         else:

@@ -146,7 +146,7 @@ def calibrate(ep: ExportedProgram, recipe: Recipe | str | dict, calibration: tor
         >>> (lo, hi) == (m[0].weight[1:5].min().item(), m[0].weight[1:5].max().item())
         True
     """
-    recipe = Recipe.from_dict(recipe) if isinstance(recipe, dict) else Recipe.get(recipe)
+    recipe = Recipe.get(recipe)
     if recipe.act_observer != "minmax":
         raise ValueError(f"calibrate observes min and max; the recipe's act_observer '{recipe.act_observer}' "
                          "runs in lowbit.quantize_model")
@@ -164,8 +164,7 @@ def calibrate(ep: ExportedProgram, recipe: Recipe | str | dict, calibration: tor
         raise ValueError(f"recipe '{recipe.name}' gives no quantized linear of this program static (per-tensor) "
                          "activations: nothing to calibrate")
     program = observed.program().module()
-    device = next((n.meta["val"].device for n in observed.graph.nodes if n.op == "placeholder"
-                   and isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    device = observed.device
     _RANGES.clear()
     try:
         with torch.inference_mode():
@@ -204,7 +203,7 @@ def quantize_activations(ep: ExportedProgram, recipe: Recipe | str | dict) -> Ex
         >>> op_counts(ep)["lowbit.quantize_per_token"], op_counts(ep)["lowbit.dequantize_per_token"]
         (1, 1)
     """
-    recipe = Recipe.from_dict(recipe) if isinstance(recipe, dict) else Recipe.get(recipe)
+    recipe = Recipe.get(recipe)
     edit = Edit(ep)
     is_state = lambda n: edit.state(n) is not None  # noqa: E731
     for node, name, s in list(_act_linears(edit, recipe)):
@@ -214,7 +213,7 @@ def quantize_activations(ep: ExportedProgram, recipe: Recipe | str | dict) -> Ex
         form = dequant.match(node.args[1], is_state)
         k = x.meta["val"].shape[-1]
         try:
-            check_act_weight(form_scheme(edit, form), s, k)
+            check_act_weight(form.scheme(), s, k)
         except ValueError as e:
             raise ValueError(f"cannot quantize the activations of module '{name}': {e}") from None
         inputs = [x]
@@ -234,15 +233,3 @@ def quantize_activations(ep: ExportedProgram, recipe: Recipe | str | dict) -> Ex
         node.replace_input_with(x, out)
         node.meta.setdefault("custom", {})["lowbit_activation"] = str(s)
     return edit.program()
-
-
-def form_scheme(edit: Edit, form: dequant.DequantForm) -> QuantScheme:
-    """The weight scheme whose matmul parts ``form`` holds (per channel when one group
-    spans K)."""
-    scale = form.scale.meta["val"]
-    k = form.codes.meta["val"].shape[1] * (8 if form.bits == 4 else 1)
-    zp = None if form.zero_point is None else form.zero_point.meta["val"]
-    return QuantScheme(bits=form.bits, symmetric=zp is None,
-                       granularity="channel" if form.group_size == k else "group",
-                       group_size=None if form.group_size == k else form.group_size, scale_dtype=scale.dtype,
-                       zero_point_domain="float" if zp is not None and zp.is_floating_point() else "int")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..scheme import QuantScheme
+
 aten = torch.ops.aten
 
 
@@ -37,6 +39,25 @@ _LEAF_DTYPES = {
 }
 
 
+def parts_scheme(bits: int, group_size: int, k: int, scale_dtype: torch.dtype,
+                 zero_point_dtype: torch.dtype | None) -> QuantScheme:
+    """The weight scheme of matmul parts (``weight_parts``' form): per channel when one
+    group spans K, a float zero point in the "float" domain, none: symmetric.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.passes.dequant import parts_scheme
+        >>> parts_scheme(4, 64, 576, torch.float16, torch.uint8), parts_scheme(8, 576, 576, torch.float32, None)
+        (QuantScheme('int4-asym-g64-f16'), QuantScheme('int8-sym'))
+    """
+    return QuantScheme(bits=bits, symmetric=zero_point_dtype is None,
+                       granularity="channel" if group_size == k else "group",
+                       group_size=None if group_size == k else group_size, scale_dtype=scale_dtype,
+                       zero_point_domain="float" if zero_point_dtype is not None and zero_point_dtype.is_floating_point
+                       else "int")
+
+
 @dataclass(frozen=True)
 class DequantForm:
     """What one dequantized weight of the graph is made of (the matmul ops' arguments)."""
@@ -46,6 +67,12 @@ class DequantForm:
     zero_point: fx.Node | None
     bits: int
     group_size: int
+
+    def scheme(self) -> QuantScheme:
+        """The weight scheme whose matmul parts these are."""
+        k = self.codes.meta["val"].shape[1] * (8 if self.bits == 4 else 1)
+        zp = None if self.zero_point is None else self.zero_point.meta["val"].dtype
+        return parts_scheme(self.bits, self.group_size, k, self.scale.meta["val"].dtype, zp)
 
 
 def emit(call, codes, scale, zero_point, *, bits: int, group_size: int, n: int, k: int, dtype: torch.dtype,
@@ -96,7 +123,8 @@ def same(t, a, mapping: dict, leaf_ok) -> bool:
                 return False
             mapping[t] = a
             return True
-        if a.op != "call_function" or a.target != t.target or len(a.args) != len(t.args) or a.kwargs.keys() != t.kwargs.keys():
+        if (a.op != "call_function" or a.target != t.target or len(a.args) != len(t.args)
+                or a.kwargs.keys() != t.kwargs.keys()):
             return False
         return (all(same(x, y, mapping, leaf_ok) for x, y in zip(t.args, a.args))
                 and all(same(t.kwargs[key], a.kwargs[key], mapping, leaf_ok) for key in t.kwargs))

@@ -16,7 +16,7 @@ from ..ops import linear
 from ..qtensor import QTensor
 from ..scheme import QuantScheme, check_act_weight
 from . import dequant
-from .activations import form_scheme, match_qdq
+from .activations import match_qdq
 from .program import Edit, Example, trace, value_key
 
 aten = torch.ops.aten
@@ -87,7 +87,7 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
         form = dequant.match(weight, is_state)
         if form is None:
             continue
-        w = form_scheme(edit, form)
+        w = form.scheme()
         n, k = weight.meta["val"].shape
         act, act_inputs, static = None, [], None
         hint = node.meta.get("custom", {}).get("lowbit_activation")

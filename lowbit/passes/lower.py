@@ -9,33 +9,35 @@ from torch.export import ExportedProgram
 
 from .. import kernels
 from ..scheme import QuantScheme
+from .dequant import parts_scheme
 from .program import Edit
 
 lowbit = torch.ops.lowbit
+_MATMULS = (lowbit.weight_only_matmul.default, lowbit.linear_a8_blocks.default, lowbit.int8_linear.default,
+            lowbit.linear_qta8a_qga4w.default)
 # activation rows the plan is recorded for: a decode step, short and long prefills
 ROWS = (1, 16, 512)
 
 
 def _schemes(node: fx.Node) -> tuple[QuantScheme, QuantScheme | None, int] | None:
-    """(weight scheme, activation scheme, K) of a lowbit matmul node (None for other nodes).
-    Only what a kernel plan reads is exact: bits, group size, symmetric weights."""
-    def weight(bits, group, k, symmetric):
-        return QuantScheme.parse(f"int{bits}-{'sym' if symmetric else 'asym'}" + (f"-g{group}" if group != k else ""))
-
+    """(weight scheme, activation scheme, K) of a lowbit matmul node (None for other nodes)."""
+    if node.target not in _MATMULS:
+        return None
     a = node.args
+    k = a[0].meta["val"].shape[-1]
+
+    def weight(bits, group, scale, zero_point):
+        return parts_scheme(bits, group, k, scale.meta["val"].dtype,
+                            None if zero_point is None else zero_point.meta["val"].dtype)
+
     if node.target == lowbit.weight_only_matmul.default:  # x, codes, scale, zp, bits, group
-        k = a[0].meta["val"].shape[-1]
-        return weight(a[4], a[5], k, a[3] is None), None, k
+        return weight(a[4], a[5], a[2], a[3]), None, k
     if node.target == lowbit.linear_a8_blocks.default:  # ... act_block
-        k = a[0].meta["val"].shape[-1]
-        return weight(a[4], a[5], k, a[3] is None), QuantScheme.parse(f"int8-sym-g{a[6]}"), k
+        return weight(a[4], a[5], a[2], a[3]), QuantScheme.parse(f"int8-sym-g{a[6]}"), k
     if node.target == lowbit.int8_linear.default:  # a, a_zp, b, row_scale, col_scale, bias, dtype
-        k = a[0].meta["val"].shape[-1]
-        return weight(8, k, k, True), QuantScheme.parse(f"int8-{'sym' if a[1] is None else 'asym'}-token"), k
-    if node.target == lowbit.linear_qta8a_qga4w.default:  # x_q, x_scale, x_zp, codes, scale, zp, group
-        k = a[0].meta["val"].shape[-1]
-        return weight(4, a[6], k, a[5] is None), QuantScheme.parse("int8-asym-token"), k
-    return None
+        return weight(8, k, a[4], None), QuantScheme.parse(f"int8-{'sym' if a[1] is None else 'asym'}-token"), k
+    # linear_qta8a_qga4w: x_q, x_scale, x_zp, codes, scale, zp, group
+    return weight(4, a[6], a[4], a[5]), QuantScheme.parse("int8-asym-token"), k
 
 
 def lower(ep: ExportedProgram, backend: str | None = None) -> ExportedProgram:
@@ -59,9 +61,7 @@ def lower(ep: ExportedProgram, backend: str | None = None) -> ExportedProgram:
         'reference: plain PyTorch: the float32 matmul of the dequantized weight'
     """
     edit = Edit(ep)
-    device = next((n.meta["val"].device for n in edit.graph.nodes if n.op == "placeholder"
-                   and isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
-    name = kernels.resolve(backend, device) if backend != "triton" else "triton"
+    name = kernels.resolve(backend, edit.device) if backend != "triton" else "triton"
     target = kernels.get_backend(name)
     features = ""
     if name == "cpu":

@@ -74,6 +74,12 @@ class Edit:
             return self.constants.get(spec.target, self.state_dict.get(spec.target))
         return self.state_dict[spec.target]
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the program's tensors (its first placeholder's)."""
+        return next((n.meta["val"].device for n in self.graph.nodes if n.op == "placeholder"
+                     and isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+
     def call_functions(self, target) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "call_function" and n.target == target]
 

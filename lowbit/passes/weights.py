@@ -11,7 +11,7 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from ..ops import quantize
-from ..ops.matmul import weight_parts
+from ..ops.matmul import matmul_form, weight_parts
 from ..qtensor import QTensor
 from ..recipe import Recipe, fit_group
 from ..scheme import check_act_weight
@@ -26,13 +26,6 @@ def module_of(node: fx.Node) -> str | None:
     from the module stack torch.export records; None when it recorded none."""
     stack = node.meta.get("nn_module_stack")
     return list(stack.values())[-1][0] if stack else None
-
-
-def matmul_form(qt: QTensor) -> bool:
-    """Whether the matmul ops take this 2-D weight as it is (``lowbit.linear`` dequantizes
-    the others first: 2/3-bit codes, 4-bit rows of no whole u32 word, "min" zero points)."""
-    s, k = qt.scheme, qt.shape[1]
-    return (s.bits == 8 or (s.bits == 4 and k % 8 == 0)) and s.zero_point_domain != "min"
 
 
 def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
@@ -65,7 +58,7 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
         >>> op_counts(q)["aten.bitwise_and"], op_counts(q)["aten.linear"]
         (1, 1)
     """
-    recipe = Recipe.from_dict(recipe) if isinstance(recipe, dict) else Recipe.get(recipe)
+    recipe = Recipe.get(recipe)
     if quantizer is None and (recipe.method != "rtn" or recipe.observer != "minmax" or recipe.smoothquant is not None):
         raise ValueError(f"recipe '{recipe.name}' rounds weights by method {recipe.method!r} (observer "
                          f"{recipe.observer!r}, smoothquant {recipe.smoothquant!r}); the pass rounds to nearest "
@@ -126,7 +119,7 @@ def _dequantized(edit: Edit, linear: fx.Node, name: str, qt: QTensor, dtype: tor
     """Buffers of ``qt`` and the nodes that dequantize them to ``dtype``."""
     n, k = qt.shape
     call = lambda target, args, kwargs=None: edit.call(target, args, kwargs, like=linear)  # noqa: E731
-    if not matmul_form(qt):
+    if not matmul_form(qt.scheme, k):
         parts = [edit.add_buffer(f"{name}.weight.{part}", t) for part, t in
                  (("codes", qt.codes), ("scale", qt.scale), ("zero_point", qt.zero_point)) if t is not None]
         zp = parts[2] if len(parts) == 3 else None
