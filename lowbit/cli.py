@@ -444,14 +444,13 @@ def graph_export(model: str | None, output: str, *, recipe: str | None = None, f
     out = os.path.abspath(output)
     _check_program_output(out, force)
     r = Recipe.get(recipe) if recipe is not None else None
-    eager = r is not None and (r.method != "rtn" or r.smoothquant is not None or r.observer != "minmax"
-                               or r.embedding is not None or (r.static_activations and r.act_observer != "minmax"))
+    eager = None if r is None else passes.eager_reason(r)
     t0 = time.perf_counter()
     m, tok = lowbit.load_model(model)
     _err(f"loaded {model or 'the bundled model'} in {time.perf_counter() - t0:.1f}s")
     if eager:
         calibration = _calibration([r], tok, None, 128, 512)
-        _err(f"recipe {r.name}: method {r.method}; quantizing the eager model, then exporting it")
+        _err(f"{eager}: quantizing the eager model, then exporting it")
         m = lowbit.quantize_model(m, r, progress=True, calibration=calibration)
     rows = []
 

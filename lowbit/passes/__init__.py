@@ -23,11 +23,29 @@ Example::
     1
 """
 
-from .activations import calibrate, quantize_activations
+from .activations import calibrate, observer_problem, quantize_activations
 from .export import export
 from .fuse import fuse
 from .lower import lower
 from .program import op_counts
-from .weights import quantize_weights
+from .weights import embedding_problem, quantize_weights, rounding_problem
 
-__all__ = ["export", "quantize_weights", "calibrate", "quantize_activations", "fuse", "lower", "op_counts"]
+
+def eager_reason(recipe) -> str | None:
+    """Why the passes cannot quantize with ``recipe`` by themselves (so the eager model is
+    quantized first, ``lowbit.quantize_model``, then exported), or None when they can.
+
+    Example::
+
+        >>> from lowbit.passes import eager_reason
+        >>> eager_reason("w8a8") is None, eager_reason("w4a16-g128:gptq")[:36]
+        (True, "recipe 'w4a16-g128:gptq' rounds weig")
+    """
+    from ..recipe import Recipe
+
+    r = Recipe.get(recipe)
+    return rounding_problem(r) or embedding_problem(r) or (observer_problem(r) if r.static_activations else None)
+
+
+__all__ = ["export", "quantize_weights", "calibrate", "quantize_activations", "fuse", "lower", "op_counts",
+           "eager_reason"]

@@ -127,6 +127,15 @@ def _act_linears(edit: Edit, recipe: Recipe):
         yield node, name, QuantScheme.parse(chosen[1])
 
 
+def observer_problem(recipe: Recipe) -> str | None:
+    """Why ``calibrate`` cannot observe ``recipe``'s static activation ranges (it observes
+    min and max), or None."""
+    if recipe.act_observer != "minmax":
+        return (f"calibrate observes min and max; the recipe's act_observer '{recipe.act_observer}' runs in "
+                "lowbit.quantize_model")
+    return None
+
+
 def calibrate(ep: ExportedProgram, recipe: Recipe | str | dict, calibration: torch.Tensor) -> ExportedProgram:
     """Observe the input range of every quantized linear whose recipe gives it static
     (per-tensor) activations: insert ``lowbit.observe_range`` nodes before them, run each
@@ -147,9 +156,8 @@ def calibrate(ep: ExportedProgram, recipe: Recipe | str | dict, calibration: tor
         True
     """
     recipe = Recipe.get(recipe)
-    if recipe.act_observer != "minmax":
-        raise ValueError(f"calibrate observes min and max; the recipe's act_observer '{recipe.act_observer}' "
-                         "runs in lowbit.quantize_model")
+    if observer_problem(recipe):
+        raise ValueError(observer_problem(recipe))
     if not isinstance(calibration, torch.Tensor) or calibration.dtype != torch.int64 or calibration.dim() != 2 \
             or calibration.numel() == 0:
         raise ValueError("calibration must be token ids: a non-empty int64 tensor [samples, length]")

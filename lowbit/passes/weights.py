@@ -28,6 +28,22 @@ def module_of(node: fx.Node) -> str | None:
     return list(stack.values())[-1][0] if stack else None
 
 
+def rounding_problem(recipe: Recipe) -> str | None:
+    """Why ``quantize_weights`` cannot round ``recipe``'s weights itself (it rounds to
+    nearest with min-max scales), or None."""
+    if recipe.method != "rtn" or recipe.observer != "minmax" or recipe.smoothquant is not None:
+        return (f"recipe '{recipe.name}' rounds weights by method {recipe.method!r} (observer {recipe.observer!r}, "
+                f"smoothquant {recipe.smoothquant!r}); the pass rounds to nearest with min-max scales")
+    return None
+
+
+def embedding_problem(recipe: Recipe) -> str | None:
+    """Why the graph passes cannot quantize ``recipe``'s embedding (they quantize linears), or None."""
+    if recipe.embedding is not None:
+        return f"recipe '{recipe.name}' quantizes the embedding; the graph pass quantizes linears"
+    return None
+
+
 def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
                      quantizer: Callable[[str, torch.Tensor, str], QTensor] | None = None) -> ExportedProgram:
     """Quantize the weight of every ``aten.linear`` of ``ep`` whose module the recipe
@@ -59,13 +75,11 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
         (1, 1)
     """
     recipe = Recipe.get(recipe)
-    if quantizer is None and (recipe.method != "rtn" or recipe.observer != "minmax" or recipe.smoothquant is not None):
-        raise ValueError(f"recipe '{recipe.name}' rounds weights by method {recipe.method!r} (observer "
-                         f"{recipe.observer!r}, smoothquant {recipe.smoothquant!r}); the pass rounds to nearest "
-                         "with min-max scales: pass a quantizer, or quantize with lowbit.quantize_model, then export")
-    if recipe.embedding is not None:
-        raise ValueError(f"recipe '{recipe.name}' quantizes the embedding; the graph pass quantizes linears: "
-                         "quantize the model with lowbit.quantize_model, then export it")
+    if quantizer is None and rounding_problem(recipe):
+        raise ValueError(f"{rounding_problem(recipe)}: pass a quantizer, or quantize with lowbit.quantize_model, "
+                         "then export")
+    if embedding_problem(recipe):
+        raise ValueError(f"{embedding_problem(recipe)}: quantize the model with lowbit.quantize_model, then export it")
     edit = Edit(ep)
     done, already, old = 0, 0, []
     for node in edit.call_functions(aten.linear.default):
