@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it (a name equal to its module is the module)
 _EXPORTS = {
     "QuantScheme": "scheme", "SCHEME_PRESETS": "scheme",
-    "QTensor": "qtensor",
-    "quantize": "ops", "dequantize": "ops", "quantized_matmul": "ops", "linear": "ops",
+    "QTensor": "qtensor", "SplitQTensor": "qtensor",
+    "quantize": "ops", "dequantize": "ops", "quantized_matmul": "ops", "linear": "ops", "split_quantize": "ops",
     "available_backends": "kernels",
     "Recipe": "recipe", "RECIPE_PRESETS": "recipe",
     "load_model": "models", "quantize_model": "models", "save_quantized": "models", "load_quantized": "models",

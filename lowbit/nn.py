@@ -18,7 +18,7 @@ from torch import nn
 from ._validate import has_values as _has_values
 from .ops import choose_qparams, linear, quantize
 from .ops.quant import _check_qparams
-from .qtensor import QTensor
+from .qtensor import QTensor, SplitQTensor
 from .scheme import QuantScheme
 
 
@@ -248,6 +248,97 @@ class QuantLinear(nn.Module):
                 f"weight='{self.weight.scheme}', act={act}{order}")
 
 
+class _SplitWeight(nn.Module):
+    """The parts of a ``SplitQTensor``: submodules ``low`` and ``high`` (each a weight's
+    codes / scale / zero point) and the buffer ``outliers``."""
+
+    def __init__(self, st: SplitQTensor):
+        super().__init__()
+        self.low, self.high = _QuantWeight(st.low), _QuantWeight(st.high)
+        self.register_buffer("outliers", st.outliers)
+        self.shape = st.shape
+        self._cached: SplitQTensor | None = st
+
+    def qtensor(self) -> SplitQTensor:
+        c, low, high = self._cached, self.low.qtensor(), self.high.qtensor()
+        if c is None or c.low is not low or c.high is not high or c.outliers is not self.outliers:
+            c = self._cached = SplitQTensor(low, high, self.outliers)
+        return c
+
+    @property
+    def nbytes(self) -> int:
+        return self.qtensor().nbytes
+
+    def extra_repr(self) -> str:
+        return (f"low='{self.low.scheme}', high='{self.high.scheme}', outliers={self.outliers.numel()}, "
+                f"shape={tuple(self.shape)}")
+
+
+class SplitQuantLinear(nn.Module):
+    """``y = x @ W.T + bias`` with a mixed int8/int4 weight (``lowbit.SplitQTensor``): the
+    outlier input channels at 8 bits, the others at 4 (``lowbit.split_quantize``), one
+    ``lowbit::split_matmul`` without a float copy of W.  Weight-only.
+
+    It is a module of its own, not a ``QuantLinear``: the formats (GGUF,
+    compressed-tensors, lowbit checkpoints) and the native decode step have no split
+    layout, and refuse it by name rather than write half of it.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.nn import SplitQuantLinear
+        >>> q = SplitQuantLinear.from_linear(torch.nn.Linear(64, 32), "int4-asym-g32", outliers=16)
+        >>> q(torch.randn(2, 64)).shape
+        torch.Size([2, 32])
+        >>> q.extra_repr()
+        "in_features=64, out_features=32, bias=True, weight='int4-asym-g32' + 16 outlier channels 'int8-sym'"
+    """
+
+    def __init__(self, qweight: SplitQTensor, bias: torch.Tensor | None = None, backend: str | None = None):
+        super().__init__()
+        if not isinstance(qweight, SplitQTensor):
+            raise TypeError(f"qweight must be a lowbit.SplitQTensor, got {type(qweight).__name__}")
+        self.out_features, self.in_features = qweight.shape
+        self.weight = _SplitWeight(qweight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.backend = backend
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, scheme: str | QuantScheme, outliers, *, high: str = "int8-sym",
+                    x_sq: torch.Tensor | None = None, by: str = "error", backend: str | None = None):
+        """``lowbit.split_quantize`` of ``lin.weight`` (in float32), keeping its bias."""
+        from .ops import split_quantize
+
+        st = split_quantize(lin.weight.detach().float(), scheme, outliers, high=high, x_sq=x_sq, by=by)
+        return cls(st, lin.bias, backend)
+
+    @property
+    def qweight(self) -> SplitQTensor:
+        return self.weight.qtensor()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight.qtensor(), self.bias, backend=self.backend)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .ops import dequantize
+
+        return dequantize(self.weight.qtensor(), dtype)
+
+    def extra_repr(self) -> str:
+        w = self.weight
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight='{w.low.scheme}' + {w.outliers.numel()} outlier channels '{w.high.scheme}'")
+
+
+def refuse_split(model: nn.Module, where: str) -> None:
+    """Raise ValueError naming the first ``SplitQuantLinear`` of ``model``: ``where`` (a
+    format or path) has no layout for mixed int8/int4 weights."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, SplitQuantLinear):
+            raise ValueError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4), which "
+                             f"{where} cannot hold; quantize it with a single scheme to save it")
+
+
 def _check_order(order, k: int, device) -> None:
     """``order`` must be an int64 permutation of range(k) on the weight's device."""
     if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or tuple(order.shape) != (k,):
@@ -311,4 +402,4 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, weight='{self.weight.scheme}', dtype={self.dtype}"
 
 
-__all__ = ["QuantLinear", "QuantEmbedding", "act_qparams_from_range"]
+__all__ = ["QuantLinear", "QuantEmbedding", "SplitQuantLinear", "act_qparams_from_range"]

@@ -111,3 +111,90 @@ pytree.register_pytree_node(
     QTensor, _flatten, _unflatten,
     serialized_type_name="lowbit.QTensor", flatten_with_keys_fn=_flatten_with_keys,
 )
+
+
+@dataclass(frozen=True)
+class SplitQTensor:
+    """A weight [N, K] whose input channels are split: a few outlier channels kept at
+    high precision (int8), the rest at low precision (int4); build it with
+    ``lowbit.split_quantize``.
+
+    ``W = dequantize(low) + dequantize(high)`` placed at the columns ``outliers``:
+    ``low`` is a QTensor [N, K] whose outlier columns hold zeros (their codes are the zero
+    point), ``high`` a QTensor [N, len(outliers)].  ``low`` keeps all K columns so that its
+    groups stay whole (K minus a few channels rarely divides by a group size); the zeros
+    cost ``scheme.bits`` per outlier weight and are counted in ``bits_per_weight``.
+
+    Attributes:
+        low: the int4 (any 4- or 8-bit matmul scheme) part, shape [N, K].
+        high: the outlier columns, shape [N, len(outliers)].
+        outliers: int64 [len(outliers)], strictly increasing input channel indices.
+
+    Example::
+
+        >>> import torch, lowbit
+        >>> w = torch.randn(16, 64)
+        >>> st = lowbit.split_quantize(w, "int4-asym-g32", outliers=torch.tensor([3, 40]))
+        >>> st.shape, st.high.shape, round(st.bits_per_weight, 3)
+        (torch.Size([16, 64]), torch.Size([16, 2]), 6.031)
+    """
+
+    low: QTensor
+    high: QTensor
+    outliers: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, qt in (("low", self.low), ("high", self.high)):
+            if not isinstance(qt, QTensor) or len(qt.shape) != 2:
+                raise TypeError(f"{name} must be a 2-D lowbit.QTensor, got {qt!r}")
+        n, k = self.low.shape
+        _validate.tensor("outliers", self.outliers, dtypes=[torch.int64], ndim=1)
+        if self.outliers.numel() == 0:
+            raise ValueError("outliers must hold at least one input channel")
+        if tuple(self.high.shape) != (n, self.outliers.numel()):
+            raise ValueError(f"high has shape {tuple(self.high.shape)}; expected [N, len(outliers)] = "
+                             f"{[n, self.outliers.numel()]}")
+        _validate.same_device("low", self.low.codes, high=self.high.codes, outliers=self.outliers)
+        o = self.outliers
+        if _validate.has_values(o) and (int(o[0]) < 0 or int(o[-1]) >= k or bool((o[1:] <= o[:-1]).any())):
+            raise ValueError(f"outliers must be strictly increasing input channels in [0, {k}), got "
+                             f"{o.tolist()[:8]}{'...' if o.numel() > 8 else ''}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.low.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both parts (codes, scales, zero points) and of the outlier indices
+        (stored as int16 where K allows it, as a file would)."""
+        index_bytes = 2 if self.shape[1] <= 2**15 else 4
+        return self.low.nbytes + self.high.nbytes + self.outliers.numel() * index_bytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.low.device
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def to(self, device: torch.device | str) -> "SplitQTensor":
+        """The same split tensor on another device."""
+        return SplitQTensor(self.low.to(device), self.high.to(device), self.outliers.to(device))
+
+    def __repr__(self) -> str:
+        return (f"SplitQTensor(shape={tuple(self.shape)}, low='{self.low.scheme}', high='{self.high.scheme}', "
+                f"outliers={self.outliers.numel()}, nbytes={self.nbytes})")
+
+
+pytree.register_pytree_node(
+    SplitQTensor, lambda st: ([st.low, st.high, st.outliers], None),
+    lambda children, _: SplitQTensor(*children),
+    serialized_type_name="lowbit.SplitQTensor",
+    flatten_with_keys_fn=lambda st: ([(pytree.GetAttrKey(k), getattr(st, k)) for k in ("low", "high", "outliers")],
+                                     None),
+)

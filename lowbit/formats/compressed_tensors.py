@@ -534,10 +534,13 @@ class CompressedTensorsExport:
 
 
 def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
-    from ..nn import QuantEmbedding, QuantLinear
+    from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
 
     out = {}
     for name, mod in model.named_modules():
+        if isinstance(mod, SplitQuantLinear):
+            raise CompressedTensorsError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4), "
+                                         "which compressed-tensors has no layout for")
         if isinstance(mod, QuantEmbedding):
             raise CompressedTensorsError(
                 f"module {name!r} is a quantized embedding; vLLM and transformers load compressed-tensors "

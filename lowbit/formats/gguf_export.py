@@ -330,10 +330,13 @@ def _weights(model: nn.Module):
     llama.cpp's order; refuses what llama.cpp's llama architecture cannot run.  An
     act-order weight is written as its float weight in the input's order (GGUF has no
     column order), labelled "<scheme> act-order"."""
-    from ..nn import QuantEmbedding, QuantLinear
+    from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
 
     out, seen = [], {}
     for name, mod in model.named_modules():
+        if isinstance(mod, SplitQuantLinear):
+            raise GGUFExportError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4); GGUF "
+                                  "has one type per tensor: quantize it with a single scheme to export")
         base = gguf_name(name)
         if base is None:
             if isinstance(mod, (nn.Linear, nn.Embedding, QuantLinear, QuantEmbedding)):

@@ -4,8 +4,9 @@
 implementation in ``reference.py``.  A fast backend subclasses it, overrides the
 methods it accelerates and calls ``super()`` for the cases its kernels do not cover,
 so nothing is optional and nothing is looked up with ``getattr``.  Two methods are
-compositions of the others (``int8_linear``, ``linear_qta8a_qga4w_qta8o``); a backend
-with a fused kernel overrides them and must give the same bits.
+compositions of the others (``int8_linear``, ``linear_qta8a_qga4w_qta8o``, ``split_matmul``); a backend
+with a fused kernel overrides them and must give the same bits (``split_matmul``: the
+same bound, see its docstring).
 
 ``plan`` is the one place a backend decides which of its kernels runs for a matmul;
 its kernels, ``lowbit.runtime`` (the native decode step) and the tests (to pick a
@@ -98,6 +99,20 @@ class Backend:
     # -- matmuls ----------------------------------------------------------------------------------
     def weight_only_matmul(self, x, codes, scale, zero_point, bits: int, group_size: int):
         return ref.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+
+    def split_matmul(self, x, codes, scale, zero_point, bits: int, group_size: int, outliers, high_codes,
+                     high_scale, high_zero_point, high_bits: int, high_group_size: int):
+        """x @ W.T for a split weight (``lowbit.SplitQTensor``): ``x @ low.T + x[..., outliers]
+        @ high.T``, two weight-only matmuls of this backend's kernels (each reads its packed
+        weight once; no float weight exists), their results in x's dtype summed in float32 (float64
+        for float64 x) and rounded once to x's dtype.  Against ``reference.split_matmul`` (one float32
+        matmul of the summed weight) the difference is each part's weight-only rounding
+        plus one rounding of each part to x's dtype."""
+        y = self.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+        xh = x.index_select(-1, outliers)
+        yh = self.weight_only_matmul(xh, high_codes, high_scale, high_zero_point, high_bits, high_group_size)
+        cdt = ref.compute_dtype(x.dtype)
+        return (y.to(cdt) + yh.to(cdt)).to(x.dtype)
 
     def int8_mm(self, a, b):
         return ref.int8_mm(a, b)

@@ -222,6 +222,17 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
+def split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+                 high_zero_point, high_bits, high_group_size):
+    """x [..., K] @ W.T for the split weight ``W = low + high placed at the outlier
+    columns`` (``lowbit.SplitQTensor``): both parts dequantized to one float32 [N, K]
+    weight, one float32 matmul, rounded once to x's dtype."""
+    w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1])
+    w[:, outliers] += dequantize_weight(high_codes, high_scale, high_zero_point, high_bits, high_group_size,
+                                        outliers.numel())
+    return (x.to(torch.float32) @ w.T).to(x.dtype)
+
+
 def int8_blocks(x, act_block):
     """x quantized and dequantized in symmetric int8 blocks of ``act_block`` values along K
     (the scheme ``int8-sym-g<act_block>``: float32 scale max|x| / 127.5 per block, codes in

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .. import _folders
-from ..nn import QuantEmbedding, QuantLinear
+from ..nn import QuantEmbedding, QuantLinear, refuse_split
 from ..qtensor import QTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
@@ -144,6 +144,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     """
     from safetensors.torch import save_file
 
+    refuse_split(model, "a lowbit checkpoint")
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")

@@ -236,6 +236,19 @@ torch.library.register_autograd("lowbit::weight_only_matmul", _weight_only_matmu
                                 setup_context=_weight_only_matmul_setup, lib=_LIB)
 
 
+@_define("split_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, int group_size, "
+         "Tensor outliers, Tensor high_codes, Tensor high_scale, Tensor? high_zero_point, int high_bits, "
+         "int high_group_size) -> Tensor",
+         lambda x, codes, *rest: x.new_empty([*x.shape[:-1], codes.shape[0]]))
+def split_matmul(backend, x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+                 high_zero_point, high_bits, high_group_size):
+    """x @ W.T for a split weight: low (all K columns) plus high (the outlier columns)."""
+    if x.shape[-1] == 0:
+        return x.new_zeros((*x.shape[:-1], codes.shape[0]))
+    return backend.split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+                                high_zero_point, high_bits, high_group_size)
+
+
 @_define("int8_mm(Tensor a, Tensor b) -> Tensor",
          lambda a, b: a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32))
 def int8_mm(backend, a, b):

@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from .. import _validate
-from ..qtensor import QTensor
+from ..qtensor import QTensor, SplitQTensor
 from ..scheme import W4A8_MAX_GROUP, QuantScheme, act_scheme_problem, check_act_weight
 from . import library
 from .pack import pack_bits, unpack_bits
@@ -187,7 +187,8 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
            act_zero_point: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with a quantized weight, dispatching on the schemes:
 
-    * ``act_scheme=None``: weight-only (W8A16, W4A16; 2/3-bit weights run the reference).
+    * ``act_scheme=None``: weight-only (W8A16, W4A16; 2/3-bit weights run the reference);
+      a ``SplitQTensor`` (int8 outlier channels + int4, ``lowbit.split_quantize``) too.
     * 8-bit activations with an int8 symmetric per-channel weight: W8A8, an int8 x int8 ->
       int32 GEMM and the ``dequantize_accumulator`` epilogue (``lowbit::int8_linear``; fused
       into the GEMM on the triton backend).
@@ -199,7 +200,7 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
       activations).
 
     ``x`` is float32, float16 or bfloat16 (float64 too, weight-only) of shape [..., K] with
-    K = ``qweight.shape[1]``; ``qweight`` is a 2-D QTensor [N, K]; ``bias`` a 1-D float
+    K = ``qweight.shape[1]``; ``qweight`` is a 2-D QTensor (or SplitQTensor) [N, K]; ``bias`` a 1-D float
     tensor [N]; the result has shape [..., N] and x's dtype.
 
     Activations are quantized per token or per block on the fly (``'int8-sym-token'``,
@@ -216,17 +217,25 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         torch.bfloat16
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
-    if not isinstance(qweight, QTensor):
-        raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
+    if not isinstance(qweight, (QTensor, SplitQTensor)):
+        raise TypeError(f"qweight must be a lowbit.QTensor or SplitQTensor, got {type(qweight).__name__}")
     if len(qweight.shape) != 2:
         raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
     n, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} does not match qweight in_features={k}")
-    _validate.same_device("x", x, qweight=qweight.codes, bias=bias)
+    _validate.same_device("x", x, qweight=qweight.low.codes if isinstance(qweight, SplitQTensor) else qweight.codes,
+                          bias=bias)
     if bias is not None:
         _validate.tensor("bias", bias, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("bias", bias, (n,), "[out_features]")
+    if isinstance(qweight, SplitQTensor):
+        if act_scheme is not None or act_scale is not None or act_zero_point is not None:
+            raise ValueError("a SplitQTensor weight (int8 outlier channels + int4) runs weight-only: act_scheme, "
+                             "act_scale and act_zero_point must be None")
+        from .split import split_linear
+
+        return split_linear(x, qweight, bias, backend=backend)
     w = qweight.scheme
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validate
-from ..qtensor import QTensor
+from ..qtensor import QTensor, SplitQTensor
 from ..scheme import QuantScheme
 from . import library
 
@@ -111,7 +111,7 @@ def quantize(x: torch.Tensor, scheme: QuantScheme | str, scale: torch.Tensor | N
 
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
     """``(q - zero_point) * scale`` as ``dtype`` (computed in float32, float64 for a
-    float64 output, rounded once).
+    float64 output, rounded once); a SplitQTensor's both parts summed (``split_dequantize``).
 
     Example::
 
@@ -120,8 +120,12 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32, *, backend: str 
         >>> lowbit.dequantize(qt, torch.bfloat16).dtype
         torch.bfloat16
     """
+    if isinstance(qt, SplitQTensor):
+        from .split import split_dequantize
+
+        return split_dequantize(qt, dtype)
     if not isinstance(qt, QTensor):
-        raise TypeError(f"qt must be a lowbit.QTensor, got {type(qt).__name__}")
+        raise TypeError(f"qt must be a lowbit.QTensor or SplitQTensor, got {type(qt).__name__}")
     _validate.float_dtype("dtype", dtype)
     return library.call(library.dequantize, backend, qt.codes.device, qt.codes, qt.scale, qt.zero_point,
                         str(qt.scheme), list(qt.shape), dtype)
