@@ -111,8 +111,9 @@ class Backend:
         y = self.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
         xh = x.index_select(-1, outliers)
         yh = self.weight_only_matmul(xh, high_codes, high_scale, high_zero_point, high_bits, high_group_size)
-        cdt = ref.compute_dtype(x.dtype)
-        return (y.to(cdt) + yh.to(cdt)).to(x.dtype)
+        if x.dtype in (torch.float32, torch.float64):
+            return y.add_(yh)  # one rounding in x's dtype: the sum below, without the casts
+        return (y.to(torch.float32) + yh.to(torch.float32)).to(x.dtype)
 
     def int8_mm(self, a, b):
         return ref.int8_mm(a, b)
