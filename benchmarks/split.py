@@ -99,12 +99,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--quick", action="store_true", help="2 decoder layers, 2 windows of 128 tokens, short timings")
+    p.add_argument("--only", choices=["accuracy", "speed"], help="run one half")
     args = p.parse_args()
     if args.quick:
         args.windows, args.ctx, args.samples, args.length, args.rounds, args.reps = 2, 128, 2, 64, 2, 20
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    accuracy(args)
-    speed(args)
+    if args.only != "speed":
+        accuracy(args)
+    if args.only != "accuracy":
+        speed(args)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ _EXPORTS = {
     "evaluate": "evaluation",
     "export": "passes",
 }
-_MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime", "passes")
+_MODULES = ("ops", "nn", "models", "kernels", "scheme", "recipe", "runtime", "passes", "sparse")
 
 __all__ = sorted(_EXPORTS) + list(_MODULES)
 

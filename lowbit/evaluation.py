@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .nn import QuantLinear, SplitQuantLinear
+from .sparse import SparseQuantLinear
 from .runtime import Runner, check_positions
 
 PROTOCOLS = ("lowbit", "llama")
@@ -176,6 +177,8 @@ def _linear_bytes(m: nn.Module) -> int:
     """A linear's weight bytes: codes, scales, zero points and (act-order) input order."""
     if isinstance(m, SplitQuantLinear):
         return m.weight.nbytes
+    if isinstance(m, SparseQuantLinear):
+        return m.sqt.nbytes
     if not isinstance(m, QuantLinear):
         return m.weight.numel() * m.weight.element_size()
     order = m.input_order
@@ -185,7 +188,7 @@ def _linear_bytes(m: nn.Module) -> int:
 def _body_linears(model: nn.Module):
     """The linears of the decoder layers (not the output head)."""
     for name, m in model.named_modules():
-        if isinstance(m, (QuantLinear, SplitQuantLinear, nn.Linear)) and not (name == "lm_head" or name.endswith(".lm_head")):
+        if isinstance(m, (QuantLinear, SplitQuantLinear, SparseQuantLinear, nn.Linear)) and not (name == "lm_head" or name.endswith(".lm_head")):
             yield name, m
 
 

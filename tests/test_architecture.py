@@ -23,7 +23,7 @@ LAYERS = {
     "_C": 0,  # the C++ extension: only kernels/cpu loads it
     "qtensor": 1, "kernels": 1,
     "ops": 2,
-    "nn": 3, "recipe": 3,
+    "nn": 3, "recipe": 3, "sparse": 3,
     "algorithms": 4, "passes": 4, "formats": 4,
     "models": 5, "runtime": 5,
     "evaluation": 6,

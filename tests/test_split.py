@@ -201,3 +201,20 @@ def test_formats_refuse_split_modules_by_name(tiny, tmp_path):
         with pytest.raises(err, match=f"'{name}' is a SplitQuantLinear"):
             call()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_formats_refuse_sparse_modules_by_name(tiny, tmp_path):
+    from lowbit.formats.compressed_tensors import CompressedTensorsError, export_compressed_tensors
+    from lowbit.formats.gguf_export import GGUFExportError, export_gguf
+    from lowbit.sparse import SparseQuantLinear
+
+    model, tok = lowbit.load_model(tiny)
+    name = "model.layers.0.mlp.up_proj"
+    lowbit.quantize_model(model, "w4a16-g64")
+    model.set_submodule(name, SparseQuantLinear.from_linear(torch.nn.Linear(64, 128), "int4-asym-g32"))
+    for call, err in [(lambda: lowbit.save_quantized(model, tmp_path / "ckpt"), ValueError),
+                      (lambda: export_gguf(model, tok, tmp_path / "m.gguf"), GGUFExportError),
+                      (lambda: export_compressed_tensors(model, tok, tmp_path / "ct"), CompressedTensorsError)]:
+        with pytest.raises(err, match=f"'{name}' is a SparseQuantLinear"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

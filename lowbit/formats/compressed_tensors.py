@@ -535,12 +535,13 @@ class CompressedTensorsExport:
 
 def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
+    from ..sparse import SparseQuantLinear
 
     out = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, SplitQuantLinear):
-            raise CompressedTensorsError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4), "
-                                         "which compressed-tensors has no layout for")
+        if isinstance(mod, (SplitQuantLinear, SparseQuantLinear)):
+            raise CompressedTensorsError(f"module {name!r} is a {type(mod).__name__}, which lowbit does not write "
+                                         "as compressed-tensors (int8 outlier channels + int4, or 2:4 sparse)")
         if isinstance(mod, QuantEmbedding):
             raise CompressedTensorsError(
                 f"module {name!r} is a quantized embedding; vLLM and transformers load compressed-tensors "

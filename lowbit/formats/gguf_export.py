@@ -324,6 +324,9 @@ _K_OF_SCHEME = {scheme: name for name, scheme in ggml.LOSSLESS_SCHEMES.items() i
 
 
 # -- the model --------------------------------------------------------------------------
+_UNSTORED = {"SplitQuantLinear": "int8 outlier channels + int4", "SparseQuantLinear": "2:4 sparse"}
+
+
 def _weights(model: nn.Module):
     """(gguf name, HF module name, weight to write: QTensor or float tensor, its source
     label or None, the weight as the module holds it) of every tensor to write, in
@@ -331,12 +334,13 @@ def _weights(model: nn.Module):
     act-order weight is written as its float weight in the input's order (GGUF has no
     column order), labelled "<scheme> act-order"."""
     from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
+    from ..sparse import SparseQuantLinear
 
     out, seen = [], {}
     for name, mod in model.named_modules():
-        if isinstance(mod, SplitQuantLinear):
-            raise GGUFExportError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4); GGUF "
-                                  "has one type per tensor: quantize it with a single scheme to export")
+        if isinstance(mod, (SplitQuantLinear, SparseQuantLinear)):
+            raise GGUFExportError(f"module {name!r} is a {type(mod).__name__} ({_UNSTORED[type(mod).__name__]}); "
+                                  "GGUF has no such tensor type: quantize it with a single dense scheme to export")
         base = gguf_name(name)
         if base is None:
             if isinstance(mod, (nn.Linear, nn.Embedding, QuantLinear, QuantEmbedding)):

@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import _folders
 from ..nn import QuantEmbedding, QuantLinear, refuse_split
+from ..sparse import SparseQuantLinear
 from ..qtensor import QTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
@@ -145,6 +146,10 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     from safetensors.torch import save_file
 
     refuse_split(model, "a lowbit checkpoint")
+    sparse = next((n for n, m in model.named_modules() if isinstance(m, SparseQuantLinear)), None)
+    if sparse is not None:
+        raise ValueError(f"module {sparse!r} is a SparseQuantLinear (2:4 sparse), which a lowbit checkpoint "
+                         "cannot hold yet")
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")

@@ -233,9 +233,7 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         if act_scheme is not None or act_scale is not None or act_zero_point is not None:
             raise ValueError("a SplitQTensor weight (int8 outlier channels + int4) runs weight-only: act_scheme, "
                              "act_scale and act_zero_point must be None")
-        from .split import split_linear
-
-        return split_linear(x, qweight, bias, backend=backend)
+        return _split_linear(x, qweight, bias, backend=backend)
     w = qweight.scheme
     if act_scheme is None:
         if act_scale is not None or act_zero_point is not None:
@@ -354,3 +352,6 @@ def linear_qta8a_qga4w_qta8o(x_q: torch.Tensor, x_scale: torch.Tensor, x_zero_po
                          "sum of (x_q - x_zero_point)(q - w_zero_point), at most 255 * 15 per term, is exact")
     return library.call(library.linear_qta8a_qga4w_qta8o, backend, x_q.device, x_q, x_scale, x_zero_point,
                         w_codes, w_scale, w_zero_point, group_size, out_scale, out_zero_point, bias)
+
+
+from .split import split_linear as _split_linear  # noqa: E402 (split.py builds on this module)

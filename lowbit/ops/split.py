@@ -16,14 +16,13 @@ from .. import _validate
 from ..qtensor import SplitQTensor
 from ..scheme import QuantScheme
 from . import library
+from .matmul import matmul_form, weight_parts
 from .quant import as_scheme, dequantize, quantize
 
 BY = ("error", "activation", "weight")
 
 
 def _low_scheme(scheme, k: int) -> QuantScheme:
-    from .matmul import matmul_form
-
     s = as_scheme(scheme)
     if s.granularity == "group" and k % s.group_size:
         raise ValueError(f"scheme '{s}': group_size={s.group_size} does not divide K={k} (in_features)")
@@ -210,9 +209,8 @@ def split_linear(x: torch.Tensor, st: SplitQTensor, bias: torch.Tensor | None = 
         >>> lowbit.linear(torch.randn(3, 64), st).shape
         torch.Size([3, 32])
     """
-    from .matmul import weight_parts
-
-    _low_scheme(st.low.scheme, st.shape[1])
+    if not matmul_form(st.low.scheme, st.shape[1]):
+        _low_scheme(st.low.scheme, st.shape[1])  # raises, naming the scheme
     codes, scale, zp, bits, group = weight_parts(st.low)
     h_codes, h_scale, h_zp, h_bits, h_group = weight_parts(st.high)
     y = library.call(library.split_matmul, backend, x.device, x, codes, scale, zp, bits, group, st.outliers,

@@ -57,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
   m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");
   m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul with the kernel the plan chose (an index)");
+  m.def("split_matmul", &split_matmul,
+        "mixed int8/int4 weight: the low part's decode kernel, the int8 outlier columns added in float32");
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");

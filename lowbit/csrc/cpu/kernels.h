@@ -29,6 +29,10 @@ std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                               int64_t kernel);
+at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, int64_t kernel,
+                        const at::Tensor& outliers, const at::Tensor& high_codes, const at::Tensor& high_scale,
+                        const c10::optional<at::Tensor>& high_zero_point, int64_t high_group);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemv_a8.cpp

@@ -24,6 +24,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -430,12 +431,12 @@ std::vector<std::string> weight_only_kernels() {
   return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
 }
 
-at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t kernel) {
-  const int64_t K = x.size(-1), N = codes.size(0);
-  const int64_t M = K ? x.numel() / K : 0;
-  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+namespace {
+// x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
+// kernels (gemv_*), x's dtype from gemm_bf16.
+at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                            int64_t kernel) {
   const at::Tensor c = codes.contiguous();
   const at::Tensor s = scale.to(at::kFloat).contiguous();
   c10::optional<at::Tensor> z;
@@ -457,6 +458,83 @@ at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, cons
     default:
       TORCH_CHECK(false, "lowbit._C.weight_only_matmul: unknown kernel ", kernel);
   }
+  return y;
+}
+}  // namespace
+
+at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                              int64_t kernel) {
+  const int64_t K = x.size(-1), N = codes.size(0);
+  const int64_t M = K ? x.numel() / K : 0;
+  at::Tensor y = weight_only_rows(x.reshape({M, K}).contiguous(), codes, scale, zero_point, bits, group, kernel);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.to(x.scalar_type()).view(shape);
+}
+
+// ---- mixed int8/int4 weights (lowbit.SplitQTensor) --------------------------------------
+// One call: the low part's decode kernel over x (float32 [M, N]), then the J outlier
+// columns' 8-bit codes added to it in float32,
+//   y[m, n] += sum_g hs[n, g] * sum_{j in g} (hq[n, j] - hz[n, g]) * x[m, outliers[j]],
+// and one rounding to x's dtype.  (q - z) is exact in float32; J is small (16-64), so a
+// plain loop over the gathered x[:, outliers] costs a few microseconds.
+at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, int64_t kernel,
+                        const at::Tensor& outliers, const at::Tensor& high_codes, const at::Tensor& high_scale,
+                        const c10::optional<at::Tensor>& high_zero_point, int64_t high_group) {
+  TORCH_CHECK(static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16,
+              "lowbit._C.split_matmul: decode kernels (gemv_*) only");
+  TORCH_CHECK(high_codes.scalar_type() == (high_zero_point.has_value() ? at::kByte : at::kChar),
+              "lowbit._C.split_matmul: high codes must be int8 (no zero point) or uint8 (with one)");
+  const int64_t K = x.size(-1), N = codes.size(0), J = outliers.size(0);
+  const int64_t M = K ? x.numel() / K : 0, G = J / high_group;
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel).contiguous();
+  const at::Tensor xh = x2.index_select(1, outliers).contiguous();
+  const at::Tensor hs = high_scale.to(at::kFloat).contiguous();
+  const at::Tensor hc = high_codes.contiguous();
+  at::Tensor hz;
+  if (high_zero_point.has_value()) hz = high_zero_point->to(at::kFloat).contiguous();
+  const float* px = xh.data_ptr<float>();
+  const float* ps = hs.data_ptr<float>();
+  const float* pz = hz.defined() ? hz.data_ptr<float>() : nullptr;
+  float* py = y.data_ptr<float>();
+  // One thread: the outlier part is a few multiply-adds per output (J = 16-64), less
+  // than what waking the pool costs.  8 codes at a time with AVX2 (exact int -> float,
+  // then (q - z) * x as FMAs), the rest scalar.
+  auto run = [&](auto* q) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const float z = pz ? pz[n * G + g] : 0.f;
+          const auto* qg = q + n * J + g * high_group;
+          const float* xg = px + m * J + g * high_group;
+          float dot = 0.f;
+          int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+          __m256 v = _mm256_setzero_ps();
+          const __m256 vz = _mm256_set1_ps(z);
+          for (; j + 8 <= high_group; j += 8) {
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + j));
+            const __m256i w = std::is_signed_v<std::remove_pointer_t<decltype(q)>> ? _mm256_cvtepi8_epi32(b)
+                                                                                   : _mm256_cvtepu8_epi32(b);
+            v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(w), vz), _mm256_loadu_ps(xg + j), v);
+          }
+          __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+          h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+          dot = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+          for (; j < high_group; ++j) dot += (static_cast<float>(qg[j]) - z) * xg[j];
+          acc += ps[n * G + g] * dot;
+        }
+        py[m * N + n] += acc;
+      }
+    }
+  };
+  if (hz.defined()) run(hc.data_ptr<uint8_t>());
+  else run(hc.data_ptr<int8_t>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return y.to(x.scalar_type()).view(shape);

@@ -289,6 +289,21 @@ class CpuBackend(Backend):
             return _tiles(x, codes, scale, zero_point, bits, group_size, cdt)
         return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel))
 
+    def split_matmul(self, x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+                     high_zero_point, high_bits, high_group_size):
+        """Where the low part's plan is a decode kernel (``gemv_*``), one call of
+        ``_C.split_matmul``: that kernel's float32 result, the 8-bit outlier columns added
+        to it in float32 (a loop over x[:, outliers]), one rounding to x's dtype: within the
+        composition's bound (``Backend.split_matmul``), with one rounding fewer.  Else the
+        composition of this backend's weight-only matmuls."""
+        k = x.shape[-1]
+        kernel = _weight_only_plan(bits, group_size, x.numel() // k, k, x.dtype).kernel
+        if kernel.startswith("gemv") and high_bits == 8:
+            return _C.split_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel),
+                                   outliers, high_codes, high_scale, high_zero_point, high_group_size)
+        return super().split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+                                    high_zero_point, high_bits, high_group_size)
+
     def linear_a8_blocks(self, x, codes, scale, zero_point, bits, group_size, act_block):
         """Up to ``A8_ROWS_MAX_M`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
