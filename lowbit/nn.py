@@ -279,9 +279,10 @@ class SplitQuantLinear(nn.Module):
     outlier input channels at 8 bits, the others at 4 (``lowbit.split_quantize``), one
     ``lowbit::split_matmul`` without a float copy of W.  Weight-only.
 
-    It is a module of its own, not a ``QuantLinear``: the formats (GGUF,
-    compressed-tensors, lowbit checkpoints) and the native decode step have no split
-    layout, and refuse it by name rather than write half of it.
+    It is a module of its own, not a ``QuantLinear``: lowbit checkpoints hold it (module
+    kind "split"), GGUF and compressed-tensors have no split layout and refuse it by name
+    rather than write half of it, and the native decode step leaves a model with one to
+    the Python path.
 
     Example::
 
@@ -328,15 +329,6 @@ class SplitQuantLinear(nn.Module):
         w = self.weight
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight='{w.low.scheme}' + {w.outliers.numel()} outlier channels '{w.high.scheme}'")
-
-
-def refuse_split(model: nn.Module, where: str) -> None:
-    """Raise ValueError naming the first ``SplitQuantLinear`` of ``model``: ``where`` (a
-    format or path) has no layout for mixed int8/int4 weights."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, SplitQuantLinear):
-            raise ValueError(f"module {name!r} is a SplitQuantLinear (int8 outlier channels + int4), which "
-                             f"{where} cannot hold; quantize it with a single scheme to save it")
 
 
 def _check_order(order, k: int, device) -> None:

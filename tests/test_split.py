@@ -1,6 +1,8 @@
 """Mixed int8/int4 weights (lowbit.SplitQTensor): the format, the choice of outlier
 channels, lowbit::split_matmul on every backend against the reference, the module."""
 
+import json
+
 import pytest
 import torch
 
@@ -195,12 +197,49 @@ def test_formats_refuse_split_modules_by_name(tiny, tmp_path):
     name = "model.layers.0.mlp.down_proj"
     lowbit.quantize_model(model, "w4a16-g64")
     model.set_submodule(name, SplitQuantLinear.from_linear(torch.nn.Linear(128, 64), "int4-asym-g64", 16))
-    for call, err in [(lambda: lowbit.save_quantized(model, tmp_path / "ckpt"), ValueError),
+    for call, err in [(lambda: lowbit.save_quantized(model, tmp_path / "ckpt"), ValueError),  # not recorded
                       (lambda: export_gguf(model, tok, tmp_path / "m.gguf"), GGUFExportError),
                       (lambda: export_compressed_tensors(model, tok, tmp_path / "ct"), CompressedTensorsError)]:
         with pytest.raises(err, match=f"'{name}' is a SplitQuantLinear"):
             call()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_split_model_saves_and_loads_bit_for_bit(tiny, tmp_path):
+    from lowbit.models import split_model
+    from lowbit.models.checkpoint import read_metadata
+
+    model, tok = lowbit.load_model(tiny)
+    ids = torch.randint(0, 1000, (2, 16))
+    split_model(model, "int4-asym-g32", 16, calibration=ids)
+    path = lowbit.save_quantized(model, tmp_path / "ckpt", tok)
+    spec = read_metadata(path)["modules"]["model.layers.0.mlp.down_proj"]
+    assert spec == {"kind": "split", "weight": "int4-asym-g32", "activation": None, "high": "int8-sym"}
+    loaded, _ = lowbit.load_quantized(path)
+    assert type(loaded.model.layers[0].mlp.down_proj) is SplitQuantLinear
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_split_checkpoint_with_bad_outliers_is_refused(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from lowbit.models import split_model
+    from lowbit.models.checkpoint import CheckpointError
+    from lowbit.models.common import sha256
+
+    model, tok = lowbit.load_model(tiny)
+    split_model(model, "int4-asym-g32", 8, modules=r"layers\.0\.mlp\.down_proj$")
+    path = lowbit.save_quantized(model, tmp_path / "ckpt", tok)
+    key = "model.layers.0.mlp.down_proj.weight.outliers"
+    tensors = load_file(path / "model.safetensors")
+    tensors[key] = tensors[key].flip(0).contiguous()  # decreasing: refused by name
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((path / "lowbit.json").read_text())
+    meta["sha256"][key] = sha256(tensors[key])
+    (path / "lowbit.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="strictly increasing"):
+        lowbit.load_quantized(path)
 
 
 def test_formats_refuse_sparse_modules_by_name(tiny, tmp_path):

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from .. import _folders
-from ..nn import QuantEmbedding, QuantLinear, refuse_split
+from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
 from ..sparse import SparseQuantLinear
-from ..qtensor import QTensor
+from ..qtensor import QTensor, SplitQTensor
 from ..recipe import Recipe
 from ..scheme import QuantScheme
 from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, TensorFiles, quiet_transformers, sha256
@@ -145,7 +145,6 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     """
     from safetensors.torch import save_file
 
-    refuse_split(model, "a lowbit checkpoint")
     sparse = next((n for n, m in model.named_modules() if isinstance(m, SparseQuantLinear)), None)
     if sparse is not None:
         raise ValueError(f"module {sparse!r} is a SparseQuantLinear (2:4 sparse), which a lowbit checkpoint "
@@ -153,6 +152,11 @@ def save_quantized(model: nn.Module, path: str | os.PathLike, tokenizer=None, *,
     modules = getattr(model, "lowbit_modules", None)
     if not modules:
         raise ValueError("model has no quantized modules: quantize it with lowbit.quantize_model first")
+    unrecorded = [n for n, m in model.named_modules() if isinstance(m, SplitQuantLinear)
+                  and modules.get(n, {}).get("kind") != "split"]
+    if unrecorded:  # load_quantized would not know to build it
+        raise ValueError(f"module {unrecorded[0]!r} is a SplitQuantLinear that model.lowbit_modules does not "
+                         "record; make split models with lowbit.models.split_model")
     uncalibrated = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and not m.act_calibrated]
     if uncalibrated:  # such a model cannot run, and load_quantized would refuse its checkpoint
         raise ValueError(f"activation scale not calibrated: {len(uncalibrated)} module(s) with a per-tensor "
@@ -182,6 +186,12 @@ def staging(path: str | os.PathLike, overwrite: bool = False):
     return _folders.staging(path, overwrite, replaceable=_not_a_checkpoint, what="checkpoint")
 
 
+# the fields of lowbit.json's record of a module, by kind ("split": int8 outlier channels
+# + int4, lowbit.models.split; its weight is the 4-bit part's scheme, "high" the 8-bit one's)
+_SPEC_KEYS = {"linear": ("kind", "weight", "activation"), "embedding": ("kind", "weight", "activation"),
+              "split": ("kind", "weight", "activation", "high")}
+
+
 def finish(tmp: Path, model: nn.Module, digests: dict[str, str], tokenizer=None,
            shards: dict[str, list[str]] | None = None) -> None:
     """Write ``config.json``, the tokenizer's files and ``lowbit.json`` into the staging
@@ -192,7 +202,7 @@ def finish(tmp: Path, model: nn.Module, digests: dict[str, str], tokenizer=None,
     meta = {
         "format": FORMAT, "format_version": 1 if shards is None else 2, "lowbit_version": __version__,
         "recipe": model.lowbit_recipe.to_dict(),
-        "modules": {n: {k: v[k] for k in ("kind", "weight", "activation")} for n, v in model.lowbit_modules.items()},
+        "modules": {n: {k: v[k] for k in _SPEC_KEYS[v["kind"]]} for n, v in model.lowbit_modules.items()},
         "dtype": str(_float_dtype(model)).removeprefix("torch."),
         "source": getattr(model, "lowbit_source", None),
         # how the weights were rounded: method, its parameters, the calibration run
@@ -266,21 +276,31 @@ def _validate(meta, f: Path) -> Recipe:
     for name, spec in meta["modules"].items():
         field = f"modules[{name!r}]"
         _expect(f, field, spec, (dict,), 'an object {"kind", "weight", "activation"}')
-        if set(spec) != {"kind", "weight", "activation"}:
-            raise CheckpointError(f"{f}: {field} has keys {sorted(spec)}; expected ['activation', 'kind', 'weight']")
-        if spec["kind"] not in ("linear", "embedding"):
-            raise CheckpointError(f"{f}: {field}.kind is {spec['kind']!r}; expected 'linear' or 'embedding'")
+        if "kind" not in spec:
+            raise CheckpointError(f"{f}: {field} has keys {sorted(spec)}; expected ['activation', 'kind', 'weight'] "
+                                  "(and 'high' for kind 'split')")
+        if not isinstance(spec["kind"], str) or spec["kind"] not in _SPEC_KEYS:
+            raise CheckpointError(f"{f}: {field}.kind is {spec['kind']!r}; expected one of {list(_SPEC_KEYS)}")
+        if set(spec) != set(_SPEC_KEYS[spec["kind"]]):
+            raise CheckpointError(f"{f}: {field} has keys {sorted(spec)}; expected {sorted(_SPEC_KEYS[spec['kind']])}")
         _expect(f, f"{field}.weight", spec["weight"], (str,), "a scheme string")
         _expect(f, f"{field}.activation", spec["activation"], (str, type(None)), "a scheme string or null")
-        if spec["kind"] == "embedding" and spec["activation"] is not None:
-            raise CheckpointError(f"{f}: {field}.activation must be null for an embedding")
+        if spec["kind"] != "linear" and spec["activation"] is not None:
+            raise CheckpointError(f"{f}: {field}.activation must be null for a {spec['kind']} module")
+        if spec["kind"] == "split":
+            _expect(f, f"{field}.high", spec["high"], (str,), "a scheme string")
+            try:
+                Recipe(weight=spec["high"])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{f}: {field}.high {spec['high']!r}: {e}") from None
         try:  # the schemes a recipe accepts for weights and activations
             Recipe(weight=spec["weight"], activation=spec["activation"])
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{f}: {field} (weight {spec['weight']!r}, activation {spec['activation']!r}): "
                                   f"{e}") from None
-        if f"{name}.weight.codes" not in meta["sha256"]:
-            raise CheckpointError(f"{f}: {field} has no tensor {name + '.weight.codes'!r} in sha256")
+        codes = f"{name}.weight.low.codes" if spec["kind"] == "split" else f"{name}.weight.codes"
+        if codes not in meta["sha256"]:
+            raise CheckpointError(f"{f}: {field} has no tensor {codes!r} in sha256")
         for key, needed in _static_act_tensors(name, spec["activation"]).items():
             if needed and key not in meta["sha256"]:
                 raise CheckpointError(f"{f}: {field} has the per-tensor activation scheme {spec['activation']!r} "
@@ -386,7 +406,42 @@ def read_metadata(path: str | os.PathLike) -> dict:
     return _open(path)[0]
 
 
+def _qtensor(reader: TensorFiles, prefix: str, scheme: QuantScheme, shape, what: str) -> QTensor:
+    """The QTensor of the tensors ``<prefix>.codes`` / ``.scale`` / ``.zero_point``, checked."""
+    parts = {part: reader.get(f"{prefix}.{part}", None) if f"{prefix}.{part}" in reader.keys else None
+             for part in ("codes", "scale", "zero_point")}
+    try:
+        return QTensor(parts["codes"], parts["scale"], parts["zero_point"], scheme, torch.Size(shape))
+    except (TypeError, ValueError) as e:
+        file = reader.where.get(f"{prefix}.codes", reader.file)
+        raise CheckpointError(f"{file}: {what} does not match '{scheme}' and shape {tuple(shape)}: {e}") from None
+
+
+def _split_module(reader: TensorFiles, name: str, spec: dict, shell: nn.Module, dtype, backend):
+    meta_file = reader.file.parent / CHECKPOINT_CONFIG
+    if not isinstance(shell, nn.Linear):
+        raise CheckpointError(f"{meta_file}: module {name!r} is a {type(shell).__name__}, not a Linear")
+    n, k = shell.out_features, shell.in_features
+    outliers = reader.get(f"{name}.weight.outliers", (torch.int64,))
+    if outliers.dim() != 1 or not 0 < outliers.numel() <= k:
+        raise CheckpointError(f"{reader.where[name + '.weight.outliers']}: tensor {name + '.weight.outliers'!r} "
+                              f"must be 1-D with 1 to {k} (in_features) entries, got shape {tuple(outliers.shape)}")
+    low = _qtensor(reader, f"{name}.weight.low", QuantScheme.parse(spec["weight"]), (n, k),
+                   f"the 4-bit part of {name!r}")
+    high = _qtensor(reader, f"{name}.weight.high", QuantScheme.parse(spec["high"]), (n, outliers.numel()),
+                    f"the outlier part of {name!r}")
+    bias = None
+    if shell.bias is not None:
+        bias = reader.get(f"{name}.bias", (torch.float32, torch.bfloat16, torch.float16), (n,)).to(dtype)
+    try:
+        return SplitQuantLinear(SplitQTensor(low, high, outliers), bias, backend)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{reader.where[name + '.weight.outliers']}: split weight of {name!r}: {e}") from None
+
+
 def _quant_module(reader: TensorFiles, name: str, spec: dict, shell: nn.Module, dtype, backend):
+    if spec["kind"] == "split":
+        return _split_module(reader, name, spec, shell, dtype, backend)
     scheme = QuantScheme.parse(spec["weight"])
     meta_file = reader.file.parent / CHECKPOINT_CONFIG
     if spec["kind"] == "linear":
@@ -397,16 +452,7 @@ def _quant_module(reader: TensorFiles, name: str, spec: dict, shell: nn.Module, 
         if not isinstance(shell, nn.Embedding):
             raise CheckpointError(f"{meta_file}: module {name!r} is a {type(shell).__name__}, not an Embedding")
         shape = (shell.num_embeddings, shell.embedding_dim)
-    parts = {}
-    for part in ("codes", "scale", "zero_point"):
-        key = f"{name}.weight.{part}"
-        parts[part] = reader.get(key, None) if key in reader.keys else None
-    try:
-        qt = QTensor(parts["codes"], parts["scale"], parts["zero_point"], scheme, torch.Size(shape))
-    except (TypeError, ValueError) as e:
-        file = reader.where.get(f"{name}.weight.codes", reader.file)
-        raise CheckpointError(f"{file}: quantized weight of {name!r} does not match '{scheme}' "
-                              f"and shape {shape}: {e}") from None
+    qt = _qtensor(reader, f"{name}.weight", scheme, shape, f"quantized weight of {name!r}")
     if spec["kind"] == "embedding":
         return QuantEmbedding(qt, dtype, shell.padding_idx)
     bias = None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..nn import SplitQuantLinear
-from ..recipe import DECODER_LINEARS, fit_group
+from ..recipe import DECODER_LINEARS, Recipe, fit_group
 from .calibrate import set_module
 
 
@@ -63,8 +63,9 @@ def split_model(model: nn.Module, scheme: str, outliers: int, *, calibration: to
 
     The channels are chosen by ``lowbit.ops.choose_outliers(..., by=by)`` with each
     linear's input mean squares from ``calibration`` (token ids) when given, from the
-    weights alone otherwise.  ``model.lowbit_split`` records what was done.  A split model
-    runs and evaluates; the formats and checkpoints have no layout for it (they refuse it).
+    weights alone otherwise.  ``model.lowbit_modules`` and ``lowbit_quantization`` record
+    what was done, so ``lowbit.save_quantized`` writes it and ``load_quantized`` reads it
+    back; GGUF and compressed-tensors have no layout for it (they refuse it).
 
     Example::
 
@@ -79,13 +80,20 @@ def split_model(model: nn.Module, scheme: str, outliers: int, *, calibration: to
     if not names:
         raise ValueError(f"modules={modules!r} selects no nn.Linear of this {type(model).__name__}")
     x_sq = input_mean_squares(model, names, calibration) if calibration is not None else {}
+    specs = {}
     for name in names:
         lin = model.get_submodule(name)
-        set_module(model, name, SplitQuantLinear.from_linear(
-            lin, fit_group(scheme, lin.in_features), outliers, high=high, x_sq=x_sq.get(name), by=by,
-            backend=backend))
-    model.lowbit_split = {"scheme": scheme, "outliers": outliers, "high": high, "by": by,
-                          "calibrated": calibration is not None, "modules": len(names)}
+        fitted = fit_group(scheme, lin.in_features)
+        set_module(model, name, SplitQuantLinear.from_linear(lin, fitted, outliers, high=high, x_sq=x_sq.get(name),
+                                                             by=by, backend=backend))
+        specs[name] = {"kind": "split", "weight": fitted, "activation": None, "high": high, "asked": scheme}
+    # what save_quantized records (a model quantize_model touched first keeps its recipe)
+    if getattr(model, "lowbit_recipe", None) is None:
+        model.lowbit_recipe = Recipe(weight=scheme, modules=(modules,), name="split")
+    model.lowbit_modules = {**getattr(model, "lowbit_modules", {}), **specs}
+    split = {"outliers": outliers, "high": high, "by": by, "calibrated": calibration is not None}
+    model.lowbit_quantization = {**(getattr(model, "lowbit_quantization", None)
+                                    or {"method": "rtn", "params": {}, "transforms": {}}), "split": split}
     return model
 
 
