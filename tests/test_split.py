@@ -69,6 +69,39 @@ def test_split_matmul_matches_the_reference(backend, low, count, dtype, m):
     assert bool((err <= split_tolerance(x, st, y_ref, backend)).all()), float(err.max())
 
 
+@pytest.mark.parametrize("backend", ["reference"] + FAST_BACKENDS)
+@pytest.mark.parametrize("high,count", [("int8-asym", 12), ("int8-sym-g16", 32), ("int8-asym-g8-zpfloat-f16", 24),
+                                        ("int8-sym", 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_split_matmul_with_each_kind_of_high_part(backend, high, count, dtype, m):
+    # unsigned codes with an integer or float zero point, groups, and an odd count (the
+    # cpu kernel's 8-wide loop and its scalar tail)
+    n, k = 40, 128
+    st = lowbit.split_quantize(planted(n, k, columns=(3, 70, 100)), "int4-asym-g32", count, high=high)
+    x = torch.randn(m, k).to(dtype)
+    y_ref = reference.split_matmul(x, *weight_parts(st.low), st.outliers, *weight_parts(st.high))
+    err = (lowbit.linear(x, st, backend=backend).double() - y_ref.double()).abs()
+    assert bool((err <= split_tolerance(x, st, y_ref, backend)).all()), float(err.max())
+
+
+def test_split_matmul_passes_the_gradient_to_x():
+    st = lowbit.split_quantize(planted(), "int4-asym-g64", 8)
+    x = torch.randn(3, 256, requires_grad=True)
+    lowbit.linear(x, st).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    (x2 @ lowbit.dequantize(st).T).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-4, atol=1e-3)
+
+
+def test_a_split_tensor_with_a_min_zero_point_high_part_is_refused():
+    st = lowbit.split_quantize(planted(), "int4-asym-g64", torch.tensor([3, 70]))
+    w = planted()
+    high = lowbit.quantize(w[:, [3, 70]], "int8-asym-zpmin")
+    with pytest.raises(ValueError, match="high must be an 8-bit"):
+        lowbit.linear(torch.randn(2, 256), SplitQTensor(st.low, high, st.outliers))
+
+
 def test_split_quantize_keeps_outliers_exactly_out_of_the_low_part():
     w = planted()
     st = lowbit.split_quantize(w, "int4-asym-g64", torch.tensor([3, 70, 200]))
@@ -113,11 +146,15 @@ def test_choose_outliers_by_each_criterion():
     (lambda w: choose_outliers(w, 2, "int4-asym-g32", x_sq=torch.ones(8)), ValueError, "x_sq"),
     (lambda w: lowbit.split_quantize(w, "int3-asym-g32", 2), ValueError, "not one the weight-only matmul"),
     (lambda w: lowbit.split_quantize(w, "int4-asym-g32", 2, high="int4-sym"), ValueError, "high must be"),
-    (lambda w: lowbit.split_quantize(w, "int4-asym-g32", 0), ValueError, "at least one outlier"),
+    (lambda w: lowbit.split_quantize(w, "int4-asym-g32", 0), ValueError, r"outliers must be a count in \[1, 64\]"),
     (lambda w: lowbit.split_quantize(w, "int4-asym-g32", torch.tensor([1, 2], dtype=torch.int32)), TypeError,
      "outliers"),
     (lambda w: lowbit.split_quantize(w, "int4-asym-g32", 3, high="int8-sym-g16"), ValueError, "divisible by 16"),
     (lambda w: lowbit.split_quantize(w.T.contiguous()[:3], "int4-asym-g32", 2), ValueError, "group_size"),
+    (lambda w: choose_outliers(w, 2, "garbage", by="weight"), ValueError, "garbage"),
+    (lambda w: choose_outliers(w, 2, "int4-asym-g32", x_sq=-torch.ones(64)), ValueError, "negative"),
+    (lambda w: lowbit.split_quantize(w, "int4-asym-g32", torch.tensor([3, 64])), ValueError, "strictly increasing"),
+    (lambda w: lowbit.split_quantize(w, "int4-asym-g32", torch.tensor([5, 3])), ValueError, "strictly increasing"),
 ])
 def test_bad_split_arguments_are_refused(call, err, match):
     with pytest.raises(err, match=match):

@@ -43,6 +43,9 @@ def _check(w, h, s: QuantScheme, factor) -> None:
         raise ValueError("sparsegpt: w or h holds NaN or Inf")
     if s.granularity not in ("group", "channel"):
         raise ValueError(f"sparsegpt: scheme '{s}' must be per channel or per group")
+    if s.granularity == "group" and s.group_size % 2:
+        raise ValueError(f"sparsegpt: group_size={s.group_size} of '{s}' must be even: a group of kept values "
+                         "spans 2 * group_size input channels, which must be whole 2:4 groups")
     if s.granularity == "group" and (k // 2) % s.group_size:
         raise ValueError(f"sparsegpt: group_size={s.group_size} of '{s}' must divide the {k // 2} kept values "
                          "of a row (groups run along the kept values)")

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from ..algorithms import build
-from ..nn import QuantEmbedding, QuantLinear
+from ..nn import QuantEmbedding, QuantLinear, SplitQuantLinear
 from ..ops import dequantize
 from ..recipe import Recipe, fit_group
 from ..scheme import check_act_weight
+from ..sparse import SparseQuantLinear, densify
 from .calibrate import calibrate_and_quantize, set_module as _set_module
 
 
@@ -195,8 +196,8 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
     """
     out = _shallow_copy(model)
     for name, mod in list(out.named_modules()):
-        if isinstance(mod, QuantLinear):
-            w = mod.dequantized_weight(torch.float32)
+        if isinstance(mod, (QuantLinear, SplitQuantLinear, SparseQuantLinear)):
+            w = densify(mod.sqt) if isinstance(mod, SparseQuantLinear) else mod.dequantized_weight(torch.float32)
             dtype = mod.bias.dtype if mod.bias is not None else _float_dtype(model)
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, dtype=dtype)
             lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..nn import SplitQuantLinear
+from ..ops.split import check_split
 from ..recipe import DECODER_LINEARS, Recipe, fit_group
 from .calibrate import set_module
 
@@ -79,6 +80,9 @@ def split_model(model: nn.Module, scheme: str, outliers: int, *, calibration: to
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.search(modules, n)]
     if not names:
         raise ValueError(f"modules={modules!r} selects no nn.Linear of this {type(model).__name__}")
+    for name in names:  # every module's schemes and count, before the calibration pass
+        check_split(fit_group(scheme, model.get_submodule(name).in_features), high,
+                    model.get_submodule(name).in_features, outliers)
     x_sq = input_mean_squares(model, names, calibration) if calibration is not None else {}
     specs = {}
     for name in names:

@@ -249,6 +249,26 @@ def split_matmul(backend, x, codes, scale, zero_point, bits, group_size, outlier
                                 high_zero_point, high_bits, high_group_size)
 
 
+def _split_matmul_setup(ctx, inputs, output):
+    x, codes, scale, zero_point, bits, group_size, outliers, h_codes, h_scale, h_zero_point, h_bits, h_group = inputs
+    ctx.save_for_backward(codes, scale, zero_point, outliers, h_codes, h_scale, h_zero_point)
+    ctx.parts = bits, group_size, h_bits, h_group, x.shape[-1], x.dtype
+
+
+def _split_matmul_backward(ctx, grad):
+    # dL/dx = dL/dy @ W with W the summed split weight (float32, rounded once to x's dtype);
+    # the codes, scales and outliers get no gradient (a frozen weight, as weight_only_matmul's)
+    codes, scale, zero_point, outliers, h_codes, h_scale, h_zero_point = ctx.saved_tensors
+    bits, group_size, h_bits, h_group, k, x_dtype = ctx.parts
+    w = ref.dequantize_weight(codes, scale, zero_point, bits, group_size, k)
+    w[:, outliers] += ref.dequantize_weight(h_codes, h_scale, h_zero_point, h_bits, h_group, outliers.numel())
+    return ((grad.to(torch.float32) @ w).to(x_dtype),) + (None,) * 11
+
+
+torch.library.register_autograd("lowbit::split_matmul", _split_matmul_backward,
+                                setup_context=_split_matmul_setup, lib=_LIB)
+
+
 @_define("int8_mm(Tensor a, Tensor b) -> Tensor",
          lambda a, b: a.new_empty([a.shape[0], b.shape[0]], dtype=torch.int32))
 def int8_mm(backend, a, b):

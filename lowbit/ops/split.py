@@ -32,6 +32,32 @@ def _low_scheme(scheme, k: int) -> QuantScheme:
     return s
 
 
+def _high_scheme(high) -> QuantScheme:
+    s = as_scheme(high, "high")
+    if s.bits != 8 or s.granularity not in ("channel", "group") or s.zero_point_domain == "min":
+        raise ValueError(f"high must be an 8-bit per-channel or group scheme the matmul takes, got '{s}'")
+    return s
+
+
+def check_split(scheme, high, k: int, count=None) -> tuple[QuantScheme, QuantScheme]:
+    """The parsed (low, high) schemes of a split weight with K = ``k``, and the outlier
+    ``count`` (when given) checked, before any work.
+
+    Example::
+
+        >>> from lowbit.ops.split import check_split
+        >>> check_split("int4-asym-g64", "int8-sym", 576, 16)
+        (QuantScheme('int4-asym-g64'), QuantScheme('int8-sym'))
+    """
+    low_s, high_s = _low_scheme(scheme, k), _high_scheme(high)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= k):
+        raise ValueError(f"outliers must be a count in [1, {k}] (in_features) or an int64 tensor of channels, "
+                         f"got {count!r}")
+    if count is not None and high_s.granularity == "group" and count % high_s.group_size:
+        raise ValueError(f"high='{high_s}' needs a number of outliers divisible by {high_s.group_size}, got {count}")
+    return low_s, high_s
+
+
 def choose_outliers(w: torch.Tensor, count: int, scheme: QuantScheme | str, *, x_sq: torch.Tensor | None = None,
                     by: str = "error") -> torch.Tensor:
     """The ``count`` input channels (columns of ``w`` [N, K]) to keep at 8 bits, sorted.
@@ -59,10 +85,13 @@ def choose_outliers(w: torch.Tensor, count: int, scheme: QuantScheme | str, *, x
         raise ValueError(f"count must be an int in [0, {k}] (in_features), got {count!r}")
     if by not in BY:
         raise ValueError(f"by must be one of {BY}, got {by!r}")
+    s = _low_scheme(scheme, k)
     if x_sq is not None:
         _validate.tensor("x_sq", x_sq, dtypes=_validate.FLOAT_DTYPES, ndim=1)
         _validate.shape("x_sq", x_sq, (k,), "[in_features], the inputs' mean squares per channel")
         _validate.finite("x_sq", x_sq)
+        if _validate.has_values(x_sq) and bool((x_sq < 0).any()):
+            raise ValueError("x_sq holds negative values; it is the inputs' mean squares E[x_k^2] per channel")
     if by == "activation" and x_sq is None:
         raise ValueError("by='activation' ranks channels by the inputs' mean squares: pass x_sq")
     _validate.finite("w", w)
@@ -72,7 +101,7 @@ def choose_outliers(w: torch.Tensor, count: int, scheme: QuantScheme | str, *, x
     elif by == "activation":
         score = x_sq.float()
     else:
-        return _greedy_by_error(w, count, _low_scheme(scheme, k), x_sq)
+        return _greedy_by_error(w, count, s, x_sq)
     return torch.sort(torch.topk(score, count).indices).values
 
 
@@ -106,9 +135,8 @@ def _greedy_by_error(w, count: int, s: QuantScheme, x_sq) -> torch.Tensor:
 def _savings(wb: torch.Tensor, xb: torch.Tensor, s: QuantScheme) -> torch.Tensor:
     """[G, g]: the error saved by taking each column out of its group (``_greedy_by_error``),
     for blocks ``wb`` [N, G, g] and their inputs' mean squares ``xb`` [G, g]."""
-    if wb.shape[-1] == 1:  # a group of one: taking it out leaves nothing to save on the others
-        width, without = wb.abs() if s.symmetric else torch.zeros_like(wb), torch.zeros_like(wb)
-        return (width.square() * xb).sum(0)
+    if wb.shape[-1] == 1:  # a group of one: its own (range-sized) error is all there is to save
+        return (wb.square() * xb).sum(0)
 
     def drop_top(v):  # max over the block, and max over the block without each element
         top = v.topk(2, dim=-1).values
@@ -136,8 +164,7 @@ def split_quantize(w: torch.Tensor, scheme: QuantScheme | str, outliers: int | t
     outlier columns set to 0 (which leaves them out of its groups' ranges); the high part
     quantizes what the low part leaves of those columns (``w`` itself there, except for a
     "float" zero point, whose zero is not exact), so ``W = low + high`` holds by
-    construction.  The CPU decode kernel runs the 8-bit part without a float copy when
-    the number of outliers is a multiple of 16 (per-channel ``high``).
+    construction.
 
     Example::
 
@@ -151,14 +178,14 @@ def split_quantize(w: torch.Tensor, scheme: QuantScheme | str, outliers: int | t
     """
     _validate.tensor("w", w, dtypes=_validate.FLOAT_DTYPES, ndim=2)
     n, k = w.shape
-    low_s = _low_scheme(scheme, k)
-    high_s = as_scheme(high, "high")
-    if high_s.bits != 8 or high_s.granularity not in ("channel", "group") or high_s.zero_point_domain == "min":
-        raise ValueError(f"high must be an 8-bit per-channel or group scheme the matmul takes, got '{high_s}'")
+    low_s, high_s = check_split(scheme, high, k, None if isinstance(outliers, torch.Tensor) else outliers)
     _validate.finite("w", w)
     if isinstance(outliers, torch.Tensor):
         _validate.tensor("outliers", outliers, dtypes=[torch.int64], ndim=1)
         idx = outliers.to(w.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k or bool((idx[1:] <= idx[:-1]).any())):
+            raise ValueError(f"outliers must be strictly increasing input channels in [0, {k}), got "
+                             f"{idx.tolist()[:8]}{'...' if idx.numel() > 8 else ''}")
     else:
         idx = choose_outliers(w, outliers, low_s, x_sq=x_sq, by=by)
     if high_s.granularity == "group" and idx.numel() % high_s.group_size:
@@ -211,6 +238,8 @@ def split_linear(x: torch.Tensor, st: SplitQTensor, bias: torch.Tensor | None = 
     """
     if not matmul_form(st.low.scheme, st.shape[1]):
         _low_scheme(st.low.scheme, st.shape[1])  # raises, naming the scheme
+    if st.high.scheme.bits != 8 or st.high.scheme.zero_point_domain == "min":
+        _high_scheme(st.high.scheme)
     codes, scale, zp, bits, group = weight_parts(st.low)
     h_codes, h_scale, h_zp, h_bits, h_group = weight_parts(st.high)
     y = library.call(library.split_matmul, backend, x.device, x, codes, scale, zp, bits, group, st.outliers,
@@ -218,4 +247,4 @@ def split_linear(x: torch.Tensor, st: SplitQTensor, bias: torch.Tensor | None = 
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["choose_outliers", "split_quantize", "split_dequantize", "split_linear"]
+__all__ = ["choose_outliers", "check_split", "split_quantize", "split_dequantize", "split_linear"]
