@@ -160,7 +160,7 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
                  force: bool = False, backend: str | None = None, *, method: str | None = None,
                  smoothquant=None, calib: str | None = None, calib_samples: int = 128,
                  calib_len: int = 512, stream: bool = False, target_bits: float | None = None,
-                 candidates: list[str] | None = None) -> dict:
+                 candidates: list[str] | None = None, outliers: int | None = None) -> dict:
     r"""Load MODEL, quantize it with RECIPE (a preset name, a recipe file or a ``Recipe``)
     and save a checkpoint folder; prints what it did and returns a summary.
 
@@ -168,6 +168,11 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     activations; default ``w4a16-g128``): ``mixed_precision_recipe`` chooses each
     module's weight scheme among ``candidates`` for that average bits per weight, and
     the checkpoint folder gets ``sensitivity.csv``, ``.json`` and ``.png``.
+
+    With ``outliers``, the recipe's decoder linears become mixed int8/int4
+    (``lowbit.models.split_model``): that many input channels per linear at ``int8-sym``,
+    chosen with the calibration set's input statistics, the rest at the recipe's weight
+    scheme (weight-only, round to nearest); its lm_head / embedding schemes still apply.
 
     Example (a preset such as ``"w4a16-g128"`` quantizes all 30 layers; this recipe only
     the first layer's 7 linears, to keep the example fast)::
@@ -193,6 +198,8 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     if target_bits is not None and stream:
         raise ValueError("--target-bits measures every module on the loaded model; it does not --stream")
     r = _with_method(recipe or "w4a16-g128", method, smoothquant)
+    if outliers is not None:
+        _check_outliers(r, outliers, stream, target_bits)
     _check_output(output, force)
     if calib is not None and r.needs_calibration:
         lowbit.evaluation.load_corpus(calib)  # a missing or unreadable file: say so before loading the model
@@ -205,9 +212,13 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     mix = None
     if target_bits is not None:
         r, mix = mixed_precision_recipe(m, tok, r, target_bits, candidates, calib)
-    ids = _calibration([r], tok, calib, calib_samples, calib_len)
     t0 = time.perf_counter()
-    lowbit.quantize_model(m, r, backend=backend, progress=True, calibration=ids)
+    if outliers is None:
+        ids = _calibration([r], tok, calib, calib_samples, calib_len)
+        t0 = time.perf_counter()
+        lowbit.quantize_model(m, r, backend=backend, progress=True, calibration=ids)
+    else:
+        _quantize_split(m, tok, r, outliers, backend, calib, calib_samples, calib_len)
     seconds = time.perf_counter() - t0
     staging = None
     if mix is not None:  # written (the plot too) before the checkpoint, moved in once it is saved
@@ -226,7 +237,8 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     after = weight_bytes(m)["weight_bytes"]
-    counts = Counter((v["weight"], v["activation"]) for v in m.lowbit_modules.values())
+    counts = Counter((v["weight"] + (f" + {outliers} outlier channels {v['high']}" if v["kind"] == "split" else ""),
+                      v["activation"]) for v in m.lowbit_modules.values())
     fallbacks = sum(v["weight"] != v["asked"] for v in m.lowbit_modules.values())
     run = (m.lowbit_quantization or {}).get("calibration")
     print(f"recipe {r.name}: {len(m.lowbit_modules)} modules quantized in {seconds:.1f}s (method {r.method}"
@@ -239,6 +251,38 @@ def quantize_cmd(model: str | None, recipe: str | Recipe, output: str, dtype: st
     if staged:
         print(f"sensitivity table and plot: {', '.join(f.name for f in staged)} in {out}")
     return {"recipe": r.name, "modules": len(m.lowbit_modules), "weight_bytes": after, "path": str(out)}
+
+
+def _check_outliers(r, outliers: int, stream: bool, target_bits) -> None:
+    """What ``--outliers`` cannot be combined with, refused before the model loads."""
+    why = ("--stream" if stream else "--target-bits" if target_bits is not None
+           else f"activations {r.activation}" if r.activation is not None
+           else f"method {r.method}" if r.method != "rtn"
+           else "smoothquant" if r.smoothquant is not None
+           else "the recipe's overrides" if r.overrides else None)
+    if why:
+        raise ValueError(f"--outliers (int8 outlier channels + int4, weight-only, round to nearest) does not "
+                         f"combine with {why}")
+    if isinstance(outliers, bool) or not isinstance(outliers, int) or outliers < 1:
+        raise ValueError(f"--outliers must be a positive number of input channels, got {outliers!r}")
+
+
+def _quantize_split(m, tok, r, outliers: int, backend, calib, samples: int, length: int) -> None:
+    """``quantize_cmd --outliers``: the recipe's lm_head / embedding as it says, then its
+    decoder linears split (``split_model``) with input statistics from calibration text."""
+    import dataclasses
+
+    import lowbit
+    from lowbit.evaluation import calibration_set, load_corpus
+    from lowbit.models import split_model
+
+    ids = calibration_set(tok, calib, samples=samples, length=length)
+    _err(f"calibration: {samples} x {length} tokens from the second half of {load_corpus(calib)[1]}")
+    if r.lm_head is not None or r.embedding is not None:
+        lowbit.quantize_model(m, dataclasses.replace(r, modules=(r"(?!)",)), backend=backend)
+    split_model(m, r.weight, outliers, calibration=ids, modules="|".join(f"(?:{p})" for p in r.modules),
+                backend=backend)
+    m.lowbit_recipe = r
 
 
 def mixed_precision_recipe(model, tok, base, target_bits: float, candidates=None, calib: str | None = None,
@@ -1031,6 +1075,10 @@ layer by decoder layer.  `lowbit info` shows what it holds; `lowbit eval` and
     p.add_argument("--candidates", type=scheme_list, metavar="SCHEMES",
                    help="with --target-bits: comma-separated weight schemes to choose from (default: "
                         "int8-sym,int4-asym-g128-f16,int4-asym-g32-f16,int3-asym-g32-f16,int2-asym-g32-f16)")
+    p.add_argument("--outliers", type=int_at_least(1), metavar="N",
+                   help="keep N input channels of every selected linear at int8 (chosen from calibration input "
+                        "statistics), the rest at the recipe's weight scheme: mixed int8/int4 weights "
+                        "(weight-only, round to nearest) (default: none)")
     p.add_argument("-o", "--output", required=True, help="checkpoint folder to write (required)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder (default: refuse)")
     p.add_argument("--method", choices=_LibraryChoices(_methods), metavar="METHOD", help="how weights are rounded (default: the recipe's, rtn for "
@@ -1218,7 +1266,7 @@ def main(argv: list[str] | None = None) -> int:
                 quantize_cmd(args.model, args.recipe, args.output, args.dtype, args.force, args.backend,
                              method=args.method, smoothquant=args.smoothquant, calib=args.calib,
                              calib_samples=args.calib_samples, calib_len=args.calib_len, stream=args.stream,
-                             target_bits=args.target_bits, candidates=args.candidates)
+                             target_bits=args.target_bits, candidates=args.candidates, outliers=args.outliers)
             elif args.command == "eval":
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
                          windows=args.windows, protocol=args.protocol, speed=not args.no_speed,

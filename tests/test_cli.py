@@ -59,6 +59,19 @@ def test_quantize_info_eval_generate_on_the_bundled_model(capsys, tmp_path):
     assert captured.out.strip() and "decode" in captured.err and "tok/s" in captured.err
 
 
+def test_quantize_with_outliers_writes_a_split_checkpoint(capsys, tmp_path, tiny):
+    out = tmp_path / "tiny-split"
+    argv = ["quantize", str(tiny), "--recipe", "w4a16-g32", "--outliers", "8", "--calib-samples", "2",
+            "--calib-len", "16", "-o", str(out)]
+    assert main(argv) == 0
+    assert "7 x weight int4-asym-g32-f16 + 8 outlier channels int8-sym" in capsys.readouterr().out
+    assert main(["info", str(out)]) == 0
+    assert "7 splits: weight int4-asym-g32-f16" in capsys.readouterr().out
+    assert main(["quantize", str(tiny), "--recipe", "w8a8", "--outliers", "8", "-o", str(tmp_path / "x")]) == 2
+    assert "does not combine with activations int8-sym-token" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_generate_without_a_model_uses_the_bundled_one(capsys):
     assert main(["generate", "Say hi.", "-n", "3", "--recipe", "w4a16-g64"]) == 0
     assert "prefill" in capsys.readouterr().err
