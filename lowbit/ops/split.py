@@ -114,14 +114,14 @@ def _greedy_by_error(w, count: int, s: QuantScheme, x_sq) -> torch.Tensor:
     out of the group saves ``width^2 * S - width_without_j^2 * (S - x_sq[j])``, summed over
     rows: a column whose weights set the ranges saves the most, which a channel's own
     rounding error misses (the extreme of a range rounds well).  The range without j comes
-    from each block's two largest and two smallest values.  After each round (``count //
-    8`` channels, at least one) the chosen columns are zeroed and the rest re-scored."""
+    from each block's two largest and two smallest values.  After each of 4 rounds (a
+    quarter of ``count``) the chosen columns are zeroed and the rest re-scored."""
     n, k = w.shape
     g = s.group_size if s.granularity == "group" else k
     x2 = torch.ones(k, device=w.device) if x_sq is None else x_sq.detach().float().to(w.device).clone()
     w = w.clone()
     chosen = torch.zeros(k, dtype=torch.bool, device=w.device)
-    step = max(1, count // 8)
+    step = max(1, -(-count // 4))
     while int(chosen.sum()) < count:
         save = _savings(w.reshape(n, k // g, g), x2.reshape(k // g, g), s).reshape(k)
         save[chosen] = -torch.inf
