@@ -56,6 +56,12 @@ def _samples():
     yield "fake_quantize", (xs, *ops.choose_qparams(xs.detach(), "int4-asym-g32"), "int4-asym-g32")
     yield "fake_quantize", (xs, torch.rand(4) + 0.1, None, "int8-sym")
     yield "observe_range", (torch.randn(3, 16), "opcheck")
+    from lowbit.ops.matmul import weight_parts
+
+    st = lowbit.split_quantize(torch.randn(16, 64), "int4-asym-g32", 8, high="int8-asym")
+    parts = (*weight_parts(st.low), st.outliers, *weight_parts(st.high))
+    yield "split_matmul", (torch.randn(3, 64, requires_grad=True), *parts)
+    yield "split_matmul", (torch.randn(1, 64, dtype=torch.bfloat16), *parts)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
