@@ -160,5 +160,19 @@ def test_the_inference_mode_path_gives_the_dispatcher_bits(backend):
     with torch.inference_mode():
         assert library._eager([x])
         fast = run()
-    for a, b in zip(fast, run()):
-        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert library._eager([x])
+        fast_no_grad = run()
+    for a, b, c in zip(fast, fast_no_grad, run()):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_the_eager_path_stays_off_where_the_op_must_be_seen():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        with FlopCounterMode(display=False):  # a dispatch mode: it must see lowbit::* by name
+            assert not library._eager([x])
+    with torch.enable_grad():
+        assert not library._eager([x])

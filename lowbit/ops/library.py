@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
+
 import torch
 from torch import Tensor
 
@@ -345,12 +347,19 @@ def linear_qta8a_qga4w_qta8o(backend, x_q, x_scale, x_zero_point, w_codes, w_sca
 
 
 def _eager(args) -> bool:
-    """Whether ``call`` may run an op's implementation without the dispatcher: under
-    torch.inference_mode (no autograd to record), outside torch.compile, on plain tensors
-    (fake, functional and other traced tensors are subclasses).  The dispatcher's Python
-    kernel costs ~20 us a call: 6-8% of a weight-only decode step of the bundled model
-    where the steps run in Python (measured on a Zen 3 without AVX-512)."""
-    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():  # dynamo cannot trace the latter
+    """Whether ``call`` may run an op's implementation without the dispatcher: when
+    autograd records nothing (torch.inference_mode, or torch.no_grad, which
+    ``transformers``' ``generate`` runs under), outside torch.compile and torch.export,
+    with no dispatch mode active (make_fx, FlopCounterMode: they must see the op), on
+    plain tensors (fake, functional and other traced tensors are subclasses).  The
+    dispatcher's Python kernel costs ~20 us a call: 6-8% of a weight-only decode step of
+    the bundled model where the steps run in Python (measured on a Zen 3 without
+    AVX-512), a quarter of a transformers forward under no_grad."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace what follows
+        return False
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        return False
+    if torch.compiler.is_exporting() or _dispatch_mode() is not None:
         return False
     return all(type(a) is Tensor for a in args if isinstance(a, Tensor))
 
