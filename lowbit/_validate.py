@@ -36,6 +36,13 @@ def shape(name: str, t: torch.Tensor, expected: Iterable[int], why: str = "") ->
         raise ValueError(f"{name} must have shape {expected}{why}, got {tuple(t.shape)}")
 
 
+def increasing_indices(name: str, t: torch.Tensor, k: int) -> None:
+    """Raise unless ``t`` (1-D, with values) holds strictly increasing indices in [0, k)."""
+    if has_values(t) and (int(t[0]) < 0 or int(t[-1]) >= k or bool((t[1:] <= t[:-1]).any())):
+        raise ValueError(f"{name} must be strictly increasing input channels in [0, {k}), got "
+                         f"{t.tolist()[:8]}{'...' if t.numel() > 8 else ''}")
+
+
 def same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.device != reference.device:

@@ -256,7 +256,6 @@ class _SplitWeight(nn.Module):
         super().__init__()
         self.low, self.high = _QuantWeight(st.low), _QuantWeight(st.high)
         self.register_buffer("outliers", st.outliers)
-        self.shape = st.shape
         self._cached: SplitQTensor | None = st
 
     def qtensor(self) -> SplitQTensor:
@@ -271,7 +270,7 @@ class _SplitWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"low='{self.low.scheme}', high='{self.high.scheme}', outliers={self.outliers.numel()}, "
-                f"shape={tuple(self.shape)}")
+                f"shape={tuple(self.low.shape)}")
 
 
 class SplitQuantLinear(nn.Module):

@@ -155,10 +155,7 @@ class SplitQTensor:
             raise ValueError(f"high has shape {tuple(self.high.shape)}; expected [N, len(outliers)] = "
                              f"{[n, self.outliers.numel()]}")
         _validate.same_device("low", self.low.codes, high=self.high.codes, outliers=self.outliers)
-        o = self.outliers
-        if _validate.has_values(o) and (int(o[0]) < 0 or int(o[-1]) >= k or bool((o[1:] <= o[:-1]).any())):
-            raise ValueError(f"outliers must be strictly increasing input channels in [0, {k}), got "
-                             f"{o.tolist()[:8]}{'...' if o.numel() > 8 else ''}")
+        _validate.increasing_indices("outliers", self.outliers, k)
 
     @property
     def shape(self) -> torch.Size:

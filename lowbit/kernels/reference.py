@@ -222,14 +222,20 @@ def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
-def split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
+def split_weight(codes, scale, zero_point, bits, group_size, k, outliers, high_codes, high_scale,
                  high_zero_point, high_bits, high_group_size):
-    """x [..., K] @ W.T for the split weight ``W = low + high placed at the outlier
-    columns`` (``lowbit.SplitQTensor``): both parts dequantized to one float32 [N, K]
-    weight, one float32 matmul, rounded once to x's dtype."""
-    w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1])
+    """The float32 [N, K] split weight (``lowbit.SplitQTensor``): the low part dequantized,
+    the high part's columns added at ``outliers``."""
+    w = dequantize_weight(codes, scale, zero_point, bits, group_size, k)
     w[:, outliers] += dequantize_weight(high_codes, high_scale, high_zero_point, high_bits, high_group_size,
                                         outliers.numel())
+    return w
+
+
+def split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, *high):
+    """x [..., K] @ W.T for the split weight ``W = low + high placed at the outlier
+    columns``: ``split_weight``, one float32 matmul, rounded once to x's dtype."""
+    w = split_weight(codes, scale, zero_point, bits, group_size, x.shape[-1], outliers, *high)
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
-
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .. import _validate, kernels
 from ..kernels import reference as ref
@@ -262,8 +261,8 @@ def _split_matmul_backward(ctx, grad):
     # the codes, scales and outliers get no gradient (a frozen weight, as weight_only_matmul's)
     codes, scale, zero_point, outliers, h_codes, h_scale, h_zero_point = ctx.saved_tensors
     bits, group_size, h_bits, h_group, k, x_dtype = ctx.parts
-    w = ref.dequantize_weight(codes, scale, zero_point, bits, group_size, k)
-    w[:, outliers] += ref.dequantize_weight(h_codes, h_scale, h_zero_point, h_bits, h_group, outliers.numel())
+    w = ref.split_weight(codes, scale, zero_point, bits, group_size, k, outliers, h_codes, h_scale, h_zero_point,
+                         h_bits, h_group)
     return ((grad.to(torch.float32) @ w).to(x_dtype),) + (None,) * 11
 
 

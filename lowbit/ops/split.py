@@ -15,6 +15,7 @@ import torch
 from .. import _validate
 from ..qtensor import SplitQTensor
 from ..scheme import QuantScheme
+from ..kernels.reference import compute_dtype
 from . import library
 from .matmul import matmul_form, weight_parts
 from .quant import as_scheme, dequantize, quantize
@@ -32,11 +33,23 @@ def _low_scheme(scheme, k: int) -> QuantScheme:
     return s
 
 
+def _high_ok(s: QuantScheme) -> bool:
+    return s.bits == 8 and s.granularity in ("channel", "group") and s.zero_point_domain != "min"
+
+
 def _high_scheme(high) -> QuantScheme:
     s = as_scheme(high, "high")
-    if s.bits != 8 or s.granularity not in ("channel", "group") or s.zero_point_domain == "min":
+    if not _high_ok(s):
         raise ValueError(f"high must be an 8-bit per-channel or group scheme the matmul takes, got '{s}'")
     return s
+
+
+def _check_count(count, k: int, high: QuantScheme) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= k:
+        raise ValueError(f"outliers must be a count in [1, {k}] (in_features) or an int64 tensor of channels, "
+                         f"got {count!r}")
+    if high.granularity == "group" and count % high.group_size:
+        raise ValueError(f"high='{high}' needs a number of outliers divisible by {high.group_size}, got {count}")
 
 
 def check_split(scheme, high, k: int, count=None) -> tuple[QuantScheme, QuantScheme]:
@@ -50,11 +63,8 @@ def check_split(scheme, high, k: int, count=None) -> tuple[QuantScheme, QuantSch
         (QuantScheme('int4-asym-g64'), QuantScheme('int8-sym'))
     """
     low_s, high_s = _low_scheme(scheme, k), _high_scheme(high)
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= k):
-        raise ValueError(f"outliers must be a count in [1, {k}] (in_features) or an int64 tensor of channels, "
-                         f"got {count!r}")
-    if count is not None and high_s.granularity == "group" and count % high_s.group_size:
-        raise ValueError(f"high='{high_s}' needs a number of outliers divisible by {high_s.group_size}, got {count}")
+    if count is not None:
+        _check_count(count, k, high_s)
     return low_s, high_s
 
 
@@ -183,17 +193,10 @@ def split_quantize(w: torch.Tensor, scheme: QuantScheme | str, outliers: int | t
     if isinstance(outliers, torch.Tensor):
         _validate.tensor("outliers", outliers, dtypes=[torch.int64], ndim=1)
         idx = outliers.to(w.device)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k or bool((idx[1:] <= idx[:-1]).any())):
-            raise ValueError(f"outliers must be strictly increasing input channels in [0, {k}), got "
-                             f"{idx.tolist()[:8]}{'...' if idx.numel() > 8 else ''}")
+        _check_count(idx.numel(), k, high_s)
+        _validate.increasing_indices("outliers", idx, k)
     else:
         idx = choose_outliers(w, outliers, low_s, x_sq=x_sq, by=by)
-    if high_s.granularity == "group" and idx.numel() % high_s.group_size:
-        raise ValueError(f"high='{high_s}' needs a number of outliers divisible by {high_s.group_size}, "
-                         f"got {idx.numel()}")
-    if idx.numel() == 0:
-        raise ValueError("outliers: a split weight needs at least one outlier channel (lowbit.quantize "
-                         "quantizes a weight without any)")
     w = w.detach().float()
     w_low = w.clone()
     w_low[:, idx] = 0.0
@@ -217,7 +220,7 @@ def split_dequantize(st: SplitQTensor, dtype: torch.dtype = torch.float32) -> to
     if not isinstance(st, SplitQTensor):
         raise TypeError(f"st must be a lowbit.SplitQTensor, got {type(st).__name__}")
     _validate.float_dtype("dtype", dtype)
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(dtype)
     w = dequantize(st.low, cdt)
     w[:, st.outliers] += dequantize(st.high, cdt)
     return w.to(dtype)
@@ -238,8 +241,8 @@ def split_linear(x: torch.Tensor, st: SplitQTensor, bias: torch.Tensor | None = 
     """
     if not matmul_form(st.low.scheme, st.shape[1]):
         _low_scheme(st.low.scheme, st.shape[1])  # raises, naming the scheme
-    if st.high.scheme.bits != 8 or st.high.scheme.zero_point_domain == "min":
-        _high_scheme(st.high.scheme)
+    if not _high_ok(st.high.scheme):
+        _high_scheme(st.high.scheme)  # raises, naming the scheme
     codes, scale, zp, bits, group = weight_parts(st.low)
     h_codes, h_scale, h_zp, h_bits, h_group = weight_parts(st.high)
     y = library.call(library.split_matmul, backend, x.device, x, codes, scale, zp, bits, group, st.outliers,
