@@ -212,6 +212,33 @@ def test_cpu_int8_mm_in_float32_chunks_is_the_exact_integer_product(values, m, n
     assert torch.equal(cpu.int8_mm_f32(a, b), reference.int8_mm(a, b))
 
 
+@pytest.mark.parametrize("values", ["random", "extreme"])
+@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (5, 70, 1024), (4, 33, 17), (9, 20, 4100)])
+def test_cpu_int8_mm_rows_is_the_exact_integer_product(values, m, n, k):
+    # AVX2 without VNNI, a few rows: int16 vpmaddwd, 32 values a step (17, 4100: a scalar tail),
+    # 4 rows at a time (5, 9: one left over); "extreme" sums reach 128 * 128 * 4100 ~ 2^26
+    if not cpu.available() or not cpu._C.has_int8_rows():
+        pytest.skip("needs lowbit._C built with AVX2")
+    a, b = int8_linear_case(m, n, k, values, False, False, torch.float32)[:3:2]
+    assert torch.equal(cpu._C.int8_mm_rows(a, b), reference.int8_mm(a, b))
+
+
+def test_cpu_8bit_activation_plans_without_vnni(monkeypatch):
+    # the AVX2 integer kernels for a few rows, float32 GEMMs beyond
+    if not cpu.available() or not cpu._C.has_int8_rows():
+        pytest.skip("needs lowbit._C built with AVX2")
+    plan = cpu._act8_plan
+    try:
+        monkeypatch.setattr(cpu, "_has_avx512", lambda: False)
+        monkeypatch.setattr(cpu._C, "int8_gemm_supported", lambda k: False)
+        plan.cache_clear()
+        assert [plan(8, 576, m, 576).kernel for m in (1, 128, 129)] == ["int8_rows", "int8_rows", "int_mm_f32"]
+        assert [plan(4, 64, m, 576).kernel for m in (1, 64, 65)] == ["w4a8_rows", "w4a8_rows", "w4a8_tiles"]
+        assert plan(4, 16, 1, 576).kernel == "w4a8_int_mm"  # groups of 16: no rows kernel
+    finally:
+        plan.cache_clear()
+
+
 def test_cpu_w8a8_takes_the_float32_route_only_without_vnni(monkeypatch):
     plan = cpu._act8_plan
     try:
@@ -327,13 +354,15 @@ def test_w4a8_qta8o_agrees_with_the_reference_up_to_ties(backend, m, n, k, group
 
 
 @pytest.mark.parametrize("m, n, k, group", [(37, 200, 2304, 128), (9, 70, 1536, 32), (5, 64, 4096, 64),
-                                           (64, 64, 1024, 128)])
+                                           (64, 64, 1024, 128), (65, 40, 576, 64), (130, 24, 1536, 128)])
 @pytest.mark.parametrize("zp", ["random", "none"])
 @pytest.mark.parametrize("values", ["random", "extreme"])
 def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp, values):
-    # Beyond 4 rows the cpu backend runs gemm_int8.cpp's panels: 64 columns (200: a tail of 8),
-    # 6-row tiles (37 = 6 * 6 + 1, 9, 5), chunks of whole groups near 1024 values (2304: 1024 +
-    # 1024 + 256), a flush per group; one panel for 64 rows: the rows split between threads.
+    # With AVX-512 VNNI, beyond 4 rows the cpu backend runs gemm_int8.cpp's panels: 64 columns
+    # (200: a tail of 8), 6-row tiles (37 = 6 * 6 + 1, 9, 5), chunks of whole groups near 1024
+    # values (2304: 1024 + 1024 + 256), a flush per group; one panel for 64 rows: the rows split
+    # between threads.  With AVX2 alone: matmul.cpp's rows kernel up to 64 rows (4 at a time,
+    # 37 = 9 * 4 + 1), float32 weight tiles beyond (65, 130).
     if not cpu.available():
         pytest.skip(cpu.load_error())
     args = _qta8o_case(m, n, k, group, zp, values, seed=m * 1000 + k + group)

@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
   m.def("has_gemv_f32", &has_gemv_f32, "whether the float32-FMA decode kernels (AVX-512 or AVX2) were compiled in");
+  m.def("has_w4a8_rows", &has_w4a8_rows, "whether the W4A8 integer rows kernels (AVX-512 VNNI or AVX2) were compiled in");
   m.def("has_a8_blocks", &has_a8_blocks, "whether linear_a8_blocks (AVX2 integer dot products) was compiled in");
   m.def("linear_a8_blocks", &linear_a8_blocks,
         "weight-only weights x activations quantized to int8 in blocks of 32, integer dot products per block");
@@ -61,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "mixed int8/int4 weight: the low part's decode kernel, the int8 outlier columns added in float32");
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
+  m.def("has_int8_rows", &has_int8_rows, "whether int8_mm_rows (AVX2 vpmaddwd) was compiled in");
+  m.def("int8_mm_rows", &int8_mm_rows, "int8 a [M, K] @ int8 b [N, K].T, exact int32, for a few rows without VNNI");
   m.def("w4a8_gemm", &w4a8_gemm, "int8 x u4 per-group integer dot products, float scale per group");
   m.def("gptq_columns", &gptq_columns, "GPTQ's column loop in one block, bit-exact with algorithms.gptq._columns");
   m.def("ggml_dequantize", &ggml_dequantize, "ggml block types (GGUF data) to float32, bit-exact with formats.ggml");

@@ -119,7 +119,8 @@ namespace {
 // symmetric, 2: asymmetric): W8A8 (int8
 // codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
 // points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
-// quantization, unsigned codes shifted to int8, then torch._int_mm and the row x column
+// quantization, unsigned codes shifted to int8, then torch._int_mm (kernel 0) or
+// int8_mm_rows (kernel 1: the plan's int8_rows, AVX2 without VNNI) and the row x column
 // epilogue (W8A8) or w4a8_gemm and the row scale (W4A8), the bias added in x's dtype.
 struct Proj {
   at::Tensor weight, codes, scale;
@@ -146,7 +147,7 @@ struct Proj {
     }
     at::Tensor y;
     if (bits == 8) {
-      at::Tensor acc = at::_int_mm(q, codes.t());
+      at::Tensor acc = kernel == 1 ? int8_mm_rows(q, codes) : at::_int_mm(q, codes.t());
       if (act == 2) acc = acc - z.unsqueeze(1) * codes.sum(1, false, at::kInt).unsqueeze(0);
       y = dequantize_rowcol(acc, s.to(at::kFloat).contiguous(), scale, x.scalar_type());
     } else {

@@ -18,6 +18,7 @@
 
 #include "kernels.h"
 #include "panels.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -401,4 +402,71 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
   });
 #endif
   return y;
+}
+
+// ---- W8A8 for a few rows without VNNI: int8 x int8 with vpmaddwd ------------------------
+//
+//   acc[m, n] = sum_k a[m, k] b[n, k]   (exact int32, as torch._int_mm)
+//
+// AVX2 has no int8 x int8 multiply-add that cannot saturate (vpmaddubsw's pairs of
+// 255 * 128 overflow int16), so both sides are widened to int16 (a once per call, b as it
+// is read) and vpmaddwd sums pairs into int32 lanes: |pair| <= 2 * 128 * 128 = 2^15, and
+// |acc| <= 128 * 128 * K < 2^31 for K < 2^17.  Four rows of a share each widened b.
+namespace {
+#if defined(__AVX2__)
+template <int R>
+void int8_rows(const int16_t* a, int64_t K, const int8_t* b, int32_t* c, int64_t ldc) {
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k + 16)));
+    for (int r = 0; r < R; ++r) {  // two pairs' sums (each <= 2^15) added in int32
+      const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * K + k)));
+      const __m256i p1 =
+          _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * K + k + 16)));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(p0, p1));
+    }
+  }
+  int32_t tail[R] = {};
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r) tail[r] += static_cast<int32_t>(a[r * K + k]) * b[k];
+  for (int r = 0; r < R; ++r) c[r * ldc] = isum8(acc[r]) + tail[r];
+}
+#endif
+}  // namespace
+
+bool has_int8_rows() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// a int8 [M, K], b int8 [N, K] -> int32 [M, N] = a @ b.T, exactly torch._int_mm's result.
+at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(has_int8_rows(), "lowbit._C.int8_mm_rows needs AVX2");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
+                  a.size(1) == b.size(1),
+              "lowbit._C.int8_mm_rows: int8 a [M, K] and b [N, K] expected");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(K < (int64_t(1) << 17), "lowbit._C.int8_mm_rows: K must be below 2^17 (int32 sums)");
+  at::Tensor c = at::empty({M, N}, a.options().dtype(at::kInt));
+#if defined(__AVX2__)
+  const at::Tensor a16 = a.to(at::kShort).contiguous();
+  const at::Tensor bc = b.contiguous();
+  const int16_t* pa = a16.data_ptr<int16_t>();
+  const int8_t* pb = bc.data_ptr<int8_t>();
+  int32_t* pc = c.data_ptr<int32_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_rows<4>(pa + m * K, K, pb + n * K, pc + m * N + n, N);
+      for (; m < M; ++m) int8_rows<1>(pa + m * K, K, pb + n * K, pc + m * N + n, N);
+    }
+  });
+#endif
+  return c;
 }

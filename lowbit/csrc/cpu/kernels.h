@@ -20,6 +20,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
 // matmul.cpp
 bool has_avx512();
 bool has_gemv_f32();
+bool has_w4a8_rows();
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
@@ -59,6 +60,8 @@ bool int8_gemm_supported(int64_t K);
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                        const at::Tensor& row_scale, const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
+bool has_int8_rows();
+at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b);
 at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gptq.cpp

@@ -114,104 +114,6 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
   for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
 }
 
-// ---- W4A8: int8 activations x u4 weights with vpdpbusd ---------------------------------
-// xe/xo: [M, K/2] int8 even/odd activations of each 32-block; xsum: [M, G] int32 sums.
-inline int32_t hsum(__m128i v) {
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
-  return _mm_cvtsi128_si32(v);
-}
-inline int32_t hsum(__m256i v) {
-  return hsum(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
-inline int32_t hsum(__m512i v) { return _mm512_reduce_add_epi32(v); }
-
-// One vector width of the W4A8 inner loop: BYTES packed bytes = 2 * BYTES values.
-template <int BYTES> struct Vec;
-template <> struct Vec<16> {
-  using I = __m128i;
-  using F = __m128;
-  static I load(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-  static I zero() { return _mm_setzero_si128(); }
-  static I bytes(int8_t v) { return _mm_set1_epi8(v); }
-  static I lo(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(w, mask), flip); }
-  static I hi(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(w, 4), mask), flip); }
-  static I dot(I acc, I u, I x) { return _mm_dpbusd_epi32(acc, u, x); }
-  static F fzero() { return _mm_setzero_ps(); }
-  static F fma(I acc, float s, F t) { return _mm_fmadd_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(s), t); }
-  static float fsum(F t) {
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_movehdup_ps(t));
-    return _mm_cvtss_f32(t);
-  }
-};
-template <> struct Vec<32> {
-  using I = __m256i;
-  using F = __m256;
-  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  static I zero() { return _mm256_setzero_si256(); }
-  static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
-  static I lo(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(w, mask), flip); }
-  static I hi(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask), flip); }
-  static I dot(I acc, I u, I x) { return _mm256_dpbusd_epi32(acc, u, x); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fma(I acc, float s, F t) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), t); }
-  static float fsum(F t) {
-    return Vec<16>::fsum(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  }
-};
-template <> struct Vec<64> {
-  using I = __m512i;
-  using F = __m512;
-  static I load(const void* p) { return _mm512_loadu_si512(p); }
-  static I zero() { return _mm512_setzero_si512(); }
-  static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
-  static I lo(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(w, mask), flip); }
-  static I hi(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), mask), flip); }
-  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fma(I acc, float s, F t) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), t); }
-  static float fsum(F t) { return _mm512_reduce_add_ps(t); }
-};
-
-// R activation rows x one weight row.  The products x.u accumulate in int32 lanes inside
-// a group (exact: a lane holds at most group/16 * 4 products of |x| <= 128, u <= 15),
-// are converted to float once per group and scaled by s[g]; the zero-point terms are
-// exact int32 scalars per group.
-template <int R, int BYTES>
-void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const int32_t* xzp, int64_t K,
-               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
-               float* y, int64_t ldy) {
-  using V = Vec<BYTES>;
-  typename V::F total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = V::fzero(); corr[r] = 0.f; }
-  const auto mask = V::bytes(0x0F), flip = V::bytes(is_signed ? 0x08 : 0x00), ones = V::bytes(1);
-  const int64_t blocks = group / (2 * BYTES);
-  for (int64_t g = 0; g < G; ++g) {
-    typename V::I acc[R];
-    auto accw = V::zero();
-    for (int r = 0; r < R; ++r) acc[r] = V::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = (g * group + b * 2 * BYTES) / 2;
-      const auto bytes = V::load(w + off);
-      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);
-      accw = V::dot(V::dot(accw, lo, ones), hi, ones);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = V::dot(acc[r], lo, V::load(xe + r * (K / 2) + off));
-        acc[r] = V::dot(acc[r], hi, V::load(xo + r * (K / 2) + off));
-      }
-    }
-    const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
-    const int32_t wsum = hsum(accw);  // sum of u over the group, shared by the R rows
-    for (int r = 0; r < R; ++r) {
-      total[r] = V::fma(acc[r], s[g], total[r]);
-      const int32_t xz = xzp[r];
-      corr[r] += s[g] * static_cast<float>(-zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
-}
 #elif LOWBIT_GEMV_F32 == 256
 
 // ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
@@ -284,6 +186,136 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
 }
 #endif
 
+// ---- W4A8: int8 activations x u4 weights, integer dot products --------------------------
+// With AVX-512 VNNI: vpdpbusd (u8 x s8, four products summed into each int32 lane).  With
+// AVX2 alone: vpmaddubsw (u8 x s8, pairs summed in int16: the low and the high nibbles'
+// pairs together are at most 2 * 2 * 15 * 128 = 7680, no saturation) and vpmaddwd by ones
+// into int32 lanes: the same exact integers, for 16- and 32-byte vectors.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LOWBIT_W4A8_VNNI 1
+#endif
+#if defined(LOWBIT_W4A8_VNNI) || defined(__AVX2__)
+#define LOWBIT_W4A8 1
+// xe/xo: [M, K/2] int8 even/odd activations of each 32-block; xsum: [M, G] int32 sums.
+inline int32_t hsum(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+inline int32_t hsum(__m256i v) {
+  return hsum(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+#ifdef LOWBIT_W4A8_VNNI
+inline int32_t hsum(__m512i v) { return _mm512_reduce_add_epi32(v); }
+#endif
+
+// One vector width of the W4A8 inner loop: BYTES packed bytes = 2 * BYTES values.
+template <int BYTES> struct Vec;
+template <> struct Vec<16> {
+  using I = __m128i;
+  using F = __m128;
+  static I load(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static I zero() { return _mm_setzero_si128(); }
+  static I bytes(int8_t v) { return _mm_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(w, 4), mask), flip); }
+#ifdef LOWBIT_W4A8_VNNI
+  // acc + u1.x1 + u2.x2, four u8 x s8 products per int32 lane
+  static I dot2(I acc, I u1, I x1, I u2, I x2) { return _mm_dpbusd_epi32(_mm_dpbusd_epi32(acc, u1, x1), u2, x2); }
+#else
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    const I pairs = _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2));
+    return _mm_add_epi32(acc, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
+  }
+#endif
+  static F fzero() { return _mm_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm_fmadd_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(s), t); }
+  static float fsum(F t) {
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+  }
+};
+template <> struct Vec<32> {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask), flip); }
+#ifdef LOWBIT_W4A8_VNNI
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u1, x1), u2, x2);
+  }
+#else
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+#endif
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), t); }
+  static float fsum(F t) {
+    return Vec<16>::fsum(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+};
+#ifdef LOWBIT_W4A8_VNNI
+template <> struct Vec<64> {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
+  static I lo(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(w, mask), flip); }
+  static I hi(I w, I mask, I flip) { return _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), mask), flip); }
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u1, x1), u2, x2);
+  }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fma(I acc, float s, F t) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), t); }
+  static float fsum(F t) { return _mm512_reduce_add_ps(t); }
+};
+#endif
+
+// R activation rows x one weight row.  The products x.u accumulate in int32 lanes inside
+// a group (exact: a lane holds at most group/16 * 4 products of |x| <= 128, u <= 15),
+// are converted to float once per group and scaled by s[g]; the zero-point terms are
+// exact int32 scalars per group.
+template <int R, int BYTES>
+void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const int32_t* xzp, int64_t K,
+               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
+               float* y, int64_t ldy) {
+  using V = Vec<BYTES>;
+  typename V::F total[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) { total[r] = V::fzero(); corr[r] = 0.f; }
+  const auto mask = V::bytes(0x0F), flip = V::bytes(is_signed ? 0x08 : 0x00), ones = V::bytes(1);
+  const int64_t blocks = group / (2 * BYTES);
+  for (int64_t g = 0; g < G; ++g) {
+    typename V::I acc[R];
+    auto accw = V::zero();
+    for (int r = 0; r < R; ++r) acc[r] = V::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = (g * group + b * 2 * BYTES) / 2;
+      const auto bytes = V::load(w + off);
+      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);
+      accw = V::dot2(accw, lo, ones, hi, ones);
+      for (int r = 0; r < R; ++r)
+        acc[r] = V::dot2(acc[r], lo, V::load(xe + r * (K / 2) + off), hi, V::load(xo + r * (K / 2) + off));
+    }
+    const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
+    const int32_t wsum = hsum(accw);  // sum of u over the group, shared by the R rows
+    for (int r = 0; r < R; ++r) {
+      total[r] = V::fma(acc[r], s[g], total[r]);
+      const int32_t xz = xzp[r];
+      corr[r] += s[g] * static_cast<float>(-zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
+}
+#endif
+
 #ifdef LOWBIT_GEMV_F32
 template <bool SIGNED, bool HAS_ZP>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t N, int64_t K, int64_t G,
@@ -327,6 +359,14 @@ void deinterleave(const T* x, T* xe, T* xo, int64_t M, int64_t K) {
 }  // namespace
 
 bool has_avx512() { return kHaveAvx512; }
+
+bool has_w4a8_rows() {
+#ifdef LOWBIT_W4A8
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool has_gemv_f32() {
 #ifdef LOWBIT_GEMV_F32
@@ -375,13 +415,13 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
 // (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g  (x_scale and bias applied by the caller).
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
-  TORCH_CHECK(kHaveAvx512, "lowbit._C.w4a8_gemm needs AVX-512 (VNNI, BW, VL)");
+  TORCH_CHECK(has_w4a8_rows(), "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
   TORCH_CHECK(x_q.is_contiguous() && codes.is_contiguous() && w_scale.is_contiguous() && x_zp.is_contiguous(),
               "lowbit._C.w4a8_gemm: contiguous inputs expected");
   TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef LOWBIT_W4A8
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
   deinterleave<int8_t>(x_q.data_ptr<int8_t>(), xe.data_ptr<int8_t>(), xo.data_ptr<int8_t>(), M, K);
   at::Tensor xsum = x_q.view({M, G, group}).sum(-1, false, at::kInt).contiguous();
@@ -394,16 +434,19 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   const int32_t* pz = x_zp.data_ptr<int32_t>();
   const float* s = w_scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  // Widest vector whose value count (2 * bytes) divides the group.
-  const int width = group % 128 == 0 ? 64 : group % 64 == 0 ? 32 : 16;
+  // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
+  const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
     constexpr int R = decltype(r_const)::value;
     auto call = [&](auto kernel) {
       kernel(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn, is_signed,
              py + m * N + n, N);
     };
+#ifdef LOWBIT_W4A8_VNNI
     if (width == 64) call(w4a8_rows<R, 64>);
-    else if (width == 32) call(w4a8_rows<R, 32>);
+    else
+#endif
+    if (width == 32) call(w4a8_rows<R, 32>);
     else call(w4a8_rows<R, 16>);
   };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

@@ -55,6 +55,12 @@ SPLIT_MAX_M = 2
 # per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
 # M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
 W4A8_ROWS_MAX_M = 4
+# Without AVX-512 VNNI (AVX2: vpmaddubsw + vpmaddwd for the same exact integers), the rows
+# kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 3,
+# 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
+# M=512 10.1 vs 5.9; 576x1536 g128 M=64 0.84 vs 1.21, M=128 1.64 vs 1.97, M=512 7.6 vs 5.6.
+# (torch._int_mm per group, the route before: 2.5-7 ms at M=1-16 on those shapes.)
+W4A8_AVX2_ROWS_MAX_M = 64
 # W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
 # 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
 INT8_GEMM_MIN_M = 2
@@ -65,6 +71,11 @@ INT8_GEMM_MIN_M = 2
 # exactly, whatever the summation order.  Float32 GEMMs over K chunks of that size,
 # converted to int32 and summed, give exactly torch._int_mm's result.
 F32_EXACT_K = 1024
+# For a few rows, gemm_int8.cpp's int8_mm_rows (int16 vpmaddwd, exact int32) against
+# torch._int_mm / those float32 chunks, same machine, 2 threads (ms):
+#   1536x576: M=1 0.026 vs 0.29 / 0.23, M=16 0.12 vs 4.5 / 0.58, M=128 1.34 vs - / 1.74,
+#             M=512 7.3 vs - / 9.6;  576x1536 M=512: 6.7 vs - / 5.5;  4096x4096 M=1 0.63 vs 5.3 / 4.6
+INT8_ROWS_MAX_M = 128
 
 
 # Without AVX-512 (AVX2 + FMA: the 8-lane decode kernels of matmul.cpp, no bf16 dot
@@ -149,6 +160,10 @@ def _has_gemv_f32() -> bool:
     return _C is not None and _C.has_gemv_f32()
 
 
+def _has_w4a8_rows() -> bool:
+    return _C is not None and _C.has_w4a8_rows()
+
+
 def _has_a8_blocks() -> bool:
     return _C is not None and _C.has_a8_blocks()
 
@@ -198,6 +213,9 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
+        if m <= INT8_ROWS_MAX_M and not _has_avx512() and _C is not None and _C.has_int8_rows():
+            return Plan("int8_rows", f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: int8 widened to int16, "
+                                     "vpmaddwd, exact int32 sums")
         if m >= INT8_GEMM_MIN_M and not _has_avx512():
             return Plan("int_mm_f32", f"no AVX-512 VNNI: int8 products exact in float32 GEMMs over K chunks of "
                                       f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
@@ -206,14 +224,20 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
             return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
         return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
+    if _has_w4a8_rows() and group % 32 == 0:
+        if m <= W4A8_AVX2_ROWS_MAX_M:
+            return Plan("w4a8_rows", f"up to {W4A8_AVX2_ROWS_MAX_M} rows: packed u4 codes, vpmaddubsw / vpmaddwd "
+                                     "dot products per group (no AVX-512 VNNI)")
+        return Plan("w4a8_tiles", f"over {W4A8_AVX2_ROWS_MAX_M} rows without AVX-512 VNNI: x - x_zp and L2-sized "
+                                  "weight tiles dequantized to float32, torch.mm")
     return Plan("w4a8_int_mm", "torch._int_mm per weight group, float scaling per group")
 
 
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
-               "int_mm", "int_mm_f32", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_int_mm", "a8_blocks",
-               "a8_tiles")
+               "int_mm", "int_mm_f32", "int8_rows", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_tiles",
+               "w4a8_int_mm", "a8_blocks", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
@@ -332,11 +356,15 @@ class CpuBackend(Backend):
 
     def int8_mm(self, a, b):
         """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation; on a
-        machine without VNNI exact float32 GEMMs over K chunks (``F32_EXACT_K``), which
-        give the same int32 result many times faster there."""
+        machine without VNNI, up to ``INT8_ROWS_MAX_M`` rows ``_C.int8_mm_rows`` (AVX2
+        vpmaddwd), beyond exact float32 GEMMs over K chunks (``F32_EXACT_K``): the same
+        int32 result, many times faster there."""
         m, k = a.shape
-        if _act8_plan(8, k, m, k).kernel == "int_mm_f32":
+        kernel = _act8_plan(8, k, m, k).kernel
+        if kernel == "int_mm_f32":
             return int8_mm_f32(a, b)
+        if kernel == "int8_rows":
+            return _C.int8_mm_rows(a, b)
         return torch._int_mm(a.contiguous(), b.T)
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
@@ -354,9 +382,18 @@ class CpuBackend(Backend):
 
         The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
         all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
+        ``w4a8_rows`` (matmul.cpp: vpdpbusd, or vpmaddubsw / vpmaddwd on AVX2) computes these
+        integers exactly; ``w4a8_tiles`` (many rows, no VNNI) rounds like a float32 matmul of
+        x - x_zp (exact) and the dequantized weight instead: the products (x - x_zp) s w and
+        their sum round in float32, within the float32 matmul bound the tests derive.
         """
         m, k = x_q.shape
         kernel = _act8_plan(4, group_size, m, k).kernel
+        if kernel == "w4a8_tiles":  # x - x_zp: exact integers in float32, times the dequantized weight
+            xf = x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]
+            y = _tiles(xf, w_codes, w_scale, w_zero_point, 4, group_size, torch.float32)
+            y = y * x_scale.to(torch.float32)[:, None]
+            return y if bias is None else y + bias.to(torch.float32)
         if kernel != "w4a8_int_mm":
             zp = None if w_zero_point is None else w_zero_point.to(torch.int32).contiguous()
             run = _C.w4a8_gemm_panels if kernel == "w4a8_panels" else _C.w4a8_gemm
@@ -430,7 +467,8 @@ BACKEND = CpuBackend()
 # -- the native decode step of lowbit.runtime ------------------------------------------------
 # decode.cpp runs one token through the whole model in one call, each projection with the
 # kernel this backend's plan picks for one row, when the plan picks one of these:
-DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "w4a8_rows", "a8_blocks")
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "int8_rows", "w4a8_rows",
+                  "a8_blocks")
 
 
 def decode_available() -> bool:
@@ -468,8 +506,8 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
                              weight_only_kernel_index(kernel))
     mode = 1 if act.symmetric else 2
-    if weight.bits == 8:
-        return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode)
+    if weight.bits == 8:  # kernel 1: int8_mm_rows, else torch._int_mm
+        return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode, int(kernel == "int8_rows"))
     zp = None if zero_point is None else zero_point.to(torch.int32).contiguous()
     return _C.DecodeProj(None, codes, s, zp, bias, 4, k // scale.shape[-1], mode)
 
