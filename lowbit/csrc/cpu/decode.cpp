@@ -1,8 +1,9 @@
-// One decode step (one token) of a Llama-family decoder in C++: the same ATen ops and
-// lowbit kernels, in the same order, as lowbit.runtime.Runner.forward, without a Python
-// round trip per op.  At batch 1 on a small model the Python dispatch of ~25 ops and 7
-// projections per layer costs more than the matmuls; here it is one call per token.
-// Bit-identical to the Python path (tested).
+// One decode step (one token) of a Llama-family decoder in C++: the same arithmetic, in
+// the same order, as lowbit.runtime.Runner.forward, without a Python round trip per op.
+// At batch 1 on a small model the Python dispatch of ~25 ops and 7 projections per layer
+// costs more than the matmuls; here it is one call per token, and the elementwise ops
+// (rotary embedding, KV cache writes, residual adds, the MLP's product) are loops rather
+// than ATen ops.  Bit-identical to the Python path (tested).
 #include "kernels.h"
 
 #include <algorithm>
@@ -73,6 +74,45 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps
     for (int64_t i = 0; i < d; ++i)  // as transformers: normalize in float32, round to T, then scale
       out[r * d + i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(w[i]));
   }
+}
+
+// The elementwise parts of a decode step in the model's dtype T, each value rounded where
+// the Python path's ATen op rounds it (T arithmetic: float32, or float32 rounded to
+// bf16/f16 after every operation, as ATen's kernels for those dtypes do), as plain loops:
+// an ATen op costs 1-3 us of dispatch and allocation, ~25 of them a layer.
+
+// Rotary embedding of heads rows of x [heads, hd] (as Runner.forward's rope: x * cos +
+// rotate_half(x) * sin, three roundings) into out, row h at out + h * stride.  The compiler
+// may not contract a * b + c into an FMA here (one rounding fewer than ATen's two ops).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t heads, int64_t hd, int64_t stride) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xh = x + h * hd;
+    T* oh = out + h * stride;
+    for (int64_t i = 0; i < hd; ++i) {
+      const T rot = i < half ? static_cast<T>(-xh[i + half]) : xh[i - half];
+      const T a = xh[i] * cos[i];
+      const T b = rot * sin[i];
+      oh[i] = a + b;
+    }
+  }
+}
+#pragma GCC pop_options
+
+// h += y (h = h + y), and a *= b (silu(gate) * up), in T.
+template <typename T>
+void add_into(T* h, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = h[i] + y[i];
+}
+template <typename T>
+void mul_into(T* a, const T* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = a[i] * b[i];
 }
 
 }  // namespace
@@ -231,30 +271,57 @@ class Decoder {
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, int64_t pos) const {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
-    const int64_t H = heads_, KV = kv_heads_, hd = head_dim_, half = hd / 2;
-    auto rope = [&](const at::Tensor& x) {
-      at::Tensor rot = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-      return x * cos + rot * sin;
-    };
-    auto proj = [&](const Proj& p, const at::Tensor& x) { return p(x); };
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& L = layers_[i];
-      at::Tensor x = rms(h, L.ln1);
-      const std::vector<at::Tensor> qkv = project({&L.q, &L.k, &L.v}, x);
-      at::Tensor q = rope(qkv[0].view({1, H, hd})).transpose(0, 1);
-      at::Tensor k = rope(qkv[1].view({1, KV, hd})).transpose(0, 1);
-      keys[i].slice(1, pos, pos + 1).copy_(k);
-      values[i].slice(1, pos, pos + 1).copy_(qkv[2].view({1, KV, hd}).transpose(0, 1));
-      at::Tensor o = decode_attention(q.select(1, 0), keys[i], values[i], pos + 1, scaling_);
-      h = h + proj(L.o, o.reshape({1, H * hd}));
-      x = rms(h, L.ln2);
-      const std::vector<at::Tensor> gate_up = project({&L.gate, &L.up}, x);
-      h = h + proj(L.down, at::silu(gate_up[0]) * gate_up[1]);
-    }
-    return proj(lm_head_, rms(h, norm_));
+    TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.size(1) == hidden_, "lowbit decode: h must be [1, hidden]");
+    TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.scalar_type() == h.scalar_type() &&
+                    sin.scalar_type() == h.scalar_type(),
+                "lowbit decode: cos and sin must be one row of head_dim values in h's dtype");
+    for (size_t i = 0; i < keys.size(); ++i)
+      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].dim() == 3 &&
+                      keys[i].size(0) == kv_heads_ && keys[i].size(2) == head_dim_ && pos < keys[i].size(1) &&
+                      values[i].sizes() == keys[i].sizes() && keys[i].scalar_type() == h.scalar_type() &&
+                      values[i].scalar_type() == h.scalar_type(),
+                  "lowbit decode: the KV cache must be contiguous [kv_heads, capacity, head_dim] in h's dtype, "
+                  "with room for position ", pos);
+    at::Tensor out;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "lowbit_decode_step", [&] {
+      out = step_as<scalar_t>(h.contiguous().clone(), cos.contiguous(), sin.contiguous(), keys, values, pos);
+    });
+    return out;
   }
 
  private:
+  // step() in the model's dtype T; h is this step's own copy, updated in place.
+  template <typename T>
+  at::Tensor step_as(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                     const std::vector<at::Tensor>& values, int64_t pos) const {
+    const int64_t H = heads_, KV = kv_heads_, hd = head_dim_;
+    const T* pc = cos.data_ptr<T>();
+    const T* ps = sin.data_ptr<T>();
+    T* ph = h.data_ptr<T>();
+    at::Tensor q = at::empty({H, hd}, h.options());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      const int64_t cap = keys[i].size(1);
+      const std::vector<at::Tensor> qkv = project({&L.q, &L.k, &L.v}, rms(h, L.ln1));
+      const at::Tensor xq = qkv[0].contiguous(), xk = qkv[1].contiguous(), xv = qkv[2].contiguous();
+      rope_rows<T>(xq.data_ptr<T>(), pc, ps, q.data_ptr<T>(), H, hd, hd);
+      T* kc = keys[i].data_ptr<T>() + pos * hd;  // head j's row pos at kc + j * cap * hd
+      T* vc = values[i].data_ptr<T>() + pos * hd;
+      rope_rows<T>(xk.data_ptr<T>(), pc, ps, kc, KV, hd, cap * hd);
+      for (int64_t j = 0; j < KV; ++j) std::memcpy(vc + j * cap * hd, xv.data_ptr<T>() + j * hd, hd * sizeof(T));
+      const at::Tensor o = decode_attention(q, keys[i], values[i], pos + 1, scaling_);
+      const at::Tensor yo = L.o(o.view({1, H * hd})).contiguous();
+      add_into<T>(ph, yo.data_ptr<T>(), hidden_);
+      const std::vector<at::Tensor> gate_up = project({&L.gate, &L.up}, rms(h, L.ln2));
+      at::Tensor g = at::silu(gate_up[0]).contiguous();
+      const at::Tensor up = gate_up[1].contiguous();
+      mul_into<T>(g.data_ptr<T>(), up.data_ptr<T>(), g.numel());
+      const at::Tensor yd = L.down(g).contiguous();
+      add_into<T>(ph, yd.data_ptr<T>(), hidden_);
+    }
+    return lm_head_(rms(h, norm_));
+  }
+
   at::Tensor rms(const at::Tensor& h, const at::Tensor& w) const { return rms_norm_rows(h, w, eps_); }
 
   int64_t heads_, kv_heads_, head_dim_, hidden_;
