@@ -5,11 +5,15 @@
 // (rotary embedding, KV cache writes, residual adds, the MLP's product) are loops rather
 // than ATen ops.  Bit-identical to the Python path (tested).
 #include "kernels.h"
+#include "simd.h"
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,6 +42,109 @@ inline float dot(const A* a, const B* b, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOWBIT_ATTEND_AVX2 1
+// 8 values of a cache row as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename T>
+constexpr bool kLoad8 = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value ||
+                        std::is_same<T, c10::Half>::value;
+
+// exp(x) for x <= 0 (softmax weights), 8 at a time: x = k ln2 + r with |r| <= ln2 / 2
+// (ln2 in two parts, the high one with 15 significant bits, so k ln2 is exact for the
+// |k| <= 126 used), exp(r) by its degree-7 Taylor polynomial (truncation r^8 / 8! < 2^-27
+// relative there) in Horner form (a rounding per step: about 2 units of the last place in
+// all), times 2^k set in the exponent bits.  Below -87 (about 2^-125.5) it flushes to 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);  // ln2 high part: 16 bits
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-6f), r);        // ln2 - high part
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// The 8 lane sums of a[0..7] as one vector (lane i: the sum of a[i]).
+inline __m256 sums8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // lanes: [0 1 2 3 | 0 1 2 3] halves of s0123, the same for 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// One head, hd a multiple of 8: scores 8 positions at a time (8 accumulators, one vector
+// reduction), the softmax weights with exp8, then p . V with hd / 8 accumulators per pass of
+// at most 64 values.  p: scratch of n floats.
+template <typename T>
+void attend_head(const float* qf, const T* kh, const T* vh, T* out, int64_t n, int64_t hd, float* p) {
+  int64_t s = 0;
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (; s + 8 <= n; s += 8) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qf + d);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(kh + (s + i) * hd + d), acc[i]);
+    }
+    const __m256 sc = sums8(acc);
+    _mm256_storeu_ps(p + s, sc);
+    mx = _mm256_max_ps(mx, sc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; s < n; ++s) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8(kh + s * hd + d), acc);
+    p[s] = fsum8(acc);
+    m = std::max(m, p[s]);
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  s = 0;
+  for (; s + 8 <= n; s += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv));
+    _mm256_storeu_ps(p + s, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = fsum8(total);
+  for (; s < n; ++s) sum += (p[s] = std::exp(p[s] - m));
+  const float inv = 1.0f / sum;
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    const int64_t w = std::min<int64_t>(64, hd - d0) / 8;
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const T* vt = vh + t * hd + d0;
+      for (int c = 0; c < w; ++c) acc[c] = _mm256_fmadd_ps(pt, load8(vt + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < w; ++c) {
+      alignas(32) float o[8];
+      _mm256_store_ps(o, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+      for (int i = 0; i < 8; ++i) out[d0 + 8 * c + i] = static_cast<T>(o[i]);
+    }
+  }
+}
+#endif
+
 // Attention of one new token over n cached positions, float32 arithmetic: for head h
 // (kv head h / (H / KV)), p = softmax(scale * q_h . K[0:n]) and out_h = p . V[0:n].
 template <typename T>
@@ -50,6 +157,14 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
     const T* vh = v + (h / group) * cap * hd;
     std::vector<float> qf(hd), p(n), acc(hd, 0.0f);
     for (int64_t d = 0; d < hd; ++d) qf[d] = to_f(q[h * hd + d]) * scale;
+#ifdef LOWBIT_ATTEND_AVX2
+    if constexpr (kLoad8<T>) {
+      if (hd % 8 == 0) {
+        attend_head<T>(qf.data(), kh, vh, out + h * hd, n, hd, p.data());
+        continue;
+      }
+    }
+#endif
     float mx = -INFINITY;
     for (int64_t s = 0; s < n; ++s) {
       p[s] = dot(qf.data(), kh + s * hd, hd);
