@@ -122,19 +122,33 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
 
 inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 
+// One activation row alone would chain every FMA of a group on the one before it (4-5
+// cycles of latency each): it gets A = 4 independent accumulators (summed per group),
+// several rows share the weight's unpacking and are independent chains already.
+template <int R>
+constexpr int kChains = R == 1 ? 4 : 1;
+template <int A>
+inline __m256 sum_of(const __m256* d) {
+  if constexpr (A == 1) return d[0];
+  else return _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
+}
+
 template <int R, bool SIGNED, bool HAS_ZP>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
              const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+  constexpr int A = kChains<R>;
   __m256 total[R];
   float corr[R];
   for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
   const int64_t blocks = group / 32;
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+    __m256 dot[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t half = 0; half < 16; half += 8) {
-        const int64_t off = (g * group + b * 32) / 2 + half;  // byte offset == index into xe/xo
+      for (int half = 0; half < 2; ++half) {  // lo and hi into chains 2 half and 2 half + 1
+        const int a = A == 1 ? 0 : 2 * half;
+        const int64_t off = (g * group + b * 32) / 2 + 8 * half;  // byte offset == index into xe/xo
         const __m256i v = _mm256_cvtepu8_epi32(bytes8(w + off));
         __m256i lo, hi;
         if constexpr (SIGNED) {
@@ -146,14 +160,15 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
         }
         const __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
         for (int r = 0; r < R; ++r) {
-          dot[r] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r]);
-          dot[r] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off), dot[r]);
+          dot[r][a] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r][a]);
+          dot[r][a + (A == 1 ? 0 : 1)] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off),
+                                                         dot[r][a + (A == 1 ? 0 : 1)]);
         }
       }
     }
     const __m256 sg = _mm256_set1_ps(s[g]);
     for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(dot[r], sg, total[r]);
+      total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
       if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
     }
   }
@@ -163,22 +178,26 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
 template <int R, bool SIGNED, bool HAS_ZP>
 void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
              const float* s, const float* z, float* y, int64_t ldy) {
+  constexpr int A = kChains<R>;
   __m256 total[R];
   float corr[R];
   for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
   const int64_t blocks = group / 8;
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = g * group + b * 8;
-      const __m128i bytes = bytes8(w + off);
-      const __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r]);
-    }
+    __m256 dot[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += A)
+      for (int a = 0; a < A; ++a) {  // block b + a into chain a (a constant: the chains stay in registers)
+        if (b + a >= blocks) break;
+        const int64_t off = g * group + (b + a) * 8;
+        const __m128i bytes = bytes8(w + off);
+        const __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+        for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
+      }
     const __m256 sg = _mm256_set1_ps(s[g]);
     for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(dot[r], sg, total[r]);
+      total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
       if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
     }
   }
