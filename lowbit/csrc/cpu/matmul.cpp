@@ -117,8 +117,12 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
 #elif LOWBIT_GEMV_F32 == 256
 
 // ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
-// The AVX-512 kernels above at half the width: the same per-group float32 sums, each
-// 16-byte block of packed codes read as two 8-byte halves.
+// The AVX-512 kernels above at half the width, each 16-byte block of packed codes read as
+// two 8-byte halves, with one difference: the zero point is subtracted from each code
+// (q - z, exact in float32) before its product, rather than z * sum(x) once per group
+// afterwards, which cancels against the sum of q x (the bundled model's logits against the
+// float model on its dequantized weights, int4 g64 with zero points: 6.7e-5 apart with that
+// term, 1.3e-4 with its sums of x in another order, 3.7e-5 with q - z).  xs is not read.
 
 inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 
@@ -138,13 +142,13 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
              const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
   constexpr int A = kChains<R>;
   __m256 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   const int64_t blocks = group / 32;
   for (int64_t g = 0; g < G; ++g) {
     __m256 dot[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
+    const __m256 zg = _mm256_set1_ps(HAS_ZP ? z[g] : 0.f);
     for (int64_t b = 0; b < blocks; ++b) {
       for (int half = 0; half < 2; ++half) {  // lo and hi into chains 2 half and 2 half + 1
         const int a = A == 1 ? 0 : 2 * half;
@@ -158,7 +162,11 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
           lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
           hi = _mm256_srli_epi32(v, 4);
         }
-        const __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
+        __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
+        if constexpr (HAS_ZP) {
+          flo = _mm256_sub_ps(flo, zg);
+          fhi = _mm256_sub_ps(fhi, zg);
+        }
         for (int r = 0; r < R; ++r) {
           dot[r][a] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r][a]);
           dot[r][a + (A == 1 ? 0 : 1)] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off),
@@ -167,12 +175,9 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
       }
     }
     const __m256 sg = _mm256_set1_ps(s[g]);
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
-    }
+    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]);
 }
 
 template <int R, bool SIGNED, bool HAS_ZP>
@@ -180,28 +185,26 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
              const float* s, const float* z, float* y, int64_t ldy) {
   constexpr int A = kChains<R>;
   __m256 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); corr[r] = 0.f; }
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   const int64_t blocks = group / 8;
   for (int64_t g = 0; g < G; ++g) {
     __m256 dot[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
+    const __m256 zg = _mm256_set1_ps(HAS_ZP ? z[g] : 0.f);
     for (int64_t b = 0; b < blocks; b += A)
       for (int a = 0; a < A; ++a) {  // block b + a into chain a (a constant: the chains stay in registers)
         if (b + a >= blocks) break;
         const int64_t off = g * group + (b + a) * 8;
         const __m128i bytes = bytes8(w + off);
-        const __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+        __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+        if constexpr (HAS_ZP) q = _mm256_sub_ps(q, zg);
         for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
       }
     const __m256 sg = _mm256_set1_ps(s[g]);
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
-    }
+    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]) - corr[r];
+  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]);
 }
 #endif
 
@@ -409,23 +412,33 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
               bits == 4 ? 32 : 16);
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef LOWBIT_GEMV_F32
+  // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
+  // the work (the group sums of x, the even/odd split).
   const bool has_zp = zero_point.has_value();
-  at::Tensor xs = has_zp ? x.view({M, G, group}).sum(-1).contiguous() : at::empty({M, G}, x.options());
-  at::Tensor xa = x, xb = x;
+  TORCH_CHECK(!has_zp || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous()),
+              "lowbit._C.weight_only_gemv: contiguous float32 zero_point expected");
+  const float* px = x.data_ptr<float>();
+  std::vector<float> xs(has_zp ? M * G : 1), xa, xb;
+  if (has_zp && LOWBIT_GEMV_F32 == 512)  // group sums of x for the z * sum(x) term
+    for (int64_t i = 0; i < M * G; ++i) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t k = 0; k < group; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(px + i * group + k));
+      xs[i] = fsum8(sum);
+    }
+  const float *pa = px, *pb = px;
   if (bits == 4) {
-    xa = at::empty({M, K / 2}, x.options());
-    xb = at::empty({M, K / 2}, x.options());
-    deinterleave<float>(x.data_ptr<float>(), xa.data_ptr<float>(), xb.data_ptr<float>(), M, K);
+    xa.resize(M * K / 2);
+    xb.resize(M * K / 2);
+    deinterleave<float>(px, xa.data(), xb.data(), M, K);
+    pa = xa.data();
+    pb = xb.data();
   }
-  const bool is_signed = !has_zp;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* z = has_zp ? zero_point->data_ptr<float>() : nullptr;
-  if (is_signed)
-    wo_all<true, false>(xa.data_ptr<float>(), xb.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, G, group, bits, w,
-                        scale.data_ptr<float>(), z, y.data_ptr<float>());
+  if (!has_zp)  // signed codes
+    wo_all<true, false>(pa, pb, xs.data(), M, N, K, G, group, bits, w, scale.data_ptr<float>(), z, y.data_ptr<float>());
   else
-    wo_all<false, true>(xa.data_ptr<float>(), xb.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, G, group, bits, w,
-                        scale.data_ptr<float>(), z, y.data_ptr<float>());
+    wo_all<false, true>(pa, pb, xs.data(), M, N, K, G, group, bits, w, scale.data_ptr<float>(), z, y.data_ptr<float>());
 #endif
   return y;
 }
@@ -494,24 +507,30 @@ std::vector<std::string> weight_only_kernels() {
 }
 
 namespace {
+// t as contiguous float32, without an op when it already is (the decode step passes its
+// scales that way: a no-op .to() still costs a dispatch).
+at::Tensor as_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
 // x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
 // kernels (gemv_*), x's dtype from gemm_bf16.
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel) {
   const at::Tensor c = codes.contiguous();
-  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  const at::Tensor s = as_float(scale);
   c10::optional<at::Tensor> z;
-  if (zero_point.has_value()) z = zero_point->to(at::kFloat).contiguous();
+  if (zero_point.has_value()) z = as_float(*zero_point);
   at::Tensor y;
   switch (static_cast<WeightOnlyKernel>(kernel)) {
     case WeightOnlyKernel::kGemvF32:
-      y = weight_only_gemv(x2.to(at::kFloat), c, s, z, bits, group);
+      y = weight_only_gemv(as_float(x2), c, s, z, bits, group);
       break;
     case WeightOnlyKernel::kGemvBf16:
     case WeightOnlyKernel::kGemvBf16Split:
       TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
-      y = weight_only_gemv_bf16(x2.to(at::kFloat), c, s, z, group,
+      y = weight_only_gemv_bf16(as_float(x2), c, s, z, group,
                                 static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split);
       break;
     case WeightOnlyKernel::kGemmBf16:
@@ -529,10 +548,13 @@ at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, cons
                               int64_t kernel) {
   const int64_t K = x.size(-1), N = codes.size(0);
   const int64_t M = K ? x.numel() / K : 0;
-  at::Tensor y = weight_only_rows(x.reshape({M, K}).contiguous(), codes, scale, zero_point, bits, group, kernel);
+  const at::Tensor x2 = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({M, K}).contiguous();
+  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel);
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+  if (x.dim() == 2) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  return y.view(shape);
 }
 
 // ---- mixed int8/int4 weights (lowbit.SplitQTensor) --------------------------------------
