@@ -10,9 +10,12 @@ Rows run in alternation (round 1: every row, round 2: every row, ...) and each r
 reports its best round: this machine drifts by ~20% over minutes, and alternation
 spreads the drift over all rows instead of favouring whichever ran first.
 
-Quantized recipes are made from the model loaded in bfloat16 (``--quantized-dtype``), as
-llama.cpp's quantized matmuls do not keep float32 activations either (they quantize
-them to 8 bits); the float32 rows are the float model in float32.  Ratios are to the
+Quantized recipes are made from the model loaded in bfloat16 where the CPU has bf16 dot
+products (AVX512-BF16 or AMX), as llama.cpp's quantized matmuls do not keep float32
+activations either (they quantize them to 8 bits), and in float32 elsewhere, where bf16
+arithmetic is emulated and slower (``--quantized-dtype`` chooses); the float32 rows are
+the float model in float32.  llama.cpp decodes after as many tokens of context as
+lowbit's rows (``llama-bench -d``).  Ratios are to the
 faster of the two float models (lowbit runtime, float32 and bfloat16, each of prefill and
 decode) and to llama.cpp's matching quantization.
 """
@@ -67,23 +70,25 @@ def transformers_round(model, prompt: torch.Tensor, decode: int) -> tuple[float,
 
 def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[str, tuple[float, float]]:
     """tokens/s (prefill, decode) per llama.cpp type from llama-bench, for the GGUF files
-    named SmolLM2-135M-Instruct.<TYPE>.gguf in gguf_dir (plus the bundled Q4_1)."""
+    named SmolLM2-135M-Instruct.<TYPE>.gguf in gguf_dir (plus the bundled Q4_1): prefill of
+    ``prefill`` tokens from an empty context, and decode of ``decode`` tokens after
+    ``prefill`` tokens of context (``-d``), as lowbit's rows decode after their prompt."""
     files = {m.group(1): os.path.join(gguf_dir, f) for f in sorted(os.listdir(gguf_dir))
              if (m := re.match(r"SmolLM2-135M-Instruct\.(\w+)\.gguf$", f))}
     files.setdefault("Q4_1", str(lowbit.models.bundled_model_path()))
     out = {}
     for kind, path in files.items():
-        res = subprocess.run([binary, "-m", path, "-p", str(prefill), "-n", str(decode), "-t",
-                              str(torch.get_num_threads()), "-o", "csv"], capture_output=True, text=True)
-        if res.returncode:
-            print(f"llama-bench failed on {path}: {res.stderr.strip()[-300:]}")
-            continue
-        rows = [line.split(",") for line in res.stdout.strip().splitlines()]
-        head = [h.strip('"') for h in rows[0]]
         tps = {}
-        for r in rows[1:]:
-            d = dict(zip(head, (c.strip('"') for c in r)))
-            tps["prefill" if int(d["n_prompt"]) else "decode"] = float(d["avg_ts"])
+        for what, extra in (("prefill", ["-p", str(prefill), "-n", "0"]),
+                            ("decode", ["-p", "0", "-n", str(decode), "-d", str(prefill)])):
+            res = subprocess.run([binary, "-m", path, *extra, "-t", str(torch.get_num_threads()), "-o", "csv"],
+                                 capture_output=True, text=True)
+            if res.returncode:
+                print(f"llama-bench failed on {path}: {res.stderr.strip()[-300:]}")
+                continue
+            rows = [line.split(",") for line in res.stdout.strip().splitlines()]
+            head = [h.strip('"') for h in rows[0]]
+            tps[what] = float(dict(zip(head, (c.strip('"') for c in rows[-1])))["avg_ts"])
         out[kind] = (tps.get("prefill", float("nan")), tps.get("decode", float("nan")))
     return out
 
@@ -94,7 +99,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--quantized-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    ap.add_argument("--quantized-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="dtype of the model the quantized rows are made from (activations, attention, norms)")
     ap.add_argument("--rows", nargs="*", help="run only these rows (names of the first column)")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"),
@@ -109,6 +114,9 @@ def main() -> None:
     text, _ = default_corpus()
     prompt = torch.tensor(tok(text).input_ids[: args.prefill])
     runners = {}
+    if args.quantized_dtype == "auto":
+        flags = lowbit.kernels.cpu.features()["machine"]
+        args.quantized_dtype = "bfloat16" if {"avx512_bf16", "amx_tile"} & set(flags) else "float32"
     qdt = getattr(torch, args.quantized_dtype)
     for name, dt, recipe, _ in ROWS:
         if args.rows and name not in args.rows:

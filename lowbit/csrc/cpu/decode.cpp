@@ -329,7 +329,8 @@ bool share_blocks(const std::vector<const Proj*>& ps) {
 
 // x through projections with activations in int8 blocks (share_blocks), bias not added.
 std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  const bool plain = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // no op needed
+  const at::Tensor x2 = plain ? x : x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   std::vector<at::Tensor> codes, scales;
   std::vector<c10::optional<at::Tensor>> zps;
   for (const Proj* p : ps) {
@@ -339,6 +340,7 @@ std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, cons
   }
   auto [ys, finite] = linear_a8_blocks_many(x2, codes, scales, zps, ps[0]->bits, ps[0]->group);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
+  if (plain) return ys;
   for (size_t i = 0; i < ps.size(); ++i) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = ps[i]->codes.size(0);
