@@ -39,11 +39,12 @@ def a8_tolerance(x, qt, y_ref):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 40, 129])
 def test_linear_with_activation_blocks_matches_the_reference(backend, scheme, dtype, m):
     # K = 576 (the bundled model): 18 blocks, groups of 32/64/128... that tile it or not (g128
     # falls back per scheme below); m covers the kernel's 4-row tiles, their tail, and the
-    # many-row path (dequantized blocks times float32 weight tiles) past A8_ROWS_MAX_M.
+    # many-row path (dequantized blocks times float32 weight tiles) past A8_ROWS_MAX_M (16)
+    # or, without AVX-512, AVX2_A8_ROWS_MAX_M (128).
     k = 576 if "g128" not in scheme else 512
     skip_large_for_interpreter(backend, m, 48, k)
     torch.manual_seed(m)
@@ -123,8 +124,9 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_tiles_beyond():
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
     assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
-    assert plan(w, a, cpu.A8_ROWS_MAX_M, 576, torch.float32).kernel == "a8_blocks"
-    assert plan(w, a, cpu.A8_ROWS_MAX_M + 1, 576, torch.float32).kernel == "a8_tiles"
+    rows = cpu.A8_ROWS_MAX_M if cpu._has_avx512() else cpu.AVX2_A8_ROWS_MAX_M
+    assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
+    assert plan(w, a, rows + 1, 576, torch.float32).kernel == "a8_tiles"
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
 
 

@@ -90,6 +90,11 @@ AVX2_GEMV_MAX_M = {4: 16, 8: 8}
 #   4-bit: M=1 0.04 vs 0.33-0.37, M=16 0.37-0.47 vs 0.58-0.66, M=64 1.27-1.80 vs 1.17-1.38
 #   8-bit: M=1 0.04 vs 0.27, M=16 0.29 vs 0.48, M=64 0.96 vs 1.23
 A8_ROWS_MAX_M = 16
+# The same after the kernel's prefetch and shift fixes (weights hot, Zen 3, ms): 1536x576
+# 4-bit M=64 0.87 vs 1.50, M=128 1.78 vs 2.35, M=256 3.64 vs 3.65; 576x1536 M=128 1.62 vs
+# 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.  Where float32 FMAs are 16 lanes wide (AVX-512)
+# the tiles gain twice as much; not measured there since, so that threshold stays.
+AVX2_A8_ROWS_MAX_M = 128
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -201,11 +206,11 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
 def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
-    if m <= A8_ROWS_MAX_M:
-        return Plan("a8_blocks", f"up to {A8_ROWS_MAX_M} rows: int8 blocks of x, integer dot products per "
+    rows = A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M
+    if m <= rows:
+        return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "
                                  "block (vpmaddubsw / vpmaddwd)")
-    return Plan("a8_tiles", f"over {A8_ROWS_MAX_M} rows: int8 blocks of x dequantized, float32 weight tiles, "
-                            "torch.mm")
+    return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
 
 
 @lru_cache(maxsize=4096)
