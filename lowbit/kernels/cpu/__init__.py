@@ -347,17 +347,17 @@ class CpuBackend(Backend):
         kernel = _a8_blocks_plan(bits, group_size, act_block, m, k).kernel
         if kernel == "reference":
             return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
-        x2 = x.reshape(m, k).to(torch.float32).contiguous()
+        x2 = _float32(x.reshape(m, k))
         if kernel == "a8_tiles":
             xd, ok = _C.fake_quantize_a8_blocks(x2)
             if not ok:
                 return x.new_empty((*x.shape[:-1], n)), False
             y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32)
         else:
-            zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-            y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), scale.to(torch.float32).contiguous(), zp, bits,
-                                        group_size)
-        return y.to(x.dtype).reshape(*x.shape[:-1], n), ok
+            zp = None if zero_point is None else _float32(zero_point)
+            y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
 
     def int8_mm(self, a, b):
         """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation; on a
@@ -424,6 +424,12 @@ class CpuBackend(Backend):
             y += acc.to(torch.float32) * ws[None, :, j]
         y = y * x_scale.to(torch.float32)[:, None]
         return y if bias is None else y + bias.to(torch.float32)
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous float32, without a (no-op) op call when it already is: at decode
+    sizes each costs a few microseconds, as much as a small kernel."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
 def int8_mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
