@@ -351,14 +351,45 @@ std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, cons
 
 at::Tensor Proj::int8_blocks(const at::Tensor& x) const { return run_int8_blocks({this}, x)[0]; }
 
-// x through several projections: those that share_blocks as one call.
+// Weight-only projections on the float32 FMA kernel (gemv_f32) with the same kind of
+// weight share x's preparation and one parallel region (weight_only_gemv_many): the same
+// arithmetic per output as one call each.
+bool share_gemv_f32(const std::vector<const Proj*>& ps) {
+  for (const Proj* p : ps)
+    if (!p->codes.defined() || p->act != 0 || p->kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvF32) ||
+        p->bits != ps[0]->bits || p->group != ps[0]->group ||
+        p->zero_point.has_value() != ps[0]->zero_point.has_value() || p->scale.scalar_type() != at::kFloat ||
+        (p->zero_point.has_value() && p->zero_point->scalar_type() != at::kFloat))
+      return false;
+  return true;
+}
+
+// x [1, K] through projections that share_gemv_f32, bias not added; outputs in x's dtype.
+std::vector<at::Tensor> run_gemv_f32(const std::vector<const Proj*>& ps, const at::Tensor& x) {
+  const at::Tensor x2 = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  std::vector<at::Tensor> codes, scales;
+  std::vector<c10::optional<at::Tensor>> zps;
+  for (const Proj* p : ps) {
+    codes.push_back(p->codes);
+    scales.push_back(p->scale);
+    zps.push_back(p->zero_point);
+  }
+  std::vector<at::Tensor> ys = weight_only_gemv_many(x2, codes, scales, zps, ps[0]->bits, ps[0]->group);
+  if (x.scalar_type() != at::kFloat)
+    for (at::Tensor& y : ys) y = y.to(x.scalar_type());
+  return ys;
+}
+
+// x through several projections: those that share_blocks or share_gemv_f32 as one call.
 std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  if (ps.size() < 2 || !share_blocks(ps)) {
+  const bool blocks = ps.size() > 1 && share_blocks(ps);
+  const bool gemv = ps.size() > 1 && !blocks && x.dim() == 2 && x.size(0) == 1 && share_gemv_f32(ps);
+  if (!blocks && !gemv) {
     std::vector<at::Tensor> out;
     for (const Proj* p : ps) out.push_back((*p)(x));
     return out;
   }
-  std::vector<at::Tensor> ys = run_int8_blocks(ps, x);
+  std::vector<at::Tensor> ys = blocks ? run_int8_blocks(ps, x) : run_gemv_f32(ps, x);
   for (size_t i = 0; i < ps.size(); ++i)
     if (ps[i]->bias) ys[i] = ys[i] + ps[i]->bias->to(ys[i].scalar_type());
   return ys;

@@ -23,6 +23,10 @@ bool has_gemv_f32();
 bool has_w4a8_rows();
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                              const std::vector<at::Tensor>& scales,
+                                              const std::vector<c10::optional<at::Tensor>>& zero_points,
+                                              int64_t bits, int64_t group);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
 // which lowbit.kernels.cpu's plan returns).
 enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3 };

@@ -339,15 +339,34 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 #endif
 
 #ifdef LOWBIT_GEMV_F32
+// One weight of a weight-only call: packed codes [N, row bytes], scales and zero points
+// [N, G], output y [M, N].
+struct WoWeight {
+  const uint8_t* w;
+  const float* s;
+  const float* z;
+  int64_t N;
+  float* y;
+};
+
+// x (prepared once: xa/xb even/odd halves for 4-bit codes, xs group sums) times every
+// weight, in one parallel region over all their rows (q/k/v or gate/up of a decode step).
 template <bool SIGNED, bool HAS_ZP>
-void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t N, int64_t K, int64_t G,
-            int64_t group, int64_t bits, const uint8_t* w, const float* s, const float* z, float* y) {
+void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
+            int64_t bits, const std::vector<WoWeight>& weights) {
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wn = w + n * row_bytes;
-      const float* sn = s + n * G;
-      const float* zn = HAS_ZP ? z + n * G : nullptr;
+  std::vector<int64_t> first{0};  // rows of every weight, numbered in one range
+  for (const WoWeight& wt : weights) first.push_back(first.back() + wt.N);
+  at::parallel_for(0, first.back(), 16, [&](int64_t r0, int64_t r1) {
+    size_t i = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      while (r >= first[i + 1]) ++i;
+      const WoWeight& wt = weights[i];
+      const int64_t n = r - first[i], N = wt.N;
+      const uint8_t* wn = wt.w + n * row_bytes;
+      const float* sn = wt.s + n * G;
+      const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
+      float* y = wt.y;
       int64_t m = 0;
       for (; m + MB <= M; m += MB) {
         if (bits == 4)
@@ -398,25 +417,45 @@ bool has_gemv_f32() {
 #endif
 }
 
-// x: float32 [M, K]; codes: int8/uint8 [N, K] or int32 [N, K/8]; scale, zero_point: float32 [N, G].
-at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+// x: float32 [M, K]; per weight, codes int8/uint8 [N, K] or int32 [N, K/8], scale and zero_point
+// float32 [N, G] (all with zero points or none); float32 [M, N] per weight, x prepared once.
+std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                              const std::vector<at::Tensor>& scales,
+                                              const std::vector<c10::optional<at::Tensor>>& zero_points,
+                                              int64_t bits, int64_t group) {
 #ifndef LOWBIT_GEMV_F32
   TORCH_CHECK(false, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL) or AVX2 and FMA");
 #endif
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && codes.is_contiguous() &&
-                  scale.scalar_type() == at::kFloat && scale.is_contiguous(),
-              "lowbit._C.weight_only_gemv: contiguous float32 x and scale expected");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
-  TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0, "lowbit._C.weight_only_gemv: group must be a multiple of ",
-              bits == 4 ? 32 : 16);
-  at::Tensor y = at::empty({M, N}, x.options());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "lowbit._C.weight_only_gemv: contiguous float32 x [M, K] expected");
+  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && zero_points.size() == codes.size(),
+              "lowbit._C.weight_only_gemv: one scale and zero point per weight");
+  const int64_t M = x.size(0), K = x.size(1), G = K / group;
+  TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0 && K % group == 0,
+              "lowbit._C.weight_only_gemv: group must be a multiple of ", bits == 4 ? 32 : 16, " that divides K");
+  const bool has_zp = zero_points[0].has_value();
+  std::vector<at::Tensor> ys;
+  std::vector<WoWeight> weights;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const at::Tensor &c = codes[i], &sc = scales[i];
+    const int64_t N = c.size(0);
+    TORCH_CHECK(c.is_contiguous() && c.dim() == 2 && c.size(1) * (bits == 4 ? 8 : 1) == K,
+                "lowbit._C.weight_only_gemv: codes must be contiguous [N, K] (or [N, K / 8] 4-bit words)");
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 2 && sc.size(0) == N &&
+                    sc.size(1) == G,
+                "lowbit._C.weight_only_gemv: scale must be contiguous float32 [N, K / group]");
+    TORCH_CHECK(zero_points[i].has_value() == has_zp, "lowbit._C.weight_only_gemv: zero points on all or none");
+    if (has_zp)
+      TORCH_CHECK(zero_points[i]->scalar_type() == at::kFloat && zero_points[i]->is_contiguous() &&
+                      zero_points[i]->sizes() == sc.sizes(),
+                  "lowbit._C.weight_only_gemv: zero_point must be float32 of scale's shape");
+    ys.push_back(at::empty({M, N}, x.options()));
+    weights.push_back(WoWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), sc.data_ptr<float>(),
+                               has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N, ys.back().data_ptr<float>()});
+  }
 #ifdef LOWBIT_GEMV_F32
   // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
   // the work (the group sums of x, the even/odd split).
-  const bool has_zp = zero_point.has_value();
-  TORCH_CHECK(!has_zp || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous()),
-              "lowbit._C.weight_only_gemv: contiguous float32 zero_point expected");
   const float* px = x.data_ptr<float>();
   std::vector<float> xs(has_zp ? M * G : 1), xa, xb;
   if (has_zp && LOWBIT_GEMV_F32 == 512)  // group sums of x for the z * sum(x) term
@@ -433,14 +472,17 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
     pa = xa.data();
     pb = xb.data();
   }
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* z = has_zp ? zero_point->data_ptr<float>() : nullptr;
   if (!has_zp)  // signed codes
-    wo_all<true, false>(pa, pb, xs.data(), M, N, K, G, group, bits, w, scale.data_ptr<float>(), z, y.data_ptr<float>());
+    wo_all<true, false>(pa, pb, xs.data(), M, K, G, group, bits, weights);
   else
-    wo_all<false, true>(pa, pb, xs.data(), M, N, K, G, group, bits, w, scale.data_ptr<float>(), z, y.data_ptr<float>());
+    wo_all<false, true>(pa, pb, xs.data(), M, K, G, group, bits, weights);
 #endif
-  return y;
+  return ys;
+}
+
+at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  return weight_only_gemv_many(x, {codes}, {scale}, {zero_point}, bits, group)[0];
 }
 
 // x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8]; w_scale float32 [N, G]; w_zp int32 [N, G] or none
