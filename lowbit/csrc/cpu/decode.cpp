@@ -327,18 +327,25 @@ bool share_blocks(const std::vector<const Proj*>& ps) {
   return true;
 }
 
+// The packed weights of projections that share one call, as the *_many kernels take them.
+struct Parts {
+  std::vector<at::Tensor> codes, scales;
+  std::vector<c10::optional<at::Tensor>> zero_points;
+  explicit Parts(const std::vector<const Proj*>& ps) {
+    for (const Proj* p : ps) {
+      codes.push_back(p->codes);
+      scales.push_back(p->scale);
+      zero_points.push_back(p->zero_point);
+    }
+  }
+};
+
 // x through projections with activations in int8 blocks (share_blocks), bias not added.
 std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const bool plain = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // no op needed
-  const at::Tensor x2 = plain ? x : x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
-  std::vector<at::Tensor> codes, scales;
-  std::vector<c10::optional<at::Tensor>> zps;
-  for (const Proj* p : ps) {
-    codes.push_back(p->codes);
-    scales.push_back(p->scale);
-    zps.push_back(p->zero_point);
-  }
-  auto [ys, finite] = linear_a8_blocks_many(x2, codes, scales, zps, ps[0]->bits, ps[0]->group);
+  const bool plain = x.dim() == 2 && x.scalar_type() == at::kFloat;  // outputs need no op either
+  const at::Tensor x2 = as_float(x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}));
+  const Parts w(ps);
+  auto [ys, finite] = linear_a8_blocks_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
   if (plain) return ys;
   for (size_t i = 0; i < ps.size(); ++i) {
@@ -366,15 +373,9 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
 
 // x [1, K] through projections that share_gemv_f32, bias not added; outputs in x's dtype.
 std::vector<at::Tensor> run_gemv_f32(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const at::Tensor x2 = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
-  std::vector<at::Tensor> codes, scales;
-  std::vector<c10::optional<at::Tensor>> zps;
-  for (const Proj* p : ps) {
-    codes.push_back(p->codes);
-    scales.push_back(p->scale);
-    zps.push_back(p->zero_point);
-  }
-  std::vector<at::Tensor> ys = weight_only_gemv_many(x2, codes, scales, zps, ps[0]->bits, ps[0]->group);
+  const at::Tensor x2 = as_float(x);
+  const Parts w(ps);
+  std::vector<at::Tensor> ys = weight_only_gemv_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group);
   if (x.scalar_type() != at::kFloat)
     for (at::Tensor& y : ys) y = y.to(x.scalar_type());
   return ys;

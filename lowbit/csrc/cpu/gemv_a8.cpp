@@ -239,20 +239,11 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
     for (int j = 0; j < NR; ++j) y[r * ldy + j] = fsum8(acc[r][j]) - corr[r][j];
 }
 
-// One weight of a call: codes [N, K] (bytes), scales and zero points [N, G], output [M, N].
-struct Weight {
-  const uint8_t* w;
-  const float* s;
-  const float* z;
-  int64_t N;
-  float* y;
-};
-
 // x [M, K] quantized once, then multiplied with every weight (q/k/v or gate/up of a decode
 // step share one pass over x and one parallel region).  False (nothing written) if x held
 // NaN or Inf.
 template <typename Q, bool SIGNED, bool HAS_ZP>
-bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<Weight>& weights) {
+bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights) {
   const int64_t G = K / group, nb = K / BLOCK;
   constexpr bool four = std::is_same<Q, int8_t>::value;
   const int64_t np = (nb + 1) / 2;
@@ -273,7 +264,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   const int64_t row_bytes = four ? K / 2 : K;
   // One row of x: 4 weight rows at a time; 4 rows of x: one (4 accumulators either way, so
   // that they, the unpacked codes and the scales fit the 16 vector registers).
-  auto tile = [&](auto r_const, auto nr_const, const Weight& wt, int64_t m, int64_t n) {
+  auto tile = [&](auto r_const, auto nr_const, const PackedWeight& wt, int64_t m, int64_t n) {
     constexpr int R = decltype(r_const)::value, NR = decltype(nr_const)::value;
     const uint8_t* wn = wt.w + n * row_bytes;
     const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
@@ -287,12 +278,12 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;
   std::vector<int64_t> first_tile{0};  // tiles of 4 rows of every weight, numbered in one range
-  for (const Weight& wt : weights) first_tile.push_back(first_tile.back() + wt.N / 4);
+  for (const PackedWeight& wt : weights) first_tile.push_back(first_tile.back() + wt.N / 4);
   at::parallel_for(0, first_tile.back(), 4, [&](int64_t t0, int64_t t1) {
     size_t i = 0;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_tile[i + 1]) ++i;
-      const Weight& wt = weights[i];
+      const PackedWeight& wt = weights[i];
       const int64_t n = 4 * (t - first_tile[i]);
       int64_t m = 0;
       for (; m + MB <= M; m += MB)
@@ -300,7 +291,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
       for (; m < M; ++m) tile(One{}, Four{}, wt, m, n);
     }
   });
-  for (const Weight& wt : weights)
+  for (const PackedWeight& wt : weights)
     for (int64_t n = wt.N / 4 * 4; n < wt.N; ++n)
       for (int64_t m = 0; m < M; ++m) tile(One{}, One{}, wt, m, n);
   return true;
@@ -330,32 +321,13 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "lowbit._C.linear_a8_blocks: contiguous float32 x [M, K] expected");
   TORCH_CHECK(bits == 4 || bits == 8, "lowbit._C.linear_a8_blocks: bits must be 4 or 8");
-  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && zero_points.size() == codes.size(),
-              "lowbit._C.linear_a8_blocks: one scale and zero point per weight");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group > 0 && group % BLOCK == 0 && K % group == 0,
               "lowbit._C.linear_a8_blocks: the weight group must be a multiple of 32 that divides K");
-  const bool has_zp = zero_points[0].has_value();
   std::vector<at::Tensor> ys;
-  std::vector<Weight> weights;
-  for (size_t i = 0; i < codes.size(); ++i) {
-    const at::Tensor &c = codes[i], &s = scales[i];
-    const int64_t N = c.size(0);
-    TORCH_CHECK(c.is_contiguous() && c.dim() == 2 && c.size(1) * (bits == 4 ? 8 : 1) == K &&
-                    c.element_size() == (bits == 4 ? 4 : 1),
-                "lowbit._C.linear_a8_blocks: codes must be contiguous [N, K] bytes or [N, K/8] int32 words");
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-                    s.size(1) == K / group,
-                "lowbit._C.linear_a8_blocks: scale must be contiguous float32 [N, K / group]");
-    TORCH_CHECK(zero_points[i].has_value() == has_zp, "lowbit._C.linear_a8_blocks: zero points on all or none");
-    if (has_zp)
-      TORCH_CHECK(zero_points[i]->scalar_type() == at::kFloat && zero_points[i]->is_contiguous() &&
-                      zero_points[i]->sizes() == s.sizes(),
-                  "lowbit._C.linear_a8_blocks: zero_point must be float32 of scale's shape");
-    ys.push_back(at::empty({M, N}, x.options()));
-    weights.push_back(Weight{reinterpret_cast<const uint8_t*>(c.data_ptr()), s.data_ptr<float>(),
-                             has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N, ys.back().data_ptr<float>()});
-  }
+  const std::vector<PackedWeight> weights =
+      packed_weights("lowbit._C.linear_a8_blocks", x, codes, scales, zero_points, bits, group, ys);
+  const bool has_zp = zero_points[0].has_value();
   bool finite = true;
 #ifdef LOWBIT_A8_BLOCKS
   const float* px = x.data_ptr<float>();

@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -18,6 +19,25 @@ at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
                                                                         bool symmetric);
 // matmul.cpp
+// t as contiguous float32, without an op when it already is (a no-op .to() still costs a dispatch).
+at::Tensor as_float(const at::Tensor& t);
+// One packed weight of a call over several weights of one kind (weight_only_gemv_many,
+// linear_a8_blocks_many): codes [N, row bytes], float32 scales and zero points [N, G], and
+// its float32 output y [M, N].
+struct PackedWeight {
+  const uint8_t* w;
+  const float* s;
+  const float* z;
+  int64_t N;
+  float* y;
+};
+// Checks each weight against x [M, K] (codes [N, K] bytes or [N, K/8] int32 words, scale
+// float32 [N, K / group], float32 zero points of scale's shape on all or none; errors
+// start with `who`), allocates ys (float32 [M, N] each) and returns the weights' pointers.
+std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                         const std::vector<at::Tensor>& scales,
+                                         const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,
+                                         int64_t group, std::vector<at::Tensor>& ys);
 bool has_avx512();
 bool has_gemv_f32();
 bool has_w4a8_rows();

@@ -339,29 +339,19 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 #endif
 
 #ifdef LOWBIT_GEMV_F32
-// One weight of a weight-only call: packed codes [N, row bytes], scales and zero points
-// [N, G], output y [M, N].
-struct WoWeight {
-  const uint8_t* w;
-  const float* s;
-  const float* z;
-  int64_t N;
-  float* y;
-};
-
 // x (prepared once: xa/xb even/odd halves for 4-bit codes, xs group sums) times every
 // weight, in one parallel region over all their rows (q/k/v or gate/up of a decode step).
 template <bool SIGNED, bool HAS_ZP>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
-            int64_t bits, const std::vector<WoWeight>& weights) {
+            int64_t bits, const std::vector<PackedWeight>& weights) {
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
   std::vector<int64_t> first{0};  // rows of every weight, numbered in one range
-  for (const WoWeight& wt : weights) first.push_back(first.back() + wt.N);
+  for (const PackedWeight& wt : weights) first.push_back(first.back() + wt.N);
   at::parallel_for(0, first.back(), 16, [&](int64_t r0, int64_t r1) {
     size_t i = 0;
     for (int64_t r = r0; r < r1; ++r) {
       while (r >= first[i + 1]) ++i;
-      const WoWeight& wt = weights[i];
+      const PackedWeight& wt = weights[i];
       const int64_t n = r - first[i], N = wt.N;
       const uint8_t* wn = wt.w + n * row_bytes;
       const float* sn = wt.s + n * G;
@@ -428,36 +418,18 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 #endif
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "lowbit._C.weight_only_gemv: contiguous float32 x [M, K] expected");
-  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && zero_points.size() == codes.size(),
-              "lowbit._C.weight_only_gemv: one scale and zero point per weight");
   const int64_t M = x.size(0), K = x.size(1), G = K / group;
   TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0 && K % group == 0,
               "lowbit._C.weight_only_gemv: group must be a multiple of ", bits == 4 ? 32 : 16, " that divides K");
-  const bool has_zp = zero_points[0].has_value();
   std::vector<at::Tensor> ys;
-  std::vector<WoWeight> weights;
-  for (size_t i = 0; i < codes.size(); ++i) {
-    const at::Tensor &c = codes[i], &sc = scales[i];
-    const int64_t N = c.size(0);
-    TORCH_CHECK(c.is_contiguous() && c.dim() == 2 && c.size(1) * (bits == 4 ? 8 : 1) == K,
-                "lowbit._C.weight_only_gemv: codes must be contiguous [N, K] (or [N, K / 8] 4-bit words)");
-    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 2 && sc.size(0) == N &&
-                    sc.size(1) == G,
-                "lowbit._C.weight_only_gemv: scale must be contiguous float32 [N, K / group]");
-    TORCH_CHECK(zero_points[i].has_value() == has_zp, "lowbit._C.weight_only_gemv: zero points on all or none");
-    if (has_zp)
-      TORCH_CHECK(zero_points[i]->scalar_type() == at::kFloat && zero_points[i]->is_contiguous() &&
-                      zero_points[i]->sizes() == sc.sizes(),
-                  "lowbit._C.weight_only_gemv: zero_point must be float32 of scale's shape");
-    ys.push_back(at::empty({M, N}, x.options()));
-    weights.push_back(WoWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), sc.data_ptr<float>(),
-                               has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N, ys.back().data_ptr<float>()});
-  }
+  const std::vector<PackedWeight> weights =
+      packed_weights("lowbit._C.weight_only_gemv", x, codes, scales, zero_points, bits, group, ys);
+  const bool has_zp = zero_points[0].has_value();
 #ifdef LOWBIT_GEMV_F32
   // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
   // the work (the group sums of x, the even/odd split).
   const float* px = x.data_ptr<float>();
-  std::vector<float> xs(has_zp ? M * G : 1), xa, xb;
+  std::vector<float> xs(M * G), xa, xb;  // read by the AVX-512 kernels only (with zero points)
   if (has_zp && LOWBIT_GEMV_F32 == 512)  // group sums of x for the z * sum(x) term
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
@@ -548,13 +520,42 @@ std::vector<std::string> weight_only_kernels() {
   return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
 }
 
-namespace {
-// t as contiguous float32, without an op when it already is (the decode step passes its
-// scales that way: a no-op .to() still costs a dispatch).
 at::Tensor as_float(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
+std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                         const std::vector<at::Tensor>& scales,
+                                         const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,
+                                         int64_t group, std::vector<at::Tensor>& ys) {
+  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && zero_points.size() == codes.size(), who,
+              ": one scale and zero point per weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool has_zp = zero_points[0].has_value();
+  std::vector<PackedWeight> weights;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const at::Tensor &c = codes[i], &s = scales[i];
+    const int64_t N = c.size(0);
+    TORCH_CHECK(c.is_contiguous() && c.dim() == 2 && c.size(1) * (bits == 4 ? 8 : 1) == K &&
+                    c.element_size() == (bits == 4 ? 4 : 1),
+                who, ": codes must be contiguous [N, K] bytes or [N, K/8] int32 words");
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+                    s.size(1) == K / group,
+                who, ": scale must be contiguous float32 [N, K / group]");
+    TORCH_CHECK(zero_points[i].has_value() == has_zp, who, ": zero points on all or none");
+    if (has_zp)
+      TORCH_CHECK(zero_points[i]->scalar_type() == at::kFloat && zero_points[i]->is_contiguous() &&
+                      zero_points[i]->sizes() == s.sizes(),
+                  who, ": zero_point must be float32 of scale's shape");
+    ys.push_back(at::empty({M, N}, x.options().dtype(at::kFloat)));
+    weights.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), s.data_ptr<float>(),
+                                   has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N,
+                                   ys.back().data_ptr<float>()});
+  }
+  return weights;
+}
+
+namespace {
 // x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
 // kernels (gemv_*), x's dtype from gemm_bf16.
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
