@@ -135,10 +135,11 @@ class Runner:
             self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
         return self._cos, self._sin
 
-    def _rms(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _rms(self, h: torch.Tensor, w: torch.Tensor, rows: bool = False) -> torch.Tensor:
         # as transformers' LlamaRMSNorm: normalize in float32, round, then scale; one row
-        # (a decode step): lowbit's one-pass kernel (ATen's rms_norm is ~10 ops, ~10 us)
-        if h.shape[0] == 1 and self._rms_row is not None:
+        # (a decode step) or ``rows`` (a batch's decode step, each row as a decode step
+        # would): lowbit's one-pass kernel (ATen's rms_norm is ~10 ops, ~10 us)
+        if (rows or h.shape[0] == 1) and self._rms_row is not None:
             return self._rms_row(h, w, self.eps)
         return F.rms_norm(h.float(), (self.hidden,), None, self.eps).to(h.dtype) * w
 
@@ -209,14 +210,21 @@ class Runner:
         return self.lm_head(h)
 
     @torch.inference_mode()
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
+    def generate(self, ids, max_new_tokens: int, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, eos_token_id: int | list[int] | None = None,
-                 on_token=None) -> "Generation":
+                 on_token=None):
         """Greedy (default) or sampled continuation of the 1-D prompt ``ids``: at most
         ``max_new_tokens`` tokens, stopping after one in ``eos_token_id``.  Sampling
         (``do_sample``) uses ``temperature``, then ``top_k`` and ``top_p`` filtering, with a
         generator seeded by ``seed`` (0 when None); ``on_token(id)`` sees each new token.
+        Returns a ``Generation``.
+
+        A list of 1-D prompts is generated as one batch (``BatchGeneration``): their
+        prompts are prefilled together, then every step decodes one token of each
+        unfinished sequence with one matmul per projection (M = the sequences still
+        running), each sequence with its own KV cache positions.  ``on_token(i, id)`` sees
+        each new token of sequence ``i``; sampling draws from one generator, row by row.
 
         Example::
 
@@ -229,19 +237,18 @@ class Runner:
             >>> g = lowbit.Runner(model).generate(ids, 3, do_sample=True, temperature=0.8, top_p=0.9, seed=1)
             >>> len(g.tokens)
             3
+            >>> other = tok("The capital of Italy is", return_tensors="pt").input_ids[0]
+            >>> b = lowbit.Runner(model).generate([ids, other], 2)  # a batch of two prompts
+            >>> [tok.decode(s.tokens) for s in b.sequences]
+            [' Paris.', ' Rome.']
         """
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if do_sample and not temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if isinstance(ids, (list, tuple)):
+            return self._generate_batch(list(ids), max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                                        eos_token_id, on_token)
+        _check_prompt(ids, "ids")
+        _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
         check_positions(self.model, ids.numel(), max_new_tokens)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        eos = _eos_set(eos_token_id)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(0 if seed is None else seed)
         cache = self.new_cache(ids.numel() + max_new_tokens)
@@ -262,6 +269,171 @@ class Runner:
             logits = self.forward(torch.tensor([tok], device=self.device), cache)
         out.decode_seconds = time.perf_counter() - t0
         return out
+
+    def _generate_batch(self, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                        eos_token_id, on_token) -> "BatchGeneration":
+        if not prompts:
+            raise ValueError("ids is an empty list: give at least one prompt")
+        for i, p in enumerate(prompts):
+            _check_prompt(p, f"ids[{i}]")
+        _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
+        for i, p in enumerate(prompts):
+            check_positions(self.model, p.numel(), max_new_tokens, what=f"prompt {i}")
+        eos = _eos_set(eos_token_id)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(0 if seed is None else seed)
+        out = BatchGeneration([Generation(prompt_tokens=p.numel()) for p in prompts])
+        if max_new_tokens == 0:
+            return out
+        cache = _BatchCache.empty(self, len(prompts), max(p.numel() for p in prompts) + max_new_tokens)
+        t0 = time.perf_counter()
+        logits = self._prefill_batch([p.to(self.device) for p in prompts], cache)
+        out.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        running = list(range(len(prompts)))
+        for step in range(max_new_tokens):
+            if do_sample:
+                picks = [_pick(row.float(), True, temperature, top_k, top_p, gen) for row in logits]
+            else:
+                picks = logits.argmax(-1).tolist()
+            still = []
+            for i, tok in zip(running, picks):
+                seq = out.sequences[i]
+                seq.tokens.append(tok)
+                if on_token is not None:
+                    on_token(i, tok)
+                if tok in eos or step == max_new_tokens - 1:
+                    seq.decode_seconds = time.perf_counter() - t0
+                else:
+                    still.append((i, tok))
+            if not still:
+                break
+            running = [i for i, _ in still]
+            logits = self._decode_batch(torch.tensor([t for _, t in still], device=self.device),
+                                        torch.tensor(running, device=self.device), cache)
+        out.decode_seconds = time.perf_counter() - t0
+        return out
+
+    def _attention_inputs(self, L, x, positions):
+        """q [N, H, hd], k and v [N, KV, hd] of the rows x [N, hidden] at ``positions``,
+        with the rotary embedding applied to q and k."""
+        n, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
+        cos_all, sin_all = self._rope(int(positions.max()) + 1)
+        cos, sin = cos_all[positions, None], sin_all[positions, None]           # [N, 1, hd]
+
+        def rope(t):
+            rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+            return t * cos + rot * sin
+
+        return (rope(L.q(x).view(n, self.heads, hd)), rope(L.k(x).view(n, self.kv_heads, hd)),
+                L.v(x).view(n, self.kv_heads, hd))
+
+    def _finish_layer(self, L, h, o, rows: bool = False):
+        """The layer's output projection, residual, MLP and residual after attention o."""
+        h = h + L.o(o)
+        x = self._rms(h, L.ln2, rows)
+        return h + L.down(L.act(L.gate(x)) * L.up(x))
+
+    def _prefill_batch(self, prompts: list[torch.Tensor], cache: "_BatchCache") -> torch.Tensor:
+        """Logits [B, vocab] of each prompt's last position; fills the cache.  The prompts'
+        tokens go through every projection together (M = their total length); attention
+        runs per prompt, causal over its own tokens only."""
+        lengths = [p.numel() for p in prompts]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        starts = [e - n for e, n in zip(ends, lengths)]
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        H, hd = self.heads, self.head_dim
+        h = self.embed(torch.cat(prompts))
+        for i, L in enumerate(self.layers):
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), positions)
+            kc, vc = cache.keys[i], cache.values[i]
+            o = torch.empty(h.shape[0], H * hd, dtype=h.dtype, device=h.device)
+            for b, (s, n) in enumerate(zip(starts, lengths)):
+                kc[b, :, :n] = k[s:s + n].transpose(0, 1)
+                vc[b, :, :n] = v[s:s + n].transpose(0, 1)
+                a = F.scaled_dot_product_attention(
+                    q[None, s:s + n].transpose(1, 2), kc[b:b + 1, :, :n], vc[b:b + 1, :, :n],
+                    is_causal=n > 1, scale=self.scaling, enable_gqa=H != self.kv_heads)
+                o[s:s + n] = a[0].transpose(0, 1).reshape(n, H * hd)
+            h = self._finish_layer(L, h, o)
+        cache.lengths[:] = torch.tensor(lengths)
+        return self.lm_head(self._rms(h[[e - 1 for e in ends]], self.norm))
+
+    def _decode_batch(self, ids: torch.Tensor, rows: torch.Tensor, cache: "_BatchCache") -> torch.Tensor:
+        """Logits [len(rows), vocab] of one new token for each sequence ``rows`` of the
+        cache (ids: their tokens); appends them to the cache."""
+        positions = cache.lengths[rows]
+        n, H, hd = ids.shape[0], self.heads, self.head_dim
+        span = int(positions.max()) + 1
+        slots = cache.slots(rows, positions)
+        h = self.embed(ids)
+        for i, L in enumerate(self.layers):
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), positions)
+            kc, vc = cache.keys[i], cache.values[i]
+            cache.write(i, slots, k, v)
+            if self._attend is not None:  # the single-query kernel, sequence by sequence
+                o = torch.stack([self._attend(q[j], kc[b], vc[b], p + 1, self.scaling)
+                                 for j, (b, p) in enumerate(zip(rows.tolist(), positions.tolist()))])
+            else:
+                seen = torch.arange(span, device=self.device) <= positions[:, None]   # [n, span]
+                o = F.scaled_dot_product_attention(
+                    q[:, :, None], kc[rows, :, :span], vc[rows, :, :span], attn_mask=seen[:, None, None],
+                    scale=self.scaling, enable_gqa=H != self.kv_heads)[:, :, 0]
+            h = self._finish_layer(L, h, o.reshape(n, H * hd), rows=True)
+        cache.lengths[rows] += 1
+        return self.lm_head(self._rms(h, self.norm, rows=True))
+
+
+@dataclass
+class _BatchCache:
+    """Per-layer key/value buffers [B, kv_heads, capacity, head_dim] of a batch; sequence
+    b has ``lengths[b]`` positions filled."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row indices [len(rows) * kv_heads] into a buffer viewed as [B * kv_heads *
+        capacity, head_dim] of position ``positions[j]`` of sequence ``rows[j]``, head by head."""
+        _, kv, cap, _ = self.keys[0].shape
+        heads = torch.arange(kv, device=rows.device)
+        return ((rows[:, None] * kv + heads) * cap + positions[:, None]).reshape(-1)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k and v [n, kv_heads, head_dim] at ``slots`` (``slots()``) of a layer's buffers
+        (one index_copy_ each: an index_put_ over two index tensors costs ~20x more)."""
+        hd = k.shape[-1]
+        self.keys[layer].view(-1, hd).index_copy_(0, slots, k.reshape(-1, hd))
+        self.values[layer].view(-1, hd).index_copy_(0, slots, v.reshape(-1, hd))
+
+    @staticmethod
+    def empty(r: Runner, batch: int, capacity: int) -> "_BatchCache":
+        shape = (batch, r.kv_heads, capacity, r.head_dim)
+        mk = lambda: torch.zeros(shape, dtype=r.dtype, device=r.device)  # noqa: E731
+        return _BatchCache([mk() for _ in r.layers], [mk() for _ in r.layers],
+                           torch.zeros(batch, dtype=torch.long, device=r.device))
+
+
+def _check_prompt(ids, name: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
+        got = f"shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be a non-empty 1-D tensor of token ids, got {got}")
+
+
+def _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
 
 
 def max_positions(model: nn.Module) -> int | None:
@@ -379,6 +551,41 @@ class Generation:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds else float("nan")
 
 
+@dataclass
+class BatchGeneration:
+    """A batch's sequences (one ``Generation`` each: its tokens, and its decode time until
+    it finished) and the batch's timings: one prefill of every prompt, then decode steps
+    until the last sequence finished.
+
+    Example::
+
+        >>> from lowbit.runtime import BatchGeneration, Generation
+        >>> b = BatchGeneration([Generation(5, [1, 2, 3]), Generation(7, [4])], prefill_seconds=0.1,
+        ...                     decode_seconds=0.1)
+        >>> b.new_tokens, b.tokens_per_s, b.decode_tokens_per_s   # decode made 2 + 0 steps
+        (4, 20.0, 20.0)
+    """
+
+    sequences: list[Generation]
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.sequences)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens of all sequences per second of prefill and decode together."""
+        seconds = self.prefill_seconds + self.decode_seconds
+        return self.new_tokens / seconds if seconds else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = sum(max(len(s.tokens) - 1, 0) for s in self.sequences)
+        return steps / self.decode_seconds if steps and self.decode_seconds else float("nan")
+
+
 def _pick(logits: torch.Tensor, do_sample, temperature, top_k, top_p, gen) -> int:
     if not do_sample:
         return int(logits.argmax())
@@ -394,4 +601,4 @@ def _pick(logits: torch.Tensor, do_sample, temperature, top_k, top_p, gen) -> in
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-__all__ = ["Runner", "KVCache", "Generation", "check_positions", "max_positions"]
+__all__ = ["Runner", "KVCache", "Generation", "BatchGeneration", "check_positions", "max_positions"]
