@@ -456,9 +456,12 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
     s = scale.to(torch.float32).contiguous()
     xc = x2.to(cdt).contiguous()
     # A tile of W as large as x itself costs no more memory than x does, and one GEMM over
-    # all of W (no transposed output to copy back) is 1.5x faster at prefill sizes.
-    tile = max(16, TILE_BYTES // max(k * xc.element_size(), 1), x2.shape[0])
-    if tile >= n:
+    # all of W (no transposed output to copy back) is 1.5x faster at prefill sizes; so is
+    # all of W at once when its float copy is no larger than x and y together (a prefill
+    # of 512 tokens through 1536x576: 3 tiles and their copies into y cost 3-4% more).
+    m = x2.shape[0]
+    tile = max(16, TILE_BYTES // max(k * xc.element_size(), 1), m)
+    if tile >= n or n * k <= m * (k + n):
         w = _C.dequantize(codes.contiguous(), s, zp, bits, zero_point is None, k, group_size, 1, cdt)
         return torch.mm(xc, w.T).to(x.dtype).reshape(*x.shape[:-1], n)
     # Each tile's GEMM into its columns of y: 512 x 1536 x 576 at 3 tiles took 1.5x the
