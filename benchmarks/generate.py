@@ -18,6 +18,17 @@ the float model in float32.  llama.cpp decodes after as many tokens of context a
 lowbit's rows (``llama-bench -d``).  Ratios are to the
 faster of the two float models (lowbit runtime, float32 and bfloat16, each of prefill and
 decode) and to llama.cpp's matching quantization.
+
+Batched generation (``--batch 8 32``): each row generates ``--batch-tokens`` tokens for
+each of B copies of one chat prompt (``Runner.generate`` with a list: one prefill of all
+prompts, then one matmul per projection per step), timed as generated tokens over
+prefill plus decode seconds.  With ``--vllm-python`` (a vLLM CPU venv's python, see
+``benchmarks/vllm_serve.py``) vLLM serves the same model the same way in the same run,
+from folders this script writes into ``--vllm-dir``: the float model, and the w8a8 and
+w4a16-g64 recipes as compressed-tensors (``lowbit export``).  Each lowbit row's ratio is
+to vLLM's row of the same class (float, W8A8, W4A16).
+
+    python benchmarks/generate.py --batch 8 32 --vllm-python /work/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import time
 import torch
 
 import lowbit
-from lowbit.evaluation import default_corpus
+from lowbit.evaluation import _prompt_ids, default_corpus
+from lowbit.formats.compressed_tensors import export_compressed_tensors
 from lowbit.runtime import Runner
 
 # name, model dtype, recipe (None: float), llama.cpp type it is compared with
@@ -66,6 +78,47 @@ def transformers_round(model, prompt: torch.Tensor, decode: int) -> tuple[float,
     out = model.generate(short, max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
     steps = out.shape[1] - short.shape[1]
     return prefill, steps / (time.perf_counter() - t0)
+
+
+BATCH_PROMPT = "Explain in two sentences why the sky is blue."  # vllm_serve.py's default prompt
+# the vLLM folder each lowbit row is compared with (its recipe class), and how to make it
+VLLM_CLASS = {"float32": "float", "bfloat16": "float", "w8a8": "w8a8", "w4a16-g64": "w4a16-g64",
+              "w4a16-g128-head8": "w4a16-g64"}
+
+
+def lowbit_batch_round(runner: Runner, prompt: torch.Tensor, batch: int, tokens: int) -> float:
+    g = runner.generate([prompt] * batch, tokens)  # no end token: every sequence runs to the end
+    return g.tokens_per_s
+
+
+def vllm_rows(python: str, folder: str, model, tok, batches: list[int], tokens: int, dtype: str) -> dict:
+    """{class: {batch: tok/s}} from benchmarks/vllm_serve.py run by the vLLM venv's
+    python on the float model and its w8a8 / w4a16-g64 compressed-tensors exports
+    (written into ``folder`` once), or an error string per class."""
+    import json
+
+    os.makedirs(folder, exist_ok=True)
+    dirs = {name: os.path.join(folder, name) for name in ("float", "w8a8", "w4a16-g64")}
+    if not os.path.isdir(dirs["float"]):
+        model.save_pretrained(dirs["float"] + ".tmp")
+        tok.save_pretrained(dirs["float"] + ".tmp")
+        os.replace(dirs["float"] + ".tmp", dirs["float"])
+    for recipe in ("w8a8", "w4a16-g64"):
+        if not os.path.isdir(dirs[recipe]):
+            q = lowbit.quantize_model(model, recipe, inplace=False)
+            export_compressed_tensors(q, tok, dirs[recipe])
+    out_json = os.path.join(folder, "vllm.json")
+    cmd = [python, os.path.join(os.path.dirname(__file__), "vllm_serve.py"), "--threads",
+           str(torch.get_num_threads()), "--dtype", dtype, "--tokens", str(tokens), "--prompt", BATCH_PROMPT,
+           "--batch", *map(str, batches), "--json", out_json, *dirs.values()]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if res.returncode or not os.path.exists(out_json):
+        print(f"vllm_serve.py failed: {res.stderr.strip()[-500:]}")
+        return {}
+    with open(out_json) as f:
+        table = json.load(f)
+    names = {path: name for name, path in dirs.items()}
+    return {names[r["model"]]: ({int(b): v for b, v in r["tok_s"].items()}, r["error"]) for r in table}
 
 
 def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[str, tuple[float, float]]:
@@ -106,7 +159,14 @@ def main() -> None:
                     help="llama-bench binary (default: $LLAMA_BENCH or on PATH)")
     ap.add_argument("--gguf-dir", default=os.environ.get("LLAMA_GGUF_DIR", "benchmarks/.llama.cpp/gguf"),
                     help="folder with SmolLM2-135M-Instruct.<TYPE>.gguf files for llama-bench")
+    ap.add_argument("--batch", type=int, nargs="*", default=[],
+                    help="batched generation rows at these numbers of prompts (default: none)")
+    ap.add_argument("--batch-tokens", type=int, default=64, help="tokens generated per prompt in a batch")
+    ap.add_argument("--vllm-python", help="python of a vLLM CPU venv: vLLM rows next to the batched ones")
+    ap.add_argument("--vllm-dir", default="benchmarks/.vllm", help="where the vLLM model folders are written")
     args = ap.parse_args()
+    if any(b < 1 for b in args.batch) or args.batch_tokens < 1:
+        ap.error("--batch sizes and --batch-tokens must be >= 1")
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bundled SmolLM2-135M-Instruct")
     models = {dt: lowbit.load_model(dtype=dt) for dt in (torch.float32, torch.bfloat16)}
@@ -137,6 +197,19 @@ def main() -> None:
             b = best.setdefault(name, [0.0, 0.0])
             b[0], b[1] = max(b[0], p), max(b[1], d)
         print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+    batched: dict[str, dict[int, float]] = {}
+    if args.batch:
+        chat = _prompt_ids(tok, BATCH_PROMPT)
+        for rnd in range(args.rounds):
+            for b in args.batch:
+                for name, r in runners.items():
+                    row = batched.setdefault(name, {})
+                    row[b] = max(row.get(b, 0.0), lowbit_batch_round(r, chat, b, args.batch_tokens))
+            print(f"batch round {rnd + 1}/{args.rounds} done", flush=True)
+    vllm = {}
+    if args.batch and args.vllm_python:
+        vllm = vllm_rows(args.vllm_python, args.vllm_dir, models[torch.float32][0], tok, args.batch,
+                         args.batch_tokens, args.quantized_dtype)
 
     llama = {}
     if args.llama_bench and os.path.isdir(args.gguf_dir):
@@ -161,6 +234,30 @@ def main() -> None:
               f"{kind or '':>11}{p / lp:>14.2f}{d / ld:>13.2f}")
     for kind, (p, d) in llama.items():
         print(f"{'llama.cpp ' + kind:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}")
+
+    if batched:
+        print_batched(batched, vllm, args)
+
+
+def print_batched(batched: dict, vllm: dict, args) -> None:
+    print()
+    print(f"batched generation: {args.batch_tokens} tokens per prompt, aggregate generated tok/s (prefill "
+          f"included); best of {args.rounds} rounds; vLLM {args.quantized_dtype}: one timed run after a "
+          "warm-up")
+    head = f"{'row':<24}" + "".join(f"{f'B={b} tok/s':>13}{'/float':>8}{'/vLLM':>8}" for b in args.batch)
+    print(head)
+    print("-" * len(head))
+    nan = float("nan")
+    base = batched.get("float32", {})
+    for name, row in batched.items():
+        cls = vllm.get(VLLM_CLASS.get(name), ({}, None))[0]
+        print(f"{name:<24}" + "".join(f"{row[b]:>13.1f}{row[b] / base.get(b, nan):>8.2f}{row[b] / cls.get(b, nan):>8.2f}"
+                                      for b in args.batch))
+    for name, (row, error) in vllm.items():
+        print(f"{'vLLM ' + name:<24}" + "".join(f"{row.get(b, nan):>13.1f}{row.get(b, nan) / base.get(b, nan):>8.2f}"
+                                                f"{'':>8}" for b in args.batch))
+        if error:
+            print(f"  vLLM {name}: {error[:200]}")
 
 
 if __name__ == "__main__":

@@ -672,12 +672,14 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     return rows
 
 
-def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, sample: bool = False,
+def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: int = 128, sample: bool = False,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float | None = 0.9,
                  seed: int | None = None, raw: bool = False, recipe: str | None = None,
                  dtype: str = "bfloat16", backend: str | None = None):
     """Generate text from a checkpoint or a float model (optionally quantized on the fly
-    with ``recipe``), streaming tokens; prints prefill and decode tokens/s to stderr.
+    with ``recipe``), streaming tokens; prints prefill and decode tokens/s to stderr.  A
+    list of prompts is generated as one batch (``Runner.generate`` with a list): each
+    continuation is printed when the batch is done, and the aggregate tokens/s.
 
     Example::
 
@@ -686,6 +688,14 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
         The capital of France is Paris.
         >>> g.prompt_tokens, len(g.tokens)    # the end-of-turn token ended it
         (37, 8)
+        >>> b = generate_cmd(None, ["What is the capital of France?", "What is the capital of Germany?"],
+        ...                  max_new_tokens=10, dtype="float32")
+        [0] What is the capital of France?
+        The capital of France is Paris.
+        [1] What is the capital of Germany?
+        The capital of Germany is Berlin.
+        >>> b.new_tokens
+        16
     """
     import torch
 
@@ -694,14 +704,29 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     from lowbit.runtime import check_positions
 
     r = lowbit.Recipe.get(recipe) if recipe else None
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts:
+        raise ValueError("no prompts to generate from")
     # A GGUF file runs on its own quantized tensors unless a recipe quantizes its float weights.
     m, tok = lowbit.load_model(model, dtype=_float_dtype(dtype), backend=backend,
                                gguf="float" if r is not None else "native")
-    ids = torch.tensor(tok(prompt).input_ids) if raw else _prompt_ids(tok, prompt)
-    check_positions(m, ids.numel(), max_new_tokens)
+    ids = [torch.tensor(tok(p).input_ids) if raw else _prompt_ids(tok, p) for p in prompts]
+    for i, x in enumerate(ids):
+        check_positions(m, x.numel(), max_new_tokens, what="the prompt" if isinstance(prompt, str) else f"prompt {i}")
     if r is not None:  # a calibrated method calibrates on the default text (lowbit quantize has the options)
         lowbit.quantize_model(m, r, backend=backend, calibration=_calibration([r], tok, None, 128, 512))
     eos = _eos_ids(m, tok)
+    if not isinstance(prompt, str):
+        b = lowbit.Runner(m).generate(ids, max_new_tokens, do_sample=sample, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, seed=seed, eos_token_id=eos)
+        for i, (p, g) in enumerate(zip(prompts, b.sequences)):
+            print(f"[{i}] {p}")
+            print(tok.decode(g.tokens, skip_special_tokens=True).strip())
+        _err(f"{len(prompts)} prompts, {sum(x.numel() for x in ids)} tokens: prefill "
+             f"{sum(x.numel() for x in ids) / b.prefill_seconds:.0f} tok/s; {b.new_tokens} new tokens: "
+             f"{b.tokens_per_s:.1f} tok/s with the prefill, decode {b.decode_tokens_per_s:.1f} tok/s")
+        return b
+    ids = ids[0]
     printed = ""
     new: list[int] = []
 
@@ -718,6 +743,24 @@ def generate_cmd(model: str | None, prompt: str, *, max_new_tokens: int = 128, s
     _err(f"prompt {g.prompt_tokens} tokens: prefill {g.prefill_tokens_per_s:.0f} tok/s; "
          f"{len(g.tokens)} new tokens: decode {g.decode_tokens_per_s:.1f} tok/s")
     return g
+
+
+def _prompts(prompt: str | None, path: str | None) -> str | list[str]:
+    """PROMPT, or the non-empty lines of the --prompts file; exactly one of them."""
+    if (prompt is None) == (path is None):
+        raise ValueError("give a PROMPT or --prompts FILE (one of them)" if path is None else
+                         f"give either PROMPT or --prompts, not both (got PROMPT {prompt!r} and --prompts {path!r})")
+    if path is None:
+        return prompt
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {path!r} is not UTF-8 text: {e}") from None
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise ValueError(f"--prompts {path!r} has no non-empty line: expected one prompt per line")
+    return prompts
 
 
 def _eos_ids(model, tok) -> list[int]:
@@ -1119,12 +1162,17 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
 Generate a continuation of PROMPT with MODEL and stream it; prefill and decode
 tokens/s go to stderr.  The prompt is wrapped in the model's chat template unless
 --raw.  Decoding is greedy; --sample samples instead, and only then do --temperature,
---top-k, --top-p and --seed apply.""", """
+--top-k, --top-p and --seed apply.  --prompts FILE generates for each line of FILE in
+one batch (one prefill of all prompts, then one matmul per projection per step for all
+unfinished sequences) and prints each continuation and the aggregate tokens/s.""", """
   lowbit generate "What is the capital of France?"
-  lowbit generate smollm2-w4a16 "Tell me about Paris." -n 64
+  lowbit generate smollm2-w4a16 --prompts questions.txt -n 64
   lowbit generate "Write a haiku." --recipe w4a16-g64 --sample --temperature 0.8 --seed 1""")
     _model_options(p, "bfloat16", "activation dtype (bfloat16 runs the fast kernels, float32 is exact)")
-    p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
+    p.add_argument("prompt", nargs="?", help="the prompt (wrapped in the chat template unless --raw)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="generate for every non-empty line of this UTF-8 file (one prompt each) as one batch, "
+                        "instead of PROMPT (default: none)")
     p.add_argument("--recipe", help="quantize a float model on the fly with this preset or recipe file "
                                     "(default: run the model as it is)")
     p.add_argument("-n", "--max-new-tokens", type=int_at_least(0), default=128,
@@ -1237,6 +1285,20 @@ def _version() -> str:
     return __version__
 
 
+def _positionals(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The positional arguments of the subcommand argv[0] in argv: not an option, not an
+    option's value."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+    takes_value = {o for a in sub._actions if a.nargs != 0 for o in a.option_strings}
+    pos, rest = [], iter(argv[1:])
+    for a in rest:
+        if a in takes_value:
+            next(rest, None)
+        elif not a.startswith("-"):
+            pos.append(a)
+    return pos
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lowbit`` command; returns the exit status (argparse exits
     with 2 on a usage error).
@@ -1251,8 +1313,8 @@ def main(argv: list[str] | None = None) -> int:
     # `lowbit generate "prompt"` (no model): argparse would take the prompt as the model
     if argv is None:
         argv = sys.argv[1:]
-    if len(argv) >= 2 and argv[0] == "generate":
-        pos = [a for a in argv[1:] if not a.startswith("-")]
+    if len(argv) >= 2 and argv[0] == "generate" and "--prompts" not in argv:
+        pos = _positionals(parser, argv)
         if len(pos) == 1 and not os.path.exists(pos[0]):
             argv = ["generate", "", *argv[1:]]
     args = parser.parse_args(argv)
@@ -1273,7 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
                          greedy_tokens=args.greedy_tokens, dtype=args.dtype, backend=args.backend,
                          calib=args.calib, calib_samples=args.calib_samples, calib_len=args.calib_len)
             elif args.command == "generate":
-                generate_cmd(args.model or None, args.prompt, max_new_tokens=args.max_new_tokens, sample=args.sample,
+                generate_cmd(args.model or None, _prompts(args.prompt, args.prompts), max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                              raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
             elif args.command == "info":

@@ -77,6 +77,31 @@ def test_generate_without_a_model_uses_the_bundled_one(capsys):
     assert "prefill" in capsys.readouterr().err
 
 
+def test_generate_runs_a_file_of_prompts_as_one_batch(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nName a primary colour.\n", encoding="utf-8")
+    assert main(["generate", "--prompts", str(prompts), "-n", "6", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == "[0] What is the capital of France?" and "Paris" in lines[1]
+    assert "[1] Name a primary colour." in lines and "[2]" not in out  # the empty line is no prompt
+    assert "2 prompts" in err and "tok/s with the prefill" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "-n", "2"], "give a PROMPT or --prompts FILE"),
+    (["generate", "", "hi", "--prompts", "FILE"], "either PROMPT or --prompts, not both"),
+    (["generate", "--prompts", "EMPTY"], "has no non-empty line"),
+    (["generate", "--prompts", "MISSING"], "No such file"),
+])
+def test_generate_prompts_errors(capsys, tmp_path, argv, message):
+    (tmp_path / "FILE").write_text("hi\n")
+    (tmp_path / "EMPTY").write_text("\n  \n")
+    argv = [str(tmp_path / a) if a in ("FILE", "EMPTY", "MISSING") else a for a in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(capsys, tmp_path):
     assert main(["info", str(tmp_path)]) == 2
     assert "not a lowbit checkpoint" in capsys.readouterr().err
