@@ -36,10 +36,13 @@ def load_error() -> str | None:
 
 
 # -- the plan's thresholds ---------------------------------------------------------------
-# Rows of W dequantized per tile: about 1 MiB of float weight, which stays in L2 between
-# the dequantize and the matmul, or as many rows as x has (a tile no larger than x), so no
-# float copy of W larger than the activation is ever made.
-TILE_BYTES = 1 << 20
+# Rows of W dequantized per tile: about 4 MiB of float weight, which stays in the L3
+# between the dequantize and the matmul, or as many rows as x has (a tile no larger than
+# x), so no float copy of W much larger than the activation is ever made.  Fewer, larger
+# tiles mean fewer GEMM calls and copies into y; 1536x576 int4, Zen 3, 2 threads (ms):
+#   M=16: 0.90 / 0.72 / 0.66 / 0.52 at 256 KiB / 512 KiB / 1 MiB / 4 MiB (float32 GEMM 0.49)
+#   M=32: 1.04 / 0.88 / 0.82 / 0.66 (0.50);  49152x576 M=32: 32.0 / 27.1 / 24.5 / 21.3 (26.0)
+TILE_BYTES = 4 << 20
 # The decode kernels (gemv_bf16.cpp, matmul.cpp: the packed weight unpacked in registers
 # for every 4 rows) against the GEMM (gemm_bf16.cpp: unpacked once per call into bf16
 # panels), 4096x4096, 2 threads, weights cold, Zen 5 (ms):
