@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (each creates or refreshes .venv):
-#   make demo   set up, then quantize the bundled model, save it, evaluate it against float, generate,
-#               export it as GGUF for llama.cpp
+#   make demo   set up, measure this CPU's kernel crossovers, then quantize the bundled model, save it,
+#               evaluate it against float, generate, export it as GGUF for llama.cpp
 #   make test   set up, then run the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -22,6 +22,7 @@ LOWBIT := HF_HUB_OFFLINE=1 $(PY) -m lowbit
 CKPT := build/smollm2-q4_1
 
 demo: $(STAMP)
+	$(LOWBIT) info --kernels --calibrate
 	$(LOWBIT) demo
 	$(LOWBIT) quantize --recipe q4_1 -o $(CKPT) --force
 	$(LOWBIT) info $(CKPT)

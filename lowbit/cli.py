@@ -827,12 +827,15 @@ KERNEL_PLAN_RECIPES = ("w8a16", "w4a16-g128", "q8_0", "q4_0", "q8_0-a8", "q4_0-a
 KERNEL_PLAN_ROWS = (1, 4, 16, 64, 512)
 
 
-def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]:
+def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bool = False) -> list[dict]:
     """Print which CPU kernel runs each quantized matmul, for activation rows M = 1 (a
     decode step) to 512 (a prefill), and why: the plan of ``lowbit.kernels.cpu`` on this
     machine, for the modules of a checkpoint (``path``) or for the presets at the bundled
     model's shapes (K = 576 and 1536), with activations of ``dtype`` (default: the
     checkpoint's float dtype, bfloat16 for the presets).  Returns the rows printed.
+    ``calibrate`` first times the row kernels against the GEMM paths on this machine and
+    saves the crossovers where the cpu backend reads them from now on
+    (``lowbit.kernels.cpu.calibration``, 20-40 s).
 
     Example::
 
@@ -880,6 +883,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
     f = cpu.features()
     print(f"cpu: {f['cpu']}; {torch.get_num_threads()} threads; flags {' '.join(f['machine']) or '(none of note)'}; "
           f"lowbit._C built for {' '.join(f['compiled']) or 'no SIMD extension'}")
+    _print_calibration(cpu, calibrate)
     print(f"{dtype} activations, torch float32 matmul precision '{torch.get_float32_matmul_precision()}'")
     backend = get_backend("cpu")
     rows, reasons = [], {}
@@ -898,6 +902,23 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None) -> list[dict]
         for why in sorted(whys):
             print(f"  {kernel:<16}{why}")
     return rows
+
+
+def _print_calibration(cpu, calibrate: bool) -> None:
+    """Run the calibration (``calibrate``) and say which thresholds the plan uses: measured
+    on this machine (with the times behind each) or built in."""
+    from lowbit.kernels.cpu import calibration
+
+    data = calibration.calibrate(log=lambda line: print(f"calibrating: {line}")) if calibrate else cpu.CALIBRATION
+    if data is None:
+        print(f"row-kernel thresholds: built in (no calibration for this machine at {calibration.cache_path()}; "
+              "`lowbit info --kernels --calibrate` measures them)")
+        return
+    print(f"row-kernel thresholds: measured on this machine {data['written']} ({calibration.cache_path()}), "
+          f"ms summed over [N, K] = {data['shapes']} as rows kernel / GEMM path:")
+    for name, v in data["thresholds"].items():
+        times = "  ".join(f"M={m} {a:.3g}/{b:.3g}" for m, a, b in v["ms"] if m <= max(2 * v["value"], 4))
+        print(f"  {name:<22} up to {v['value']:>4} rows (built in: {v['built_in']}): {times}")
 
 
 def _foreign_info(path: str) -> dict:
@@ -1264,6 +1285,10 @@ runs each quantized matmul on this machine for 1 to 512 activation rows, and why
     p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), metavar="DTYPE",
                    help="activation dtype for --kernels: one of %(choices)s (default: the checkpoint's float "
                         "dtype, bfloat16 for the presets)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --kernels: first time the row kernels against the GEMM paths on this machine "
+                        "(20-40 s) and keep the crossovers for this CPU; the plan uses them from then on "
+                        "(default: off; LOWBIT_KERNEL_CALIBRATION=0 ignores a saved calibration)")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
 Quantize every decoder linear weight of a GGUF model at several schemes and print, per
@@ -1340,7 +1365,9 @@ def main(argv: list[str] | None = None) -> int:
                              raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
             elif args.command == "info":
                 if args.kernels:
-                    kernels_cmd(args.path, dtype=args.dtype)
+                    kernels_cmd(args.path, dtype=args.dtype, calibrate=args.calibrate)
+                elif args.calibrate:
+                    raise ValueError("--calibrate applies to --kernels only")
                 elif args.dtype is not None:
                     raise ValueError("--dtype applies to --kernels only")
                 elif args.path is None:

@@ -3,6 +3,9 @@ import os
 import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The kernel plan's built-in thresholds, not a calibration this machine may have saved
+# (tests/test_calibration.py tests that path with its own files).
+os.environ["LOWBIT_KERNEL_CALIBRATION"] = "0"
 # Triton's interpreter runs the triton backend's kernels on CPU tensors (tests/test_triton.py;
 # CI has no GPU).  Triton reads the variable when it decorates a kernel and again while one
 # runs, so it is set for the whole session, before anything imports triton.

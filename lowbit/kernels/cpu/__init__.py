@@ -9,6 +9,7 @@ entry points run exactly the kernel they are asked for.
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import torch
@@ -537,3 +538,32 @@ def decode_attention(q, keys, values, n: int, scaling: float):
 def rms_norm_rows(h, w, eps: float):
     """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm)."""
     return _C.rms_norm_rows(h, w, eps)
+
+
+def clear_plans() -> None:
+    """Forget the cached plans: after a threshold above changed (``calibration.apply``)."""
+    for plan in (_weight_only_plan_at, _a8_blocks_plan, _act8_plan):
+        plan.cache_clear()
+
+
+def _load_calibration():
+    """This machine's measured thresholds (``calibration.py``), applied over the built-in
+    ones above; None when there is no calibration file for it.  A file that cannot be read
+    is reported and ignored: the built-in thresholds stay."""
+    from . import calibration
+
+    calibration.BUILT_IN.update({t.name: t.get(sys.modules[__name__]) for t in calibration.THRESHOLDS})
+    try:
+        data = calibration.load()
+    except ValueError as e:
+        import warnings
+
+        warnings.warn(str(e), stacklevel=2)
+        return None
+    if data is not None:
+        calibration.apply(data)
+    return data
+
+
+# the calibration in force (None: the built-in thresholds), read once, when lowbit is imported
+CALIBRATION = _load_calibration() if _C is not None else None

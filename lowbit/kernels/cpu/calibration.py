@@ -1,0 +1,221 @@
+"""Measure this CPU's crossovers between the cpu backend's row kernels and its GEMM paths,
+and keep them per CPU.
+
+The plan (``lowbit.kernels.cpu``) runs a decode ("rows") kernel up to some number of
+activation rows and a GEMM path beyond it.  The built-in thresholds were measured by hand
+on two machines; on another CPU the crossover moves.  ``calibrate()`` times both sides at
+the bundled model's MLP shapes for each threshold that applies to this machine, takes the
+largest row count at which the rows kernel still wins, and writes the result to a JSON
+file named after the CPU, the extension's build and torch's thread count
+(``cache_path()``).  The cpu backend reads that file when it is imported and uses its
+thresholds instead of the built-in ones; ``lowbit info --kernels`` says which are in force
+and why.  ``LOWBIT_KERNEL_CALIBRATION=0`` ignores the file.
+
+Example::
+
+    >>> from lowbit.kernels.cpu import calibration
+    >>> calibration.cache_path().name.startswith("kernels-")
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # activation rows timed
+SHAPES = ((1536, 576), (576, 1536))         # [N, K] of the bundled model's MLP projections
+LARGE = 1 << 20                              # a threshold that forces the rows kernel
+BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One threshold of the plan: the module constant (``key``: an item of a dict
+    constant), the matmul it decides (weight and activation schemes), and on which
+    machines the plan reads it (``avx512``: True, False, or None for both)."""
+
+    name: str
+    constant: str
+    key: int | None
+    weight: str
+    act: str | None
+    avx512: bool | None
+
+    def get(self, mod) -> int:
+        value = getattr(mod, self.constant)
+        return value[self.key] if self.key is not None else value
+
+    def set(self, mod, value: int) -> None:
+        if self.key is None:
+            setattr(mod, self.constant, value)
+        else:
+            setattr(mod, self.constant, {**getattr(mod, self.constant), self.key: value})
+        mod.clear_plans()  # the plans are cached per shape
+
+
+THRESHOLDS = (
+    Threshold("gemv 4-bit (AVX2)", "AVX2_GEMV_MAX_M", 4, "int4-asym-g64-f16", None, False),
+    Threshold("gemv 8-bit (AVX2)", "AVX2_GEMV_MAX_M", 8, "int8-sym", None, False),
+    Threshold("a8 blocks (AVX2)", "AVX2_A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", False),
+    Threshold("a8 blocks (AVX-512)", "A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", True),
+    Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
+    Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
+    Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
+)
+
+
+def machine_key() -> dict:
+    """What the measured thresholds depend on: the CPU model and its flags, the kernels'
+    build, torch's version and thread count."""
+    from . import features
+
+    f = features()
+    cpu = f["cpu"] if f["cpu"] != "unknown" else platform.processor() or platform.machine()
+    return {"cpu": cpu, "flags": sorted(f["machine"]), "built": sorted(f["compiled"]), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def cache_path() -> Path:
+    """The calibration file of this machine: ``$LOWBIT_CACHE`` (default ``~/.cache/lowbit``)
+    / ``kernels-<hash of machine_key()>.json``."""
+    from ...models.load import cache_dir
+
+    digest = hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir()) / f"kernels-{digest}.json"
+
+
+def applies(t: Threshold) -> bool:
+    from . import _C, _has_avx512
+
+    if _C is None or (t.avx512 is not None and t.avx512 != _has_avx512()):
+        return False
+    if t.constant == "INT8_ROWS_MAX_M":
+        return _C.has_int8_rows()
+    if t.constant.startswith("W4A8"):
+        return _C.has_w4a8_rows()
+    if t.act == "int8-sym-g32":
+        return _C.has_a8_blocks()
+    return _C.has_gemv_f32()
+
+
+def _seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
+    """Seconds of the rows kernel and of the GEMM path at each row count of ``ladder``,
+    summed over ``SHAPES`` (alternating: the rows kernel, then the GEMM path, per size)."""
+    import lowbit
+
+    from .. import cpu
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [lowbit.quantize(torch.randn(n, k, generator=gen), t.weight) for n, k in SHAPES]
+    before = t.get(cpu)
+    rows = []
+    try:
+        for m in ladder:
+            xs = [torch.randn(m, k, generator=gen) for _, k in SHAPES]
+            sides = {}
+            for side, value in (("rows", LARGE), ("gemm", 0)):
+                t.set(cpu, value)
+                sides[side] = sum(_seconds(lambda: lowbit.linear(x, w, act_scheme=t.act, backend="cpu"), reps)
+                                  for x, w in zip(xs, weights))
+            rows.append({"m": m, **sides})
+    finally:
+        t.set(cpu, before)
+    return rows
+
+
+def crossover(rows: list[dict]) -> int:
+    """The largest row count up to which the rows kernel wins at every timed count (0:
+    the GEMM path wins from one row on)."""
+    best = 0
+    for r in rows:
+        if r["rows"] > r["gemm"]:
+            break
+        best = r["m"]
+    return best
+
+
+def calibrate(reps: int = 5, write: bool = True, log=print, ladder=LADDER) -> dict:
+    """Time every threshold that applies here and (``write``) save the result where the
+    cpu backend reads it (``cache_path()``); returns what was written.  About 20-40 s on a
+    2-core machine.  Also sets the thresholds in this process."""
+    from .. import cpu
+
+    result = {"format": FORMAT, "machine": machine_key(), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "shapes": [list(s) for s in SHAPES], "thresholds": {}}
+    for t in THRESHOLDS:
+        if not applies(t):
+            continue
+        rows = measure(t, ladder, reps)
+        value = crossover(rows)
+        result["thresholds"][t.name] = {"constant": t.constant, "key": t.key, "value": value,
+                                        "built_in": BUILT_IN.get(t.name, t.get(cpu)), "ms": [[r["m"], round(r["rows"] * 1e3, 4),
+                                                                        round(r["gemm"] * 1e3, 4)] for r in rows]}
+        t.set(cpu, value)
+        log(f"{t.name}: rows kernel up to {value} rows (built-in {result['thresholds'][t.name]['built_in']})")
+    if write:
+        path = cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)
+        log(f"wrote {path}")
+    return result
+
+
+def load(path: Path | None = None) -> dict | None:
+    """The calibration of this machine, checked, or None when there is none, it is turned
+    off (``LOWBIT_KERNEL_CALIBRATION=0``) or it was written for another machine or format.
+    A file that cannot be read as one raises ValueError naming it."""
+    if os.environ.get("LOWBIT_KERNEL_CALIBRATION", "1") == "0":
+        return None
+    path = cache_path() if path is None else path
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        ok = (data["format"] == FORMAT and isinstance(data["thresholds"], dict)
+              and all(isinstance(v["value"], int) and not isinstance(v["value"], bool) and 0 <= v["value"] <= LARGE
+                      for v in data["thresholds"].values()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"kernel calibration {str(path)!r} is not a readable calibration ({e}); delete it or "
+                         "run `lowbit info --kernels --calibrate` again") from None
+    if not ok:
+        raise ValueError(f"kernel calibration {str(path)!r} has a threshold that is not an integer in [0, {LARGE}]; "
+                         "delete it or run `lowbit info --kernels --calibrate` again")
+    if data.get("machine") != machine_key():
+        return None
+    return data
+
+
+def apply(data: dict) -> None:
+    """Set the cpu backend's thresholds from a ``load()``-ed calibration."""
+    from .. import cpu
+
+    by_name = {t.name: t for t in THRESHOLDS}
+    for name, v in data["thresholds"].items():
+        if name in by_name:
+            by_name[name].set(cpu, v["value"])
+
+
+__all__ = ["THRESHOLDS", "Threshold", "calibrate", "load", "apply", "cache_path", "machine_key", "measure",
+           "crossover"]
