@@ -107,6 +107,7 @@ class Runner:
         self._decoders: dict = {}  # float32 matmul precision -> native decode step or None
         native = cpu.decode_available() and self.device.type == "cpu"
         self._attend = cpu.decode_attention if native else None
+        self._attend_rows = cpu.decode_attention_rows if native else None
         self._rms_row = cpu.rms_norm_rows if native else None
 
     @property
@@ -366,14 +367,14 @@ class Runner:
         n, H, hd = ids.shape[0], self.heads, self.head_dim
         span = int(positions.max()) + 1
         slots = cache.slots(rows, positions)
+        seen_positions = positions + 1
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
             q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), positions)
             kc, vc = cache.keys[i], cache.values[i]
             cache.write(i, slots, k, v)
-            if self._attend is not None:  # the single-query kernel, sequence by sequence
-                o = torch.stack([self._attend(q[j], kc[b], vc[b], p + 1, self.scaling)
-                                 for j, (b, p) in enumerate(zip(rows.tolist(), positions.tolist()))])
+            if self._attend_rows is not None:  # the single-query kernel of each sequence, in one call
+                o = self._attend_rows(q, kc, vc, rows, seen_positions, self.scaling)
             else:
                 seen = torch.arange(span, device=self.device) <= positions[:, None]   # [n, span]
                 o = F.scaled_dot_product_attention(

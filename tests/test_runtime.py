@@ -65,3 +65,30 @@ def test_rms_norm_rows_matches_float64(dtype, d):
     rel = gamma(d + 1) / 2 + 4 * 2.0**-24 + 2 * unit + unit * unit
     want = normed.to(dtype).double() * w.double()
     assert bool(((out.double() - normed * w.double()).abs() <= rel * want.abs() * 1.01 + 1e-30).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_rows_is_decode_attention_per_query(dtype):
+    B, H, KV, cap, hd = 5, 9, 3, 40, 64
+    k = torch.randn(B, KV, cap, hd).to(dtype)
+    v = torch.randn(B, KV, cap, hd).to(dtype)
+    rows = torch.tensor([3, 0, 4, 1])               # a batch's running sequences, in any order
+    lengths = torch.tensor([1, 40, 17, 2])
+    q = torch.randn(4, H, hd).to(dtype)
+    out = cpu._C.decode_attention_rows(q, k, v, rows, lengths, 0.125)
+    for j in range(4):  # the same kernel on the same data: the same bits
+        want = cpu._C.decode_attention(q[j], k[rows[j]], v[rows[j]], int(lengths[j]), 0.125)
+        assert torch.equal(out[j], want)
+
+
+@pytest.mark.parametrize("rows, lengths, match", [
+    ([5], [3], "reads sequence 5"), ([0], [0], "over 0 positions"), ([0], [41], "over 41 positions"),
+    ([-1], [3], "reads sequence -1"),
+])
+def test_decode_attention_rows_refuses_what_the_caches_do_not_hold(rows, lengths, match):
+    kv = torch.randn(5, 3, 40, 64)
+    with pytest.raises(RuntimeError, match=match):
+        cpu._C.decode_attention_rows(torch.randn(1, 9, 64), kv, kv, torch.tensor(rows), torch.tensor(lengths), 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu._C.decode_attention_rows(torch.randn(1, 9, 64), kv, kv, torch.tensor([0], dtype=torch.int32),
+                                     torch.tensor([3]), 1.0)

@@ -264,6 +264,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// A batch's decode step: q [N, H, hd] of one new token of each of N sequences; keys/values
+// [B, KV, capacity, hd] caches of B sequences, query j attending over the first lengths[j]
+// positions of sequence rows[j].  Returns [N, H, hd]: query j exactly as decode_attention
+// of it over its own cache, the queries spread over the threads.
+at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                 const at::Tensor& rows, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "decode_attention_rows: shapes");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention_rows: caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "decode_attention_rows: dtypes differ");
+  const int64_t N = q.size(0), H = q.size(1), hd = q.size(2), B = keys.size(0), KV = keys.size(1),
+                cap = keys.size(2);
+  TORCH_CHECK(keys.size(3) == hd && H % KV == 0, "decode_attention_rows: sizes");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  lengths.dim() == 1 && rows.size(0) == N && lengths.size(0) == N,
+              "decode_attention_rows: rows and lengths must be int64 [N]");
+  const at::Tensor rc = rows.contiguous(), lc = lengths.contiguous();
+  const int64_t *r = rc.data_ptr<int64_t>(), *len = lc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < N; ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < B && len[j] >= 1 && len[j] <= cap,
+                "decode_attention_rows: query ", j, " reads sequence ", r[j], " over ", len[j],
+                " positions; the caches hold ", B, " sequences of ", cap);
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({N, H, hd}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_rows", [&] {
+    const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = keys.data_ptr<scalar_t>(), *vp = values.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t seq = KV * cap * hd;
+    at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j)
+        attend<scalar_t>(qp + j * H * hd, kp + r[j] * seq, vp + r[j] * seq, op + j * H * hd, H, KV, cap, len[j],
+                         hd, static_cast<float>(scale));
+    });
+  });
+  return out;
+}
+
 namespace {
 
 // A projection: a float nn.Linear (weight, bias), a weight-only quantized one
@@ -485,6 +522,8 @@ class Decoder {
 void bind_decode(pybind11::module& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, "attention of one new token over a KV cache, float32 arithmetic");
+  m.def("decode_attention_rows", &decode_attention_rows,
+        "decode_attention for one new token of each of a batch's sequences, over its own cache");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of rows, one pass, float32 arithmetic");
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,

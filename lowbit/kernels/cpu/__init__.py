@@ -535,6 +535,12 @@ def decode_attention(q, keys, values, n: int, scaling: float):
     return _C.decode_attention(q, keys, values, n, scaling)
 
 
+def decode_attention_rows(q, keys, values, rows, lengths, scaling: float):
+    """``decode_attention`` of query j (q [N, H, hd]) over the first ``lengths[j]``
+    positions of sequence ``rows[j]`` of batched caches [B, KV, capacity, hd], in one call."""
+    return _C.decode_attention_rows(q, keys, values, rows, lengths, scaling)
+
+
 def rms_norm_rows(h, w, eps: float):
     """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm)."""
     return _C.rms_norm_rows(h, w, eps)
