@@ -63,7 +63,8 @@ class KVCache:
 
 
 class Runner:
-    """Batch-1 forward of a transformers Llama/Mistral/Qwen2 causal LM.
+    """Forward of a transformers Llama/Mistral/Qwen2 causal LM: one sequence (``forward``,
+    ``generate``), or a batch of prompts (``generate`` with a list).
 
     Example::
 
@@ -170,13 +171,7 @@ class Runner:
             raise ValueError(f"the KV cache holds {cache.capacity} tokens; {pos} + {t} do not fit")
         cos_all, sin_all = self._rope(pos + t)
         cos, sin = cos_all[pos:pos + t, None], sin_all[pos:pos + t, None]      # [T, 1, hd]
-        half = self.head_dim // 2
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
-
-        def rope(x):                                                           # [T, heads, hd]
-            rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos + rot * sin
-
         decoder = self._decoder if t == 1 and not all_logits else None
         if decoder is not None:
             logits = decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos)
@@ -190,12 +185,11 @@ class Runner:
         one = t == 1 and self._attend is not None
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
-            x = self._rms(h, L.ln1)
-            q = rope(L.q(x).view(t, H, hd)).transpose(0, 1)
-            k = rope(L.k(x).view(t, KV, hd)).transpose(0, 1)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin)
+            q = q.transpose(0, 1)
             kc, vc = cache.keys[i], cache.values[i]
-            kc[:, pos:pos + t] = k
-            vc[:, pos:pos + t] = L.v(x).view(t, KV, hd).transpose(0, 1)
+            kc[:, pos:pos + t] = k.transpose(0, 1)
+            vc[:, pos:pos + t] = v.transpose(0, 1)
             if one:
                 o = self._attend(q[:, 0], kc, vc, pos + 1, self.scaling).reshape(1, H * hd)
             else:
@@ -203,9 +197,7 @@ class Runner:
                     q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
                     is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
                 o = o[0].transpose(0, 1).reshape(t, H * hd)
-            h = h + L.o(o)
-            x = self._rms(h, L.ln2)
-            h = h + L.down(L.act(L.gate(x)) * L.up(x))
+            h = self._finish_layer(L, h, o)
         cache.length = pos + t
         h = self._rms(h if all_logits else h[-1:], self.norm)
         return self.lm_head(h)
@@ -315,12 +307,15 @@ class Runner:
         out.decode_seconds = time.perf_counter() - t0
         return out
 
-    def _attention_inputs(self, L, x, positions):
-        """q [N, H, hd], k and v [N, KV, hd] of the rows x [N, hidden] at ``positions``,
-        with the rotary embedding applied to q and k."""
-        n, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
+    def _rope_at(self, positions: torch.Tensor):
+        """cos and sin [N, 1, hd] of the rotary embedding at ``positions`` [N]."""
         cos_all, sin_all = self._rope(int(positions.max()) + 1)
-        cos, sin = cos_all[positions, None], sin_all[positions, None]           # [N, 1, hd]
+        return cos_all[positions, None], sin_all[positions, None]
+
+    def _attention_inputs(self, L, x, cos, sin):
+        """q [N, H, hd], k and v [N, KV, hd] of the rows x [N, hidden], with the rotary
+        embedding (cos and sin [N, 1, hd] of their positions) applied to q and k."""
+        n, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
 
         def rope(t):
             rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
@@ -344,9 +339,10 @@ class Runner:
         starts = [e - n for e, n in zip(ends, lengths)]
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         H, hd = self.heads, self.head_dim
+        cos, sin = self._rope_at(positions)
         h = self.embed(torch.cat(prompts))
         for i, L in enumerate(self.layers):
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), positions)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin)
             kc, vc = cache.keys[i], cache.values[i]
             o = torch.empty(h.shape[0], H * hd, dtype=h.dtype, device=h.device)
             for b, (s, n) in enumerate(zip(starts, lengths)):
@@ -368,9 +364,10 @@ class Runner:
         span = int(positions.max()) + 1
         slots = cache.slots(rows, positions)
         seen_positions = positions + 1
+        cos, sin = self._rope_at(positions)
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), positions)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), cos, sin)
             kc, vc = cache.keys[i], cache.values[i]
             cache.write(i, slots, k, v)
             if self._attend_rows is not None:  # the single-query kernel of each sequence, in one call
