@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 FORMAT = 1
-LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # activation rows timed
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows timed (512: a prefill)
 SHAPES = ((1536, 576), (576, 1536))         # [N, K] of the bundled model's MLP projections
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
