@@ -175,3 +175,9 @@ def staging(path: str | os.PathLike, overwrite: bool, *, replaceable, what: str)
 
 
 __all__ = ["check_output_dir", "staging"]
+
+
+def cache_dir() -> Path:
+    """Where lowbit caches what it derives (converted models, kernel calibrations):
+    ``$LOWBIT_CACHE`` or ``~/.cache/lowbit``."""
+    return Path(os.environ.get("LOWBIT_CACHE") or Path.home() / ".cache" / "lowbit")

@@ -908,8 +908,9 @@ def _print_calibration(cpu, calibrate: bool) -> None:
     """Run the calibration (``calibrate``) and say which thresholds the plan uses: measured
     on this machine (with the times behind each) or built in."""
     from lowbit.kernels.cpu import calibration
+    from lowbit.ops.calibrate import calibrate as run
 
-    data = calibration.calibrate(log=lambda line: print(f"calibrating: {line}")) if calibrate else cpu.CALIBRATION
+    data = run(log=lambda line: print(f"calibrating: {line}")) if calibrate else cpu.CALIBRATION
     if data is None:
         print(f"row-kernel thresholds: built in (no calibration for this machine at {calibration.cache_path()}; "
               "`lowbit info --kernels --calibrate` measures them)")

@@ -8,6 +8,7 @@ import torch
 from lowbit.cli import main
 from lowbit.kernels import cpu
 from lowbit.kernels.cpu import calibration
+from lowbit.ops.calibrate import calibrate
 from lowbit.scheme import QuantScheme
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="needs lowbit._C")
@@ -31,7 +32,7 @@ def test_crossover_is_the_last_row_count_of_an_unbroken_win():
 
 
 def test_calibrate_measures_every_threshold_that_applies_and_the_plan_follows(own_cache):
-    data = calibration.calibrate(reps=1, log=lambda line: None, ladder=(1, 4))
+    data = calibrate(reps=1, log=lambda line: None, ladder=(1, 4))
     names = {t.name for t in calibration.THRESHOLDS if calibration.applies(t)}
     assert names and set(data["thresholds"]) == names
     for name, v in data["thresholds"].items():

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import torch
 
+from .._folders import cache_dir
 from .common import CHECKPOINT_CONFIG, FLOAT_DTYPES_BY_NAME, cache_entry, quiet_transformers
 from ..formats.gguf_file import GGUFError, bundled_model_path, read_gguf
-
-def cache_dir() -> Path:
-    """Where converted models are cached (``$LOWBIT_CACHE`` or ``~/.cache/lowbit``)."""
-    return Path(os.environ.get("LOWBIT_CACHE") or Path.home() / ".cache" / "lowbit")
-
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
     """The model a user means: None is the bundled SmolLM2-135M-Instruct GGUF."""

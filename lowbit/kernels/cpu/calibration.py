@@ -1,15 +1,15 @@
-"""Measure this CPU's crossovers between the cpu backend's row kernels and its GEMM paths,
-and keep them per CPU.
+"""This CPU's crossovers between the cpu backend's row kernels and its GEMM paths, kept per
+CPU.
 
 The plan (``lowbit.kernels.cpu``) runs a decode ("rows") kernel up to some number of
 activation rows and a GEMM path beyond it.  The built-in thresholds were measured by hand
-on two machines; on another CPU the crossover moves.  ``calibrate()`` times both sides at
-the bundled model's MLP shapes for each threshold that applies to this machine, takes the
-largest row count at which the rows kernel still wins, and writes the result to a JSON
-file named after the CPU, the extension's build and torch's thread count
-(``cache_path()``).  The cpu backend reads that file when it is imported and uses its
-thresholds instead of the built-in ones; ``lowbit info --kernels`` says which are in force
-and why.  ``LOWBIT_KERNEL_CALIBRATION=0`` ignores the file.
+on two machines; on another CPU the crossover moves.  ``lowbit.ops.calibrate.calibrate()``
+times both sides of each threshold in ``THRESHOLDS`` that applies to this machine, takes
+the largest row count at which the rows kernel still wins (``crossover``), and saves the
+result as a JSON file named after the CPU, the extension's build and torch's thread count
+(``cache_path()``).  The cpu backend reads that file when it is imported (``load``,
+``apply``) and uses its thresholds instead of the built-in ones; ``lowbit info --kernels``
+says which are in force and why.  ``LOWBIT_KERNEL_CALIBRATION=0`` ignores the file.
 
 Example::
 
@@ -24,16 +24,12 @@ import hashlib
 import json
 import os
 import platform
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 FORMAT = 1
-LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows timed (512: a prefill)
-SHAPES = ((1536, 576), (576, 1536))         # [N, K] of the bundled model's MLP projections
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
@@ -88,7 +84,7 @@ def machine_key() -> dict:
 def cache_path() -> Path:
     """The calibration file of this machine: ``$LOWBIT_CACHE`` (default ``~/.cache/lowbit``)
     / ``kernels-<hash of machine_key()>.json``."""
-    from ...models.load import cache_dir
+    from ..._folders import cache_dir
 
     digest = hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"kernels-{digest}.json"
@@ -106,80 +102,6 @@ def applies(t: Threshold) -> bool:
     if t.act == "int8-sym-g32":
         return _C.has_a8_blocks()
     return _C.has_gemv_f32()
-
-
-def _seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
-    """Seconds of the rows kernel and of the GEMM path at each row count of ``ladder``,
-    summed over ``SHAPES`` (alternating: the rows kernel, then the GEMM path, per size)."""
-    import lowbit
-
-    from .. import cpu
-
-    gen = torch.Generator().manual_seed(0)
-    weights = [lowbit.quantize(torch.randn(n, k, generator=gen), t.weight) for n, k in SHAPES]
-    before = t.get(cpu)
-    rows = []
-    try:
-        for m in ladder:
-            xs = [torch.randn(m, k, generator=gen) for _, k in SHAPES]
-            sides = {}
-            for side, value in (("rows", LARGE), ("gemm", 0)):
-                t.set(cpu, value)
-                sides[side] = sum(_seconds(lambda: lowbit.linear(x, w, act_scheme=t.act, backend="cpu"), reps)
-                                  for x, w in zip(xs, weights))
-            rows.append({"m": m, **sides})
-    finally:
-        t.set(cpu, before)
-    return rows
-
-
-def crossover(rows: list[dict]) -> int:
-    """The largest row count up to which the rows kernel wins at every timed count (0:
-    the GEMM path wins from one row on)."""
-    best = 0
-    for r in rows:
-        if r["rows"] > r["gemm"]:
-            break
-        best = r["m"]
-    return best
-
-
-def calibrate(reps: int = 5, write: bool = True, log=print, ladder=LADDER) -> dict:
-    """Time every threshold that applies here and (``write``) save the result where the
-    cpu backend reads it (``cache_path()``); returns what was written.  About 20-40 s on a
-    2-core machine.  Also sets the thresholds in this process."""
-    from .. import cpu
-
-    result = {"format": FORMAT, "machine": machine_key(), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "shapes": [list(s) for s in SHAPES], "thresholds": {}}
-    for t in THRESHOLDS:
-        if not applies(t):
-            continue
-        rows = measure(t, ladder, reps)
-        value = crossover(rows)
-        result["thresholds"][t.name] = {"constant": t.constant, "key": t.key, "value": value,
-                                        "built_in": BUILT_IN.get(t.name, t.get(cpu)), "ms": [[r["m"], round(r["rows"] * 1e3, 4),
-                                                                        round(r["gemm"] * 1e3, 4)] for r in rows]}
-        t.set(cpu, value)
-        log(f"{t.name}: rows kernel up to {value} rows (built-in {result['thresholds'][t.name]['built_in']})")
-    if write:
-        path = cache_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)
-        log(f"wrote {path}")
-    return result
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -217,5 +139,25 @@ def apply(data: dict) -> None:
             by_name[name].set(cpu, v["value"])
 
 
-__all__ = ["THRESHOLDS", "Threshold", "calibrate", "load", "apply", "cache_path", "machine_key", "measure",
-           "crossover"]
+def crossover(rows: list[dict]) -> int:
+    """The largest row count up to which the rows kernel wins at every timed count (0:
+    the GEMM path wins from one row on); rows as ``lowbit.ops.calibrate.measure`` gives them."""
+    best = 0
+    for r in rows:
+        if r["rows"] > r["gemm"]:
+            break
+        best = r["m"]
+    return best
+
+
+def save(data: dict) -> Path:
+    """Write a calibration where ``load`` finds it (a temporary file renamed into place)."""
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["THRESHOLDS", "Threshold", "load", "apply", "save", "cache_path", "machine_key", "crossover", "applies"]

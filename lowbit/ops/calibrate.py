@@ -1,0 +1,86 @@
+"""Time the cpu backend's row kernels against their GEMM paths through ``lowbit.linear``
+and keep the crossovers for this CPU (``lowbit.kernels.cpu.calibration`` holds them and
+the cpu backend applies them).  ``lowbit info --kernels --calibrate`` runs ``calibrate``.
+
+Example::
+
+    >>> from lowbit.ops.calibrate import measure
+    >>> from lowbit.kernels.cpu.calibration import THRESHOLDS
+    >>> rows = measure(THRESHOLDS[0], ladder=(1, 2), reps=1)
+    >>> [r["m"] for r in rows], all(r["rows"] > 0 and r["gemm"] > 0 for r in rows)
+    ([1, 2], True)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..kernels import cpu
+from ..kernels.cpu.calibration import (BUILT_IN, FORMAT, LARGE, THRESHOLDS, Threshold, applies, crossover,
+                                       machine_key, save)
+from .matmul import linear
+from .quant import quantize
+
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows timed (512: a prefill)
+SHAPES = ((1536, 576), (576, 1536))                # [N, K] of the bundled model's MLP projections
+
+
+def _seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
+    """Seconds of the rows kernel and of the GEMM path at each row count of ``ladder``,
+    summed over ``SHAPES`` (the threshold forced each way in turn, per row count); the
+    threshold is restored after."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [quantize(torch.randn(n, k, generator=gen), t.weight) for n, k in SHAPES]
+    before = t.get(cpu)
+    rows = []
+    try:
+        for m in ladder:
+            xs = [torch.randn(m, k, generator=gen) for _, k in SHAPES]
+            sides = {}
+            for side, value in (("rows", LARGE), ("gemm", 0)):
+                t.set(cpu, value)
+                sides[side] = sum(_seconds(lambda: linear(x, w, act_scheme=t.act, backend="cpu"), reps)
+                                  for x, w in zip(xs, weights))
+            rows.append({"m": m, **sides})
+    finally:
+        t.set(cpu, before)
+    return rows
+
+
+def calibrate(reps: int = 5, write: bool = True, log=print, ladder=LADDER) -> dict:
+    """Time every threshold that applies here, set the crossovers in this process and
+    (``write``) save them where the cpu backend reads them when lowbit is imported
+    (``calibration.cache_path()``); returns the calibration.  About 20-40 s on 2 cores.
+    """
+    result = {"format": FORMAT, "machine": machine_key(), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "shapes": [list(s) for s in SHAPES], "thresholds": {}}
+    for t in THRESHOLDS:
+        if not applies(t):
+            continue
+        rows = measure(t, ladder, reps)
+        value = crossover(rows)
+        built_in = BUILT_IN.get(t.name, t.get(cpu))
+        result["thresholds"][t.name] = {"constant": t.constant, "key": t.key, "value": value, "built_in": built_in,
+                                        "ms": [[r["m"], round(r["rows"] * 1e3, 4), round(r["gemm"] * 1e3, 4)]
+                                               for r in rows]}
+        t.set(cpu, value)
+        log(f"{t.name}: rows kernel up to {value} rows (built in: {built_in})")
+    if write:
+        log(f"wrote {save(result)}")
+    return result
+
+
+__all__ = ["calibrate", "measure", "LADDER", "SHAPES"]
