@@ -55,6 +55,13 @@ def test_batch_greedy_tokens_equal_one_prompt_at_a_time(smol, prompts, recipe):
     assert batch.tokens_per_s > 0 and batch.decode_tokens_per_s > 0
 
 
+def test_batch_attention_without_the_cpu_kernel_gives_the_same_tokens(smol, prompts):
+    r = Runner(smol[0])
+    want = [s.tokens for s in r.generate(prompts, 12).sequences]
+    r._attend_rows = None  # as on a GPU: masked SDPA over every running sequence's cache
+    assert [s.tokens for s in r.generate(prompts, 12).sequences] == want
+
+
 def test_each_sequence_stops_at_its_own_end_token(smol, prompts):
     r = Runner(smol[0])
     alone = [r.generate(p, 10).tokens for p in prompts]
