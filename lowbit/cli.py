@@ -835,7 +835,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
     checkpoint's float dtype, bfloat16 for the presets).  Returns the rows printed.
     ``calibrate`` first times the row kernels against the GEMM paths on this machine and
     saves the crossovers where the cpu backend reads them from now on
-    (``lowbit.kernels.cpu.calibration``, 20-40 s).
+    (``lowbit.kernels.cpu.calibration``, about 8 s).
 
     Example::
 
@@ -1288,7 +1288,7 @@ runs each quantized matmul on this machine for 1 to 512 activation rows, and why
                         "dtype, bfloat16 for the presets)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --kernels: first time the row kernels against the GEMM paths on this machine "
-                        "(20-40 s) and keep the crossovers for this CPU; the plan uses them from then on "
+                        "(about 8 s) and keep the crossovers for this CPU; the plan uses them from then on "
                         "(default: off; LOWBIT_KERNEL_CALIBRATION=0 ignores a saved calibration)")
 
     p = _command(sub, "demo", "weight error of every linear of a model at several schemes", """
