@@ -81,7 +81,7 @@ def transformers_round(model, prompt: torch.Tensor, decode: int) -> tuple[float,
 
 
 BATCH_PROMPT = "Explain in two sentences why the sky is blue."  # vllm_serve.py's default prompt
-# the vLLM folder each lowbit row is compared with (its recipe class), and how to make it
+# the vLLM folder (recipe class) each lowbit row is compared with; vllm_rows writes the folders
 VLLM_CLASS = {"float32": "float", "bfloat16": "float", "w8a8": "w8a8", "w4a16-g64": "w4a16-g64",
               "w4a16-g128-head8": "w4a16-g64"}
 

@@ -722,8 +722,9 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
         for i, (p, g) in enumerate(zip(prompts, b.sequences)):
             print(f"[{i}] {p}")
             print(tok.decode(g.tokens, skip_special_tokens=True).strip())
-        _err(f"{len(prompts)} prompts, {sum(x.numel() for x in ids)} tokens: prefill "
-             f"{sum(x.numel() for x in ids) / b.prefill_seconds:.0f} tok/s; {b.new_tokens} new tokens: "
+        tokens = sum(x.numel() for x in ids)
+        _err(f"{len(prompts)} prompts, {tokens} tokens: prefill {tokens / b.prefill_seconds:.0f} tok/s; "
+             f"{b.new_tokens} new tokens: "
              f"{b.tokens_per_s:.1f} tok/s with the prefill, decode {b.decode_tokens_per_s:.1f} tok/s")
         return b
     ids = ids[0]

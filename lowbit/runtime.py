@@ -164,8 +164,7 @@ class Runner:
             >>> r.forward(ids, r.new_cache(16), all_logits=True).shape
             torch.Size([5, 49152])
         """
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        _check_prompt(ids, "ids")
         t, pos = ids.shape[0], cache.length
         if pos + t > cache.capacity:
             raise ValueError(f"the KV cache holds {cache.capacity} tokens; {pos} + {t} do not fit")
@@ -361,9 +360,11 @@ class Runner:
         cache (ids: their tokens); appends them to the cache."""
         positions = cache.lengths[rows]
         n, H, hd = ids.shape[0], self.heads, self.head_dim
-        span = int(positions.max()) + 1
         slots = cache.slots(rows, positions)
         seen_positions = positions + 1
+        if self._attend_rows is None:  # masked SDPA over the longest cache any running sequence has
+            span = int(seen_positions.max())
+            seen = torch.arange(span, device=self.device) <= positions[:, None]   # [n, span]
         cos, sin = self._rope_at(positions)
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
@@ -373,7 +374,6 @@ class Runner:
             if self._attend_rows is not None:  # the single-query kernel of each sequence, in one call
                 o = self._attend_rows(q, kc, vc, rows, seen_positions, self.scaling)
             else:
-                seen = torch.arange(span, device=self.device) <= positions[:, None]   # [n, span]
                 o = F.scaled_dot_product_attention(
                     q[:, :, None], kc[rows, :, :span], vc[rows, :, :span], attn_mask=seen[:, None, None],
                     scale=self.scaling, enable_gqa=H != self.kv_heads)[:, :, 0]

@@ -81,12 +81,13 @@ def machine_key() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def cache_path() -> Path:
+def cache_path(key: dict | None = None) -> Path:
     """The calibration file of this machine: ``$LOWBIT_CACHE`` (default ``~/.cache/lowbit``)
-    / ``kernels-<hash of machine_key()>.json``."""
+    / ``kernels-<hash of machine_key()>.json`` (``key``: that key, when the caller has it)."""
     from ..._folders import cache_dir
 
-    digest = hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
+    key = machine_key() if key is None else key
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir()) / f"kernels-{digest}.json"
 
 
@@ -110,7 +111,8 @@ def load(path: Path | None = None) -> dict | None:
     A file that cannot be read as one raises ValueError naming it."""
     if os.environ.get("LOWBIT_KERNEL_CALIBRATION", "1") == "0":
         return None
-    path = cache_path() if path is None else path
+    key = machine_key()  # reads /proc/cpuinfo: once, at import
+    path = cache_path(key) if path is None else path
     if not path.exists():
         return None
     try:
@@ -124,7 +126,7 @@ def load(path: Path | None = None) -> dict | None:
     if not ok:
         raise ValueError(f"kernel calibration {str(path)!r} has a threshold that is not an integer in [0, {LARGE}]; "
                          "delete it or run `lowbit info --kernels --calibrate` again")
-    if data.get("machine") != machine_key():
+    if data.get("machine") != key:
         return None
     return data
 
