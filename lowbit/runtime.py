@@ -110,6 +110,7 @@ class Runner:
         self._attend = cpu.decode_attention if native else None
         self._attend_rows = cpu.decode_attention_rows if native else None
         self._rms_row = cpu.rms_norm_rows if native else None
+        self._dense = native
 
     @property
     def _decoder(self):
@@ -184,7 +185,7 @@ class Runner:
         one = t == 1 and self._attend is not None
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin, step=t == 1)
             q = q.transpose(0, 1)
             kc, vc = cache.keys[i], cache.values[i]
             kc[:, pos:pos + t] = k.transpose(0, 1)
@@ -196,10 +197,10 @@ class Runner:
                     q[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
                     is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
                 o = o[0].transpose(0, 1).reshape(t, H * hd)
-            h = self._finish_layer(L, h, o)
+            h = self._finish_layer(L, h, o, step=t == 1)
         cache.length = pos + t
         h = self._rms(h if all_logits else h[-1:], self.norm)
-        return self.lm_head(h)
+        return self._proj(self.lm_head, h, step=t == 1)
 
     @torch.inference_mode()
     def generate(self, ids, max_new_tokens: int, *, do_sample: bool = False,
@@ -311,23 +312,33 @@ class Runner:
         cos_all, sin_all = self._rope(int(positions.max()) + 1)
         return cos_all[positions, None], sin_all[positions, None]
 
-    def _attention_inputs(self, L, x, cos, sin):
+    def _proj(self, m: nn.Module, x: torch.Tensor, step: bool) -> torch.Tensor:
+        """m(x); a decode ``step``'s rows through a float nn.Linear on CPU: ``cpu.step_linear``
+        (lowbit's dense kernel where ``cpu.dense_rows_apply``, as the C++ decode step)."""
+        if step and self._dense and type(m) is nn.Linear:
+            return cpu.step_linear(x, m.weight, m.bias)
+        return m(x)
+
+    def _attention_inputs(self, L, x, cos, sin, step: bool = False):
         """q [N, H, hd], k and v [N, KV, hd] of the rows x [N, hidden], with the rotary
-        embedding (cos and sin [N, 1, hd] of their positions) applied to q and k."""
+        embedding (cos and sin [N, 1, hd] of their positions) applied to q and k; ``step``:
+        the rows are a decode step's (one new token per sequence)."""
         n, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
 
         def rope(t):
             rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
             return t * cos + rot * sin
 
-        return (rope(L.q(x).view(n, self.heads, hd)), rope(L.k(x).view(n, self.kv_heads, hd)),
-                L.v(x).view(n, self.kv_heads, hd))
+        return (rope(self._proj(L.q, x, step).view(n, self.heads, hd)),
+                rope(self._proj(L.k, x, step).view(n, self.kv_heads, hd)),
+                self._proj(L.v, x, step).view(n, self.kv_heads, hd))
 
-    def _finish_layer(self, L, h, o, rows: bool = False):
-        """The layer's output projection, residual, MLP and residual after attention o."""
-        h = h + L.o(o)
-        x = self._rms(h, L.ln2, rows)
-        return h + L.down(L.act(L.gate(x)) * L.up(x))
+    def _finish_layer(self, L, h, o, step: bool = False):
+        """The layer's output projection, residual, MLP and residual after attention o
+        (``step``: a decode step's rows, each normalized as one row alone)."""
+        h = h + self._proj(L.o, o, step)
+        x = self._rms(h, L.ln2, step)
+        return h + self._proj(L.down, L.act(self._proj(L.gate, x, step)) * self._proj(L.up, x, step), step)
 
     def _prefill_batch(self, prompts: list[torch.Tensor], cache: "_BatchCache") -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last position; fills the cache.  The prompts'
@@ -368,7 +379,7 @@ class Runner:
         cos, sin = self._rope_at(positions)
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), cos, sin)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), cos, sin, step=True)
             kc, vc = cache.keys[i], cache.values[i]
             cache.write(i, slots, k, v)
             if self._attend_rows is not None:  # the single-query kernel of each sequence, in one call
@@ -377,9 +388,9 @@ class Runner:
                 o = F.scaled_dot_product_attention(
                     q[:, :, None], kc[rows, :, :span], vc[rows, :, :span], attn_mask=seen[:, None, None],
                     scale=self.scaling, enable_gqa=H != self.kv_heads)[:, :, 0]
-            h = self._finish_layer(L, h, o.reshape(n, H * hd), rows=True)
+            h = self._finish_layer(L, h, o.reshape(n, H * hd), step=True)
         cache.lengths[rows] += 1
-        return self.lm_head(self._rms(h, self.norm, rows=True))
+        return self._proj(self.lm_head, self._rms(h, self.norm, rows=True), step=True)
 
 
 @dataclass

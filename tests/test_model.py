@@ -325,6 +325,29 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
     assert all(torch.equal(x, y) for x, y in zip(caches[0].keys, caches[1].keys))
 
 
+@pytest.mark.skipif(not FAST_BACKENDS or not cpu._C.has_dense_rows(), reason="needs lowbit._C with AVX2")
+def test_float32_projections_run_the_dense_kernel_in_decode_steps_only(smol, prompt_ids, monkeypatch):
+    calls = []
+    real = cpu.dense_linear
+    monkeypatch.setattr(cpu, "dense_linear", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
+    r = Runner(smol[0])
+    cache = r.new_cache(16)
+    want = smol[0](prompt_ids[None]).logits[0]
+    assert torch.equal(r.forward(prompt_ids, r.new_cache(16), all_logits=True), want)  # transformers' bits
+    r.forward(prompt_ids, cache)
+    assert calls == []  # a prefill runs torch's linear
+    logits = r.forward(torch.tensor([7]), cache)
+    assert calls == [1] * (7 * len(r.layers) + 1)  # every projection and the lm_head
+    h = r._rms(torch.randn(1, r.hidden), r.norm)
+    assert torch.equal(r._proj(r.lm_head, h, step=True), real(h, r.lm_head.weight, None))
+    assert logits.shape == (1, r.lm_head.out_features)
+    monkeypatch.setattr(cpu, "DENSE_ROWS_MAX_M", 0)  # the plan says no: torch's linear
+    calls.clear()
+    r.forward(torch.tensor([8]), cache)
+    assert calls == []
+
+
 def test_native_decode_is_skipped_for_activations_it_does_not_cover(smol):
     from lowbit.evaluation import calibration_set
 

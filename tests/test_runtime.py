@@ -92,3 +92,33 @@ def test_decode_attention_rows_refuses_what_the_caches_do_not_hold(rows, lengths
     with pytest.raises(RuntimeError, match="int64"):
         cpu._C.decode_attention_rows(torch.randn(1, 9, 64), kv, kv, torch.tensor([0], dtype=torch.int32),
                                      torch.tensor([3]), 1.0)
+
+
+@pytest.mark.skipif(not hasattr(cpu._C, "has_dense_rows") or not cpu._C.has_dense_rows(), reason="needs AVX2 + FMA")
+@pytest.mark.parametrize("n, k", [(49, 576), (8, 40), (3, 7), (33, 1537), (64, 16)])
+def test_dense_rows_matches_float64_and_gives_each_row_the_same_bits_at_any_row_count(n, k):
+    x, w, b = torch.randn(9, k), torch.randn(n, k), torch.randn(n)
+    out = cpu._C.dense_rows(x, w, b)
+    want = x.double() @ w.double().T + b.double()
+    # a k-term float32 dot product summed in any order is within gamma_k * sum|x w| of the
+    # exact one; adding the bias rounds once more (u * (|dot| + |b|)): gamma_{k+1} overall
+    tol = gamma(k + 1) * (x.double().abs() @ w.double().abs().T + b.double().abs())
+    assert bool(((out.double() - want).abs() <= tol).all())
+    for m in range(1, 10):  # every row count, and every row alone: the same bits
+        assert torch.equal(cpu._C.dense_rows(x[:m], w, b), out[:m])
+        assert torch.equal(cpu._C.dense_rows(x[m - 1:m], w, b), out[m - 1:m])
+    assert torch.equal(cpu._C.dense_rows(x, w, None) + b, out)  # the bias is added last
+    assert torch.equal(cpu.dense_linear(x.t().contiguous().t(), w, b), out)  # a strided x
+
+
+@pytest.mark.skipif(not hasattr(cpu._C, "has_dense_rows") or not cpu._C.has_dense_rows(), reason="needs AVX2 + FMA")
+@pytest.mark.parametrize("x, w, b, match", [
+    (torch.randn(2, 8).double(), torch.randn(4, 8), None, "x must be a float32"),
+    (torch.randn(8), torch.randn(4, 8), None, "x must be a float32"),
+    (torch.randn(2, 8), torch.randn(4, 9), None, r"weight must be a float32 CPU tensor \[N, 8\]"),
+    (torch.randn(2, 8), torch.randn(4, 8).half(), None, "weight must be"),
+    (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), r"bias must be float32 \[4\]"),
+])
+def test_dense_rows_refuses_what_is_not_a_float32_linear(x, w, b, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu._C.dense_rows(x, w, b)

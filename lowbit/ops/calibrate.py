@@ -43,7 +43,12 @@ def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
     summed over ``SHAPES`` (the threshold forced each way in turn, per row count); the
     threshold is restored after."""
     gen = torch.Generator().manual_seed(0)
-    weights = [quantize(torch.randn(n, k, generator=gen), t.weight) for n, k in SHAPES]
+    weights = [torch.randn(n, k, generator=gen) for n, k in SHAPES]
+    if t.weight is None:  # a float32 nn.Linear in a decode step
+        run = lambda x, w: cpu.step_linear(x, w, None)  # noqa: E731
+    else:
+        weights = [quantize(w, t.weight) for w in weights]
+        run = lambda x, w: linear(x, w, act_scheme=t.act, backend="cpu")  # noqa: E731
     before = t.get(cpu)
     rows = []
     try:
@@ -52,8 +57,7 @@ def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
             sides = {}
             for side, value in (("rows", LARGE), ("gemm", 0)):
                 t.set(cpu, value)
-                sides[side] = sum(_seconds(lambda: linear(x, w, act_scheme=t.act, backend="cpu"), reps)
-                                  for x, w in zip(xs, weights))
+                sides[side] = sum(_seconds(lambda: run(x, w), reps) for x, w in zip(xs, weights))
             rows.append({"m": m, **sides})
     finally:
         t.set(cpu, before)

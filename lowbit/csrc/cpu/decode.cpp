@@ -303,7 +303,8 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
 
 namespace {
 
-// A projection: a float nn.Linear (weight, bias), a weight-only quantized one
+// A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, else at::linear,
+// as lowbit.kernels.cpu.dense_linear decides for one row), a weight-only quantized one
 // (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group, and the
 // weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; bias added after),
 // one with 8-bit activations in blocks of 32 (act 3: linear_a8_blocks, the weight as for
@@ -320,7 +321,7 @@ struct Proj {
   int64_t bits = 0, group = 0, act = 0, kernel = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (!codes.defined()) return at::linear(x, weight, bias);
+    if (!codes.defined()) return kernel == 1 ? dense_rows(x, weight, bias) : at::linear(x, weight, bias);
     at::Tensor y = act == 3 ? int8_blocks(x)
                    : act   ? int8_activations(x)
                            : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel);

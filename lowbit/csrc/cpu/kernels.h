@@ -71,6 +71,9 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                                 int64_t bits, int64_t group);
 std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
+// dense.cpp
+bool has_dense_rows();
+at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

@@ -99,6 +99,14 @@ A8_ROWS_MAX_M = 16
 # 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.  Where float32 FMAs are 16 lanes wide (AVX-512)
 # the tiles gain twice as much; not measured there since, so that threshold stays.
 AVX2_A8_ROWS_MAX_M = 128
+# A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
+# dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
+# (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
+# AVX2-only Zen 3 (ms):
+#   49152x576: M=1 3.86 vs 8.58, M=8 7.95 vs 19.1, M=32 19.4 vs 27.5
+#   1536x576:  M=1 0.118 vs 0.268, M=8 0.249 vs 0.409, M=32 0.610 vs 0.663
+#   576x1536:  M=1 0.104 vs 0.200, M=8 0.212 vs 0.376, M=32 0.571 vs 0.622
+DENSE_ROWS_MAX_M = 32
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -499,9 +507,54 @@ def new_decoder(heads: int, kv_heads: int, head_dim: int, hidden: int, eps: floa
     return _C.Decoder(heads, kv_heads, head_dim, hidden, eps, scaling)
 
 
+def dense_rows_apply(weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``rows`` rows of a decode step through a float ``nn.Linear`` with this
+    weight run ``_C.dense_rows`` (float32 on CPU, up to ``DENSE_ROWS_MAX_M`` rows), not
+    ``torch.nn.functional.linear``.  A prefill never does: its logits stay bit-identical
+    to transformers' forward."""
+    return (_C is not None and _C.has_dense_rows() and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and rows <= DENSE_ROWS_MAX_M)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 for the few rows of a decode step (dense.cpp):
+    every row is summed in one order whatever the number of rows, so a batch's rows get
+    the bits each gets alone.  Within float32 rounding of ``torch.nn.functional.linear``.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.kernels import cpu
+        >>> x, w = torch.randn(2, 40), torch.randn(24, 40)
+        >>> torch.allclose(cpu.dense_linear(x, w, None), x @ w.T, atol=1e-4)
+        True
+        >>> torch.equal(cpu.dense_linear(x[1:], w, None), cpu.dense_linear(x, w, None)[1:])
+        True
+    """
+    return _C.dense_rows(x, weight, bias)
+
+
+def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float ``nn.Linear`` for the rows of a decode step: ``dense_linear`` where
+    ``dense_rows_apply``, else ``torch.nn.functional.linear``.
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.kernels import cpu
+        >>> x, w = torch.randn(1, 64), torch.randn(8, 64)
+        >>> torch.allclose(cpu.step_linear(x, w, None), x @ w.T, atol=1e-4)
+        True
+    """
+    if dense_rows_apply(weight, x.shape[0]):
+        return dense_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def float_projection(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A float ``nn.Linear`` in the decode step (``torch.nn.functional.linear``)."""
-    return _C.DecodeProj(weight, None, None, None, bias, 0, 0)
+    """A float ``nn.Linear`` in the decode step: ``dense_linear`` where
+    ``dense_rows_apply`` for one row, else ``torch.nn.functional.linear``."""
+    return _C.DecodeProj(weight, None, None, None, bias, 0, 0, 0, int(dense_rows_apply(weight, 1)))
 
 
 def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale, zero_point, bias, k: int,

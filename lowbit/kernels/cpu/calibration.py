@@ -37,13 +37,14 @@ BUILT_IN: dict[str, int] = {}                # each threshold's value in the cod
 @dataclass(frozen=True)
 class Threshold:
     """One threshold of the plan: the module constant (``key``: an item of a dict
-    constant), the matmul it decides (weight and activation schemes), and on which
-    machines the plan reads it (``avx512``: True, False, or None for both)."""
+    constant), the matmul it decides (weight and activation schemes; no weight scheme: a
+    float32 nn.Linear in a decode step), and on which machines the plan reads it
+    (``avx512``: True, False, or None for both)."""
 
     name: str
     constant: str
     key: int | None
-    weight: str
+    weight: str | None
     act: str | None
     avx512: bool | None
 
@@ -67,6 +68,7 @@ THRESHOLDS = (
     Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
     Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
+    Threshold("dense float32 rows", "DENSE_ROWS_MAX_M", None, None, None, None),
 )
 
 
@@ -96,6 +98,8 @@ def applies(t: Threshold) -> bool:
 
     if _C is None or (t.avx512 is not None and t.avx512 != _has_avx512()):
         return False
+    if t.weight is None:
+        return _C.has_dense_rows()
     if t.constant == "INT8_ROWS_MAX_M":
         return _C.has_int8_rows()
     if t.constant.startswith("W4A8"):
