@@ -675,11 +675,13 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
 def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: int = 128, sample: bool = False,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float | None = 0.9,
                  seed: int | None = None, raw: bool = False, recipe: str | None = None,
-                 dtype: str = "bfloat16", backend: str | None = None):
+                 dtype: str = "bfloat16", backend: str | None = None, act_compute: str | None = None):
     """Generate text from a checkpoint or a float model (optionally quantized on the fly
     with ``recipe``), streaming tokens; prints prefill and decode tokens/s to stderr.  A
     list of prompts is generated as one batch (``Runner.generate`` with a list): each
     continuation is printed when the batch is done, and the aggregate tokens/s.
+    ``act_compute="int8"`` runs the weight-only quantized linears against int8 activation
+    blocks (``lowbit.Runner``'s option).
 
     Example::
 
@@ -696,13 +698,18 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
         The capital of Germany is Berlin.
         >>> b.new_tokens
         16
+        >>> g = generate_cmd(None, "What is the capital of France?", max_new_tokens=8, dtype="float32",
+        ...                  recipe="w4a16-g128-head8", act_compute="int8")  # doctest: +ELLIPSIS
+        The capital of France is ...
     """
     import torch
 
     import lowbit
     from lowbit.evaluation import _prompt_ids
-    from lowbit.runtime import check_positions
+    from lowbit.runtime import ACT_COMPUTE, check_positions
 
+    if act_compute is not None and act_compute not in ACT_COMPUTE:
+        raise ValueError(f"--act-compute must be one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
     r = lowbit.Recipe.get(recipe) if recipe else None
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
@@ -716,8 +723,9 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
     if r is not None:  # a calibrated method calibrates on the default text (lowbit quantize has the options)
         lowbit.quantize_model(m, r, backend=backend, calibration=_calibration([r], tok, None, 128, 512))
     eos = _eos_ids(m, tok)
+    runner = lowbit.Runner(m, act_compute=act_compute)
     if not isinstance(prompt, str):
-        b = lowbit.Runner(m).generate(ids, max_new_tokens, do_sample=sample, temperature=temperature, top_k=top_k,
+        b = runner.generate(ids, max_new_tokens, do_sample=sample, temperature=temperature, top_k=top_k,
                                       top_p=top_p, seed=seed, eos_token_id=eos)
         for i, (p, g) in enumerate(zip(prompts, b.sequences)):
             print(f"[{i}] {p}")
@@ -738,7 +746,7 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
         print(text[len(printed):], end="", flush=True)
         printed = text
 
-    g = lowbit.Runner(m).generate(ids, max_new_tokens, do_sample=sample, temperature=temperature, top_k=top_k,
+    g = runner.generate(ids, max_new_tokens, do_sample=sample, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed, eos_token_id=eos, on_token=show)
     print()
     _err(f"prompt {g.prompt_tokens} tokens: prefill {g.prefill_tokens_per_s:.0f} tok/s; "
@@ -1213,6 +1221,10 @@ unfinished sequences) and prints each continuation and the aggregate tokens/s.""
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int_at_least(0), help="with --sample: random seed (default: 0)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (default: apply it)")
+    p.add_argument("--act-compute", choices=["int8"],
+                   help="int8: run the weight-only quantized linears against activations rounded to int8 in "
+                        "blocks of 32 (llama.cpp's arithmetic; faster decode, a change of numerics) "
+                        "(default: the model's own activations)")
 
     p = _command(sub, "export", "write a model for another tool: GGUF (llama.cpp), compressed-tensors (vLLM)", """
 Write MODEL (a lowbit checkpoint, a float model, or a float model quantized on the fly
@@ -1367,7 +1379,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "generate":
                 generate_cmd(args.model or None, _prompts(args.prompt, args.prompts), max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                             raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend)
+                             raw=args.raw, recipe=args.recipe, dtype=args.dtype, backend=args.backend,
+                             act_compute=args.act_compute)
             elif args.command == "info":
                 if args.kernels:
                     kernels_cmd(args.path, dtype=args.dtype, calibrate=args.calibrate)

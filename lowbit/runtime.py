@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cpu
+from .ops.matmul import linear
 from .scheme import check_act_weight
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+# Runner(act_compute=...): the activation scheme each weight-only quantized linear runs with
+ACT_COMPUTE = {"int8": "int8-sym-g32"}
 
 
 @dataclass
@@ -66,6 +69,14 @@ class Runner:
     """Forward of a transformers Llama/Mistral/Qwen2 causal LM: one sequence (``forward``,
     ``generate``), or a batch of prompts (``generate`` with a list).
 
+    ``act_compute="int8"`` runs every weight-only quantized linear (W4A16, W8A16) against
+    its activations rounded to int8 in blocks of 32 (scheme ``int8-sym-g32``, llama.cpp's
+    arithmetic: integer dot products per block), prefill and decode, without changing the
+    model or what it saves; float linears stay float, and a quantized linear that cannot
+    take int8 blocks is refused by name.  It is a change of numerics, so it is never on
+    unless asked for; ``benchmarks/act_blocks.py`` measures what it costs (for 4-bit
+    weights about as much as a second 4-bit grid's noise) and what it gains.
+
     Example::
 
         >>> import lowbit
@@ -74,9 +85,13 @@ class Runner:
         >>> g = r.generate(tok("The capital of France is", return_tensors="pt").input_ids[0], 2)
         >>> tok.decode(g.tokens)
         ' Paris.'
+        >>> q = lowbit.quantize_model(model, "w4a16-g128-head8", inplace=False)
+        >>> g = lowbit.Runner(q, act_compute="int8").generate(tok("Paris is", return_tensors="pt").input_ids[0], 4)
+        >>> len(g.tokens)
+        4
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, act_compute: str | None = None):
         cfg = getattr(model, "config", None)
         kind = getattr(cfg, "model_type", None)
         if kind not in SUPPORTED:
@@ -111,6 +126,8 @@ class Runner:
         self._attend_rows = cpu.decode_attention_rows if native else None
         self._rms_row = cpu.rms_norm_rows if native else None
         self._dense = native
+        self.act_compute = act_compute
+        self._act = _act_overrides(self, act_compute)  # module -> activation scheme it runs with here
 
     @property
     def _decoder(self):
@@ -313,8 +330,14 @@ class Runner:
         return cos_all[positions, None], sin_all[positions, None]
 
     def _proj(self, m: nn.Module, x: torch.Tensor, step: bool) -> torch.Tensor:
-        """m(x); a decode ``step``'s rows through a float nn.Linear on CPU: ``cpu.step_linear``
-        (lowbit's dense kernel where ``cpu.dense_rows_apply``, as the C++ decode step)."""
+        """m(x); a weight-only QuantLinear with the activations of ``act_compute``; a decode
+        ``step``'s rows through a float nn.Linear on CPU: ``cpu.step_linear`` (lowbit's
+        dense kernel where ``cpu.dense_rows_apply``, as the C++ decode step)."""
+        act = self._act.get(m) if self._act else None
+        if act is not None:
+            if m.input_order is not None:
+                x = x.index_select(-1, m.input_order)
+            return linear(x, m.weight.qtensor(), m.bias, act_scheme=act, backend=m.backend)
         if step and self._dense and type(m) is nn.Linear:
             return cpu.step_linear(x, m.weight, m.bias)
         return m(x)
@@ -490,6 +513,37 @@ def check_positions(model: nn.Module, tokens: int, new_tokens: int = 0, what: st
                      f"{limit - tokens} new tokens or shorten {what}")
 
 
+def _act_overrides(r: Runner, act_compute: str | None) -> dict:
+    """The activation scheme of ``act_compute`` for each weight-only quantized linear of
+    the runner's model ({} for None); ValueError for an unknown mode, a model without such
+    a linear, or one that cannot take it (named)."""
+    from .nn import QuantLinear
+
+    if act_compute is None:
+        return {}
+    if act_compute not in ACT_COMPUTE:
+        raise ValueError(f"act_compute must be None or one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
+    act = ACT_COMPUTE[act_compute]
+    named = [(f"layers.{i}.{a}", getattr(L, a)) for i, L in enumerate(r.layers)
+             for a in ("q", "k", "v", "o", "gate", "up", "down")] + [("lm_head", r.lm_head)]
+    out = {}
+    for name, m in named:
+        if type(m) is nn.Linear or (isinstance(m, QuantLinear) and m.act_scheme is not None):
+            continue  # float, or quantized activations already: as the model says
+        if not isinstance(m, QuantLinear):
+            raise ValueError(f"act_compute={act_compute!r}: {name} is a {type(m).__name__}, which has no "
+                             f"{act} form")
+        try:
+            check_act_weight(m.qweight.scheme, act, m.in_features)
+        except ValueError as e:
+            raise ValueError(f"act_compute={act_compute!r}: {name} ({m.qweight.scheme}) cannot run with {act} "
+                             f"activations: {e}") from None
+        out[m] = act
+    if not out:
+        raise ValueError(f"act_compute={act_compute!r} applies to weight-only quantized linears; this model has none")
+    return out
+
+
 def _native_decoder(r: Runner):
     """The C++ decode step for this model, when every projection is a float nn.Linear of
     the model's dtype or a QuantLinear whose one-row plan on the cpu backend is a kernel
@@ -510,7 +564,8 @@ def _native_decoder(r: Runner):
         if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu" or m.input_order is not None:
             return None  # the decode step has no input permutation: the Python path runs it
         codes, scale, zp, _, _ = weight_parts(m.qweight)
-        act = None if m.act_scheme is None else as_act_scheme(m.act_scheme)
+        act = r._act.get(m, m.act_scheme)
+        act = None if act is None else as_act_scheme(act)
         w = m.qweight.scheme
         try:
             check_act_weight(w, act, m.in_features)

@@ -77,6 +77,19 @@ def test_generate_without_a_model_uses_the_bundled_one(capsys):
     assert "prefill" in capsys.readouterr().err
 
 
+def test_generate_act_compute_int8_runs_weight_only_models_and_refuses_others(capsys):
+    assert main(["generate", "What is the capital of France?", "-n", "6", "--dtype", "float32",
+                 "--recipe", "w4a16-g128-head8", "--act-compute", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out and "decode" in err
+    # the bundled GGUF's own Q4_1 tensors are in the "min" domain, which int8 blocks do not take
+    assert main(["generate", "Hi", "-n", "2", "--act-compute", "int8"]) == 2
+    assert "layers.0.q (int4-asym-g32-zpmin-f16) cannot run with int8-sym-g32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "Hi", "--act-compute", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 def test_generate_runs_a_file_of_prompts_as_one_batch(capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n\nName a primary colour.\n", encoding="utf-8")

@@ -348,6 +348,42 @@ def test_float32_projections_run_the_dense_kernel_in_decode_steps_only(smol, pro
     assert calls == []
 
 
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_act_compute_int8_runs_the_weight_only_model_as_its_int8_block_twin(smol, prompt_ids, native, monkeypatch):
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", native)
+    q = lowbit.quantize_model(smol[0], "w4a16-g128-head8", inplace=False)
+    blocks = "int8-sym-g32"
+    twin = lowbit.quantize_model(smol[0], lowbit.Recipe(weight="int4-asym-g128-f16", activation=blocks,
+                                                        lm_head="int8-sym", lm_head_activation=blocks), inplace=False)
+    a, b, plain = Runner(q, act_compute="int8"), Runner(twin), Runner(q)
+    assert (a._decoder is not None) == (native == "1") == (b._decoder is not None)
+    caches = [r.new_cache(16) for r in (a, b, plain)]
+    outs = [r.forward(prompt_ids, c) for r, c in zip((a, b, plain), caches)]
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    for tok in (7, 1234):
+        outs = [r.forward(torch.tensor([tok]), c) for r, c in zip((a, b, plain), caches)]
+        assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    batch = a.generate([prompt_ids, prompt_ids[:3]], 4)
+    assert [s.tokens for s in batch.sequences] == [b.generate(p, 4).tokens for p in (prompt_ids, prompt_ids[:3])]
+    assert all(m.act_scheme is None for m in q.modules() if isinstance(m, QuantLinear))  # the model is unchanged
+
+
+def test_act_compute_refuses_what_it_cannot_run(smol):
+    with pytest.raises(ValueError, match="act_compute must be None or one of \\['int8'\\], got 'fp8'"):
+        Runner(smol[0], act_compute="fp8")
+    with pytest.raises(ValueError, match="applies to weight-only quantized linears; this model has none"):
+        Runner(smol[0], act_compute="int8")  # a float model
+    q = lowbit.quantize_model(smol[0], lowbit.Recipe(weight="int4-asym-g64-f16",
+                                                     overrides=[(r"layers\.3\.mlp\.up_proj", {"weight": "int3-asym-g64"})]),
+                              inplace=False)
+    with pytest.raises(ValueError, match=r"layers\.3\.up \(int3-asym-g64\) cannot run with int8-sym-g32"):
+        Runner(q, act_compute="int8")
+    w8a8 = lowbit.quantize_model(smol[0], "w8a8", inplace=False)  # quantized activations already
+    with pytest.raises(ValueError, match="this model has none"):
+        Runner(w8a8, act_compute="int8")
+
+
 def test_native_decode_is_skipped_for_activations_it_does_not_cover(smol):
     from lowbit.evaluation import calibration_set
 
