@@ -47,19 +47,22 @@ from lowbit.evaluation import _prompt_ids, default_corpus
 from lowbit.formats.compressed_tensors import export_compressed_tensors
 from lowbit.runtime import Runner
 
-# name, model dtype, recipe (None: float), llama.cpp type it is compared with
+# name, model dtype, recipe (None: float), llama.cpp type it is compared with, Runner's act_compute
 ROWS = [
-    ("float32", torch.float32, None, "F32"),
-    ("bfloat16", torch.bfloat16, None, None),
-    ("w8a16", torch.bfloat16, "w8a16", "Q8_0"),
-    ("w8a16-head8", torch.bfloat16, "w8a16-head8", "Q8_0"),
-    ("w4a16-g64", torch.bfloat16, "w4a16-g64", "Q4_0"),
-    ("w4a16-g128-head8", torch.bfloat16, "w4a16-g128-head8", "Q4_0"),
-    ("w8a8", torch.bfloat16, "w8a8", "Q8_0"),
-    ("w4a8-g128", torch.bfloat16, "w4a8-g128", "Q4_0"),
+    ("float32", torch.float32, None, "F32", None),
+    ("bfloat16", torch.bfloat16, None, None, None),
+    ("w8a16", torch.bfloat16, "w8a16", "Q8_0", None),
+    ("w8a16-head8", torch.bfloat16, "w8a16-head8", "Q8_0", None),
+    ("w4a16-g64", torch.bfloat16, "w4a16-g64", "Q4_0", None),
+    ("w4a16-g128-head8", torch.bfloat16, "w4a16-g128-head8", "Q4_0", None),
+    ("w8a8", torch.bfloat16, "w8a8", "Q8_0", None),
+    ("w4a8-g128", torch.bfloat16, "w4a8-g128", "Q4_0", None),
     # llama.cpp's own arithmetic: Q8_0 / Q4_0 weights (output projection Q8_0), int8 blocks of x
-    ("q8_0-a8", torch.bfloat16, "q8_0-a8", "Q8_0"),
-    ("q4_0-a8", torch.bfloat16, "q4_0-a8", "Q4_0"),
+    ("q8_0-a8", torch.bfloat16, "q8_0-a8", "Q8_0", None),
+    ("q4_0-a8", torch.bfloat16, "q4_0-a8", "Q4_0", None),
+    # the same arithmetic on weight-only checkpoints: Runner(act_compute="int8")
+    ("w8a16-head8 act int8", torch.bfloat16, "w8a16-head8", "Q8_0", "int8"),
+    ("w4a16-g128-head8 act int8", torch.bfloat16, "w4a16-g128-head8", "Q4_0", "int8"),
 ]
 
 
@@ -83,7 +86,7 @@ def transformers_round(model, prompt: torch.Tensor, decode: int) -> tuple[float,
 BATCH_PROMPT = "Explain in two sentences why the sky is blue."  # vllm_serve.py's default prompt
 # the vLLM folder (recipe class) each lowbit row is compared with; vllm_rows writes the folders
 VLLM_CLASS = {"float32": "float", "bfloat16": "float", "w8a8": "w8a8", "w4a16-g64": "w4a16-g64",
-              "w4a16-g128-head8": "w4a16-g64"}
+              "w4a16-g128-head8": "w4a16-g64", "w4a16-g128-head8 act int8": "w4a16-g64"}
 
 
 def lowbit_batch_round(runner: Runner, prompt: torch.Tensor, batch: int, tokens: int) -> float:
@@ -178,11 +181,12 @@ def main() -> None:
         flags = lowbit.kernels.cpu.features()["machine"]
         args.quantized_dtype = "bfloat16" if {"avx512_bf16", "amx_tile"} & set(flags) else "float32"
     qdt = getattr(torch, args.quantized_dtype)
-    for name, dt, recipe, _ in ROWS:
+    for name, dt, recipe, _, act in ROWS:
         if args.rows and name not in args.rows:
             continue
         m = models[dt if recipe is None else qdt][0]
-        runners[name] = Runner(m if recipe is None else lowbit.quantize_model(m, recipe, inplace=False))
+        runners[name] = Runner(m if recipe is None else lowbit.quantize_model(m, recipe, inplace=False),
+                               act_compute=act)
         runners[name].generate(prompt[:16], 4)  # warm-up
     hf = {} if args.no_transformers else {"transformers float32": models[torch.float32][0],
                                           "transformers bfloat16": models[torch.bfloat16][0]}
@@ -222,18 +226,18 @@ def main() -> None:
     print()
     print(f"prefill {args.prefill} tokens, decode {args.decode} tokens; best of {args.rounds} alternating rounds; "
           f"quantized rows from the {args.quantized_dtype} model")
-    head = (f"{'row':<24}{'prefill tok/s':>14}{'decode tok/s':>13}{'prefill/float':>14}{'decode/float':>13}"
+    head = (f"{'row':<27}{'prefill tok/s':>14}{'decode tok/s':>13}{'prefill/float':>14}{'decode/float':>13}"
             f"{'llama.cpp':>11}{'prefill/llama':>14}{'decode/llama':>13}")
     print(head)
     print("-" * len(head))
-    kinds = {name: kind for name, _, _, kind in ROWS}
+    kinds = {name: kind for name, _, _, kind, _ in ROWS}
     for name, (p, d) in best.items():
         kind = kinds.get(name)
         lp, ld = llama.get(kind, (float("nan"), float("nan"))) if kind else (float("nan"), float("nan"))
-        print(f"{name:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}"
+        print(f"{name:<27}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}"
               f"{kind or '':>11}{p / lp:>14.2f}{d / ld:>13.2f}")
     for kind, (p, d) in llama.items():
-        print(f"{'llama.cpp ' + kind:<24}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}")
+        print(f"{'llama.cpp ' + kind:<27}{p:>14.0f}{d:>13.1f}{p / base_p:>14.2f}{d / base_d:>13.2f}")
 
     if batched:
         print_batched(batched, vllm, args)
@@ -244,17 +248,17 @@ def print_batched(batched: dict, vllm: dict, args) -> None:
     print(f"batched generation: {args.batch_tokens} tokens per prompt, aggregate generated tok/s (prefill "
           f"included); best of {args.rounds} rounds; vLLM {args.quantized_dtype}: one timed run after a "
           "warm-up")
-    head = f"{'row':<24}" + "".join(f"{f'B={b} tok/s':>13}{'/float':>8}{'/vLLM':>8}" for b in args.batch)
+    head = f"{'row':<27}" + "".join(f"{f'B={b} tok/s':>13}{'/float':>8}{'/vLLM':>8}" for b in args.batch)
     print(head)
     print("-" * len(head))
     nan = float("nan")
     base = batched.get("float32", {})
     for name, row in batched.items():
         cls = vllm.get(VLLM_CLASS.get(name), ({}, None))[0]
-        print(f"{name:<24}" + "".join(f"{row[b]:>13.1f}{row[b] / base.get(b, nan):>8.2f}{row[b] / cls.get(b, nan):>8.2f}"
+        print(f"{name:<27}" + "".join(f"{row[b]:>13.1f}{row[b] / base.get(b, nan):>8.2f}{row[b] / cls.get(b, nan):>8.2f}"
                                       for b in args.batch))
     for name, (row, error) in vllm.items():
-        print(f"{'vLLM ' + name:<24}" + "".join(f"{row.get(b, nan):>13.1f}{row.get(b, nan) / base.get(b, nan):>8.2f}"
+        print(f"{'vLLM ' + name:<27}" + "".join(f"{row.get(b, nan):>13.1f}{row.get(b, nan) / base.get(b, nan):>8.2f}"
                                                 f"{'':>8}" for b in args.batch))
         if error:
             print(f"  vLLM {name}: {error[:200]}")
