@@ -465,3 +465,35 @@ def test_zero_rows_are_a_no_op(backend, scheme, act):
     for dtype in (torch.float32, torch.bfloat16):
         y = linear(torch.empty(0, 64, dtype=dtype), w, act_scheme=act, backend=backend)
         assert y.shape == (0, 16) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int8-sym", "int4-sym-g32-f16"])
+def test_cpu_dequantize_into_a_buffer_is_dequantize(scheme):
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    from lowbit.ops.matmul import weight_parts
+
+    w = lowbit.quantize(torch.randn(48, 128), scheme)
+    codes, scale, zp, _, _ = weight_parts(w)
+    args = (codes.contiguous(), scale.float().contiguous(), None if zp is None else zp.float().contiguous(),
+            w.scheme.bits, zp is None, 128, w.scheme.group_size or 128, 1)
+    out = torch.full((48, 128), float("nan"))
+    cpu._C.dequantize_into(out, *args)
+    assert torch.equal(out, cpu._C.dequantize(*args, torch.float32))
+    with pytest.raises(RuntimeError, match="out must be a contiguous tensor of 48 x 128 elements"):
+        cpu._C.dequantize_into(torch.empty(47, 128), *args)
+
+
+def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone():
+    # the dequantized tiles live in a buffer reused by the next call (no fresh multi-MiB
+    # allocation per matmul): an earlier result must not be a view of it
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    x = torch.randn(300, 256)
+    ws = [lowbit.quantize(torch.randn(96, 256), "int4-asym-g64") for _ in range(2)]
+    assert cpu.BACKEND.plan(ws[0].scheme, None, 300, 256, torch.float32).kernel == "tiles_f32"
+    first = linear(x, ws[0], backend="cpu")
+    kept = first.clone()
+    second = linear(x, ws[1], backend="cpu")
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+    assert torch.equal(first, linear(x, ws[0], backend="cpu"))

@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode(m);
   m.def("compiled_features", &compiled_features, "the x86 extensions this build was compiled for");
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
+  m.def("dequantize_into", &dequantize_into, "dequantize into a caller's contiguous buffer [R, K] (its dtype)");
   m.def("dequantize_min", &dequantize_min, "unpack-and-dequantize rows of codes in the 'min' zero-point domain");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");

@@ -186,7 +186,22 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
   const int64_t word_bits = codes.element_size() * 8;
   const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
   at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
-  if (R == 0 || K == 0) return out;
+  dequantize_into(out, codes, scale, zero_point, bits, is_signed, K, group, rows_per_scale);
+  return out;
+}
+
+// dequantize into a caller's buffer (out: contiguous, R * K elements of the output dtype),
+// e.g. one reused across calls: a fresh multi-MiB tile per matmul page-faults its memory in.
+void dequantize_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& zero_point, int64_t bits, bool is_signed, int64_t K,
+                     int64_t group, int64_t rows_per_scale) {
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "lowbit._C.dequantize: contiguous inputs expected");
+  const int64_t word_bits = codes.element_size() * 8;
+  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == R * K,
+              "lowbit._C.dequantize_into: out must be a contiguous tensor of ", R, " x ", K, " elements, got ",
+              out.sizes());
+  if (R == 0 || K == 0) return;
   const auto t = codes.scalar_type();
 #define LOWBIT_CASE(WORD, BITS, SIGNED) \
   dispatch_out<WORD, BITS, SIGNED>(codes, scale, zero_point, out, R, K, group, rows_per_scale)
@@ -202,7 +217,6 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
   else if (bits == 2 && t == at::kByte && is_signed) LOWBIT_CASE(uint8_t, 2, true);
   else if (bits == 2 && t == at::kByte) LOWBIT_CASE(uint8_t, 2, false);
   else TORCH_CHECK(false, "lowbit._C.dequantize: no kernel for bits=", bits, " codes ", t);
-  return out;
 #undef LOWBIT_CASE
 }
 

@@ -12,6 +12,9 @@
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
                       int64_t bits, bool is_signed, int64_t K, int64_t group, int64_t rows_per_scale,
                       at::ScalarType out_dtype);
+void dequantize_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& zero_point, int64_t bits, bool is_signed, int64_t K,
+                     int64_t group, int64_t rows_per_scale);
 at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                           int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype);
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
