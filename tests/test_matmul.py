@@ -497,3 +497,16 @@ def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone():
     second = linear(x, ws[1], backend="cpu")
     assert torch.equal(first, kept) and not torch.equal(first, second)
     assert torch.equal(first, linear(x, ws[0], backend="cpu"))
+
+
+def test_cpu_scratch_buffers_made_in_inference_mode_serve_calls_outside_it():
+    # a buffer first made under torch.inference_mode must stay writable afterwards
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    cpu._scratch_buffers.__dict__.clear()
+    a = torch.randint(-127, 128, (5, 64), dtype=torch.int8)
+    w = lowbit.quantize(torch.randn(96, 256), "int4-asym-g64")
+    x = torch.randn(300, 256)
+    with torch.inference_mode():
+        first = (cpu.int8_mm_f32(a, a), linear(x, w, backend="cpu"))
+    assert torch.equal(cpu.int8_mm_f32(a, a), first[0]) and torch.equal(linear(x, w, backend="cpu"), first[1])

@@ -483,7 +483,8 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
     bufs = _scratch_buffers.__dict__
     buf = bufs.get(name)
     if buf is None or buf.dtype != dtype or buf.numel() < n:
-        buf = bufs[name] = torch.empty(n, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: writable inside inference mode and out of it
+            buf = bufs[name] = torch.empty(n, dtype=dtype)
     return buf[:n].view(rows, cols)
 
 
