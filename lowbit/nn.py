@@ -216,10 +216,30 @@ class QuantLinear(nn.Module):
                              f"input of this QuantLinear ({self.in_features} -> {self.out_features}) with a "
                              "static per-tensor scale; set it with set_act_qparams(scale, zero_point) or "
                              "set_act_range(min, max) from calibration data")
+        return self._linear(x, self.act_scheme, self.act_scale, self.act_zero_point)
+
+    def forward_with_activations(self, x: torch.Tensor, act_scheme: str) -> torch.Tensor:
+        """This linear with its input quantized dynamically by ``act_scheme`` (for example
+        ``"int8-sym-g32"``) in place of its own activations; the module is not changed
+        (``lowbit.Runner``'s ``act_compute``).
+
+        Example::
+
+            >>> import torch
+            >>> from lowbit.nn import QuantLinear
+            >>> q = QuantLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "int4-sym-g32-f16")
+            >>> x = torch.randn(2, 64)
+            >>> y = q.forward_with_activations(x, "int8-sym-g32")
+            >>> y.shape, q.act_scheme, torch.allclose(y, q(x), atol=0.1)
+            (torch.Size([2, 32]), None, True)
+        """
+        return self._linear(x, act_scheme, None, None)
+
+    def _linear(self, x, act_scheme, act_scale, act_zero_point):
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
-        return linear(x, self.weight.qtensor(), self.bias, act_scheme=self.act_scheme, act_scale=self.act_scale,
-                      act_zero_point=self.act_zero_point, backend=self.backend)
+        return linear(x, self.weight.qtensor(), self.bias, act_scheme=act_scheme, act_scale=act_scale,
+                      act_zero_point=act_zero_point, backend=self.backend)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out_features, in_features] this module multiplies x by, its

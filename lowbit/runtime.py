@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cpu
-from .ops.matmul import linear
 from .scheme import check_act_weight
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -333,11 +332,9 @@ class Runner:
         """m(x); a weight-only QuantLinear with the activations of ``act_compute``; a decode
         ``step``'s rows through a float nn.Linear on CPU: ``cpu.step_linear`` (lowbit's
         dense kernel where ``cpu.dense_rows_apply``, as the C++ decode step)."""
-        act = self._act.get(m) if self._act else None
+        act = self._act.get(m)
         if act is not None:
-            if m.input_order is not None:
-                x = x.index_select(-1, m.input_order)
-            return linear(x, m.weight.qtensor(), m.bias, act_scheme=act, backend=m.backend)
+            return m.forward_with_activations(x, act)
         if step and self._dense and type(m) is nn.Linear:
             return cpu.step_linear(x, m.weight, m.bias)
         return m(x)

@@ -155,6 +155,12 @@ void dispatch_min(const at::Tensor& codes, const at::Tensor& scale, const at::Te
   }
 }
 
+// Rows of a [R, K] weight held in codes: packed words of `bits`-bit codes, or one code per element.
+int64_t code_rows(const at::Tensor& codes, int64_t bits, int64_t K) {
+  const int64_t word_bits = codes.element_size() * 8;
+  return K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+}
+
 }  // namespace
 
 // The "min" zero-point domain: unsigned codes, out = q * scale + min (see dequantize below
@@ -163,8 +169,7 @@ at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, cons
                           int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && mn.is_contiguous(),
               "lowbit._C.dequantize_min: contiguous inputs expected");
-  const int64_t word_bits = codes.element_size() * 8;
-  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+  const int64_t R = code_rows(codes, bits, K);
   at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
   if (R == 0 || K == 0) return out;
   const auto t = codes.scalar_type();
@@ -182,10 +187,7 @@ at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, cons
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
                       int64_t bits, bool is_signed, int64_t K, int64_t group, int64_t rows_per_scale,
                       at::ScalarType out_dtype) {
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "lowbit._C.dequantize: contiguous inputs expected");
-  const int64_t word_bits = codes.element_size() * 8;
-  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
-  at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
+  at::Tensor out = at::empty({code_rows(codes, bits, K), K}, codes.options().dtype(out_dtype));
   dequantize_into(out, codes, scale, zero_point, bits, is_signed, K, group, rows_per_scale);
   return out;
 }
@@ -196,8 +198,7 @@ void dequantize_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor&
                      const c10::optional<at::Tensor>& zero_point, int64_t bits, bool is_signed, int64_t K,
                      int64_t group, int64_t rows_per_scale) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "lowbit._C.dequantize: contiguous inputs expected");
-  const int64_t word_bits = codes.element_size() * 8;
-  const int64_t R = K ? codes.numel() * word_bits / (bits < 8 ? bits : word_bits) / K : 0;
+  const int64_t R = code_rows(codes, bits, K);
   TORCH_CHECK(out.is_contiguous() && out.numel() == R * K,
               "lowbit._C.dequantize_into: out must be a contiguous tensor of ", R, " x ", K, " elements, got ",
               out.sizes());

@@ -545,13 +545,18 @@ def new_decoder(heads: int, kv_heads: int, head_dim: int, hidden: int, eps: floa
     return _C.Decoder(heads, kv_heads, head_dim, hidden, eps, scaling)
 
 
+def dense_rows_max_m() -> int:
+    """Up to how many rows a decode step's float32 ``nn.Linear`` runs ``_C.dense_rows``
+    on this machine (0: never, the kernel is not compiled in)."""
+    return DENSE_ROWS_MAX_M if _C is not None and _C.has_dense_rows() else 0
+
+
 def dense_rows_apply(weight: torch.Tensor, rows: int) -> bool:
     """Whether ``rows`` rows of a decode step through a float ``nn.Linear`` with this
-    weight run ``_C.dense_rows`` (float32 on CPU, up to ``DENSE_ROWS_MAX_M`` rows), not
+    weight run ``_C.dense_rows`` (float32 on CPU, up to ``dense_rows_max_m()`` rows), not
     ``torch.nn.functional.linear``.  A prefill never does: its logits stay bit-identical
     to transformers' forward."""
-    return (_C is not None and _C.has_dense_rows() and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and rows <= DENSE_ROWS_MAX_M)
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and rows <= dense_rows_max_m()
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
