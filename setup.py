@@ -19,10 +19,12 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
         CppExtension("lowbit._C", ["lowbit/csrc/cpu/bindings.cpp", "lowbit/csrc/cpu/dequant.cpp",
                                    "lowbit/csrc/cpu/matmul.cpp", "lowbit/csrc/cpu/gemv_bf16.cpp",
                                    "lowbit/csrc/cpu/gemm_bf16.cpp", "lowbit/csrc/cpu/gemm_int8.cpp",
-                                   "lowbit/csrc/cpu/gemv_a8.cpp", "lowbit/csrc/cpu/dense.cpp",
+                                   "lowbit/csrc/cpu/gemv_a8.cpp", "lowbit/csrc/cpu/gemm_a8.cpp",
+                                   "lowbit/csrc/cpu/dense.cpp",
                                    "lowbit/csrc/cpu/decode.cpp", "lowbit/csrc/cpu/gptq.cpp",
                                    "lowbit/csrc/cpu/ggml.cpp"],
-                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h"],
+                     depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h",
+                              "lowbit/csrc/cpu/a8_blocks.h"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])
     ]
     cmdclass = {"build_ext": BuildExtension}

@@ -43,8 +43,8 @@ def a8_tolerance(x, qt, y_ref):
 def test_linear_with_activation_blocks_matches_the_reference(backend, scheme, dtype, m):
     # K = 576 (the bundled model): 18 blocks, groups of 32/64/128... that tile it or not (g128
     # falls back per scheme below); m covers the kernel's 4-row tiles, their tail, and the
-    # many-row path (dequantized blocks times float32 weight tiles) past A8_ROWS_MAX_M (16)
-    # or, without AVX-512, AVX2_A8_ROWS_MAX_M (128).
+    # many-row paths past a8_rows_max_m (16 with AVX-512; without, 8 for 4-bit codes: the
+    # panel GEMM, 128 for 8-bit: dequantized blocks times float32 weight tiles).
     k = 576 if "g128" not in scheme else 512
     skip_large_for_interpreter(backend, m, 48, k)
     torch.manual_seed(m)
@@ -124,10 +124,81 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_tiles_beyond():
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
     assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
-    rows = cpu.A8_ROWS_MAX_M if cpu._has_avx512() else cpu.AVX2_A8_ROWS_MAX_M
-    assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
-    assert plan(w, a, rows + 1, 576, torch.float32).kernel == "a8_tiles"
+    for w, beyond in ((w, "a8_tiles" if cpu._has_avx512() else "a8_gemm"),
+                      (QuantScheme.parse("int8-sym-g32"), "a8_tiles")):
+        rows = cpu.a8_rows_max_m(w.bits)
+        assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
+        assert plan(w, a, rows + 1, 576, torch.float32).kernel == beyond
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
+
+
+def _needs_gemm():
+    if not cpu.available() or not cpu._has_a8_blocks():
+        pytest.skip("no AVX2 build of lowbit._C")
+
+
+@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
+                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 70])
+@pytest.mark.parametrize("n", [1, 15, 16, 40])
+def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
+    # gemm_a8.cpp at every row count (the plan's threshold set to 0): 4-row tiles and their
+    # tail, panels of 16 columns and a last one cut short, groups of one or several blocks
+    _needs_gemm()
+    monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
+    monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", 0)
+    monkeypatch.setattr(cpu, "_a8_gemm", lambda bits: bits == 4)
+    cpu.clear_plans()
+    try:
+        torch.manual_seed(m + n + k)
+        qt = lowbit.quantize(torch.randn(n, k), scheme)
+        w = QuantScheme.parse(scheme)
+        assert get_backend("cpu").plan(w, QuantScheme.parse(ACT), m, k, torch.float32).kernel == "a8_gemm"
+        x = torch.randn(m, k) * 3
+        y_ref = linear(x, qt, act_scheme=ACT, backend="reference")
+        y = linear(x, qt, act_scheme=ACT, backend="cpu")
+        err = (y.double() - y_ref.double()).abs()
+        assert bool((err <= a8_tolerance(x, qt, y_ref)).all()), float(err.max())
+    finally:
+        monkeypatch.undo()
+        cpu.clear_plans()
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64"])
+def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
+    _needs_gemm()
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(5)
+    x = torch.randn(13, 192)
+    parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
+    args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
+    ys, ok = cpu._C.gemm_a8_blocks_many(x, *map(list, zip(*args)), parts[0][4])
+    assert ok and len(ys) == 3
+    for y, (c, s, z) in zip(ys, args):
+        one, ok1 = cpu._C.gemm_a8_blocks(x, c, s, z, parts[0][4])
+        assert ok1 and torch.equal(y, one)
+
+
+def test_cpu_panel_gemm_reports_non_finite_x_and_checks_its_arguments():
+    _needs_gemm()
+    from lowbit.ops.matmul import weight_parts
+
+    c, s, z, _, group = weight_parts(lowbit.quantize(torch.randn(16, 64), "int4-sym-g32"))
+    s = s.float().contiguous()
+    x = torch.randn(5, 64)
+    x[3, 7] = float("nan")
+    assert cpu._C.gemm_a8_blocks(x, c, s, None, group)[1] is False
+    x[3, 7] = float("inf")
+    assert cpu._C.gemm_a8_blocks(x, c, s, None, group)[1] is False
+    with pytest.raises(RuntimeError, match="contiguous float32 x"):
+        cpu._C.gemm_a8_blocks(x.double(), c, s, None, group)
+    with pytest.raises(RuntimeError, match="multiple of 32 that divides K"):
+        cpu._C.gemm_a8_blocks(torch.randn(2, 64), c, s, None, 48)
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
+        cpu._C.gemm_a8_blocks(torch.randn(2, 64), c, s[:8], None, group)
+    y, ok = cpu._C.gemm_a8_blocks(torch.randn(0, 64), c, s, None, group)
+    assert ok and y.shape == (0, 16)
 
 
 @pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym", "int8-asym-g32"])

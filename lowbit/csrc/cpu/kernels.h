@@ -74,6 +74,13 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                                 int64_t bits, int64_t group);
 std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
+// gemm_a8.cpp
+std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                                              const std::vector<at::Tensor>& scales,
+                                                              const std::vector<c10::optional<at::Tensor>>& zero_points,
+                                                              int64_t group);
+std::tuple<at::Tensor, bool> gemm_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                            const c10::optional<at::Tensor>& zero_point, int64_t group);
 // dense.cpp
 bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

@@ -99,7 +99,13 @@ A8_ROWS_MAX_M = 16
 # 4-bit M=64 0.87 vs 1.50, M=128 1.78 vs 2.35, M=256 3.64 vs 3.65; 576x1536 M=128 1.62 vs
 # 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.  Where float32 FMAs are 16 lanes wide (AVX-512)
 # the tiles gain twice as much; not measured there since, so that threshold stays.
-AVX2_A8_ROWS_MAX_M = 128
+# 4-bit codes beyond it run gemm_a8.cpp (codes unpacked once into panels, vpmaddubsw register
+# tiles); against the rows kernel / the float32 tiles / a float32 F.linear of the same shape
+# (weights hot, Zen 3, 2 threads, ms):
+#   1536x576: M=16 0.19 / 0.40 / 0.99 / 0.42, M=32 0.20 / 0.45 / 0.87 / 0.55,
+#             M=128 0.68 / 1.76 / 1.78 / 1.49, M=512 2.86 / 7.84 / 6.12 / 5.53
+#   576x1536: M=16 0.18 / 0.21 / 0.65 / 0.33, M=512 2.90 / 6.85 / 6.30 / 6.43
+AVX2_A8_ROWS_MAX_M = {4: 8, 8: 128}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
@@ -215,14 +221,29 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
     return Plan("tiles_bf16", "L2-sized weight tiles dequantized, torch.mm (no AVX-512 kernel for this group size)")
 
 
+def a8_rows_max_m(bits: int) -> int:
+    """Up to how many rows activations in int8 blocks run gemv_a8.cpp's rows kernel with
+    ``bits``-bit weights; beyond, a GEMM path (``a8_gemm`` or ``a8_tiles``)."""
+    return A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M.get(bits, 0)
+
+
+def _a8_gemm(bits: int) -> bool:
+    # gemm_a8.cpp is AVX2 code, measured against float32 tiles of 8 lanes; against AVX-512's
+    # 16 it is not measured, so AVX-512 machines keep their tiles.
+    return bits == 4 and not _has_avx512()
+
+
 @lru_cache(maxsize=4096)
 def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
-    rows = A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M
+    rows = a8_rows_max_m(bits)
     if m <= rows:
         return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "
                                  "block (vpmaddubsw / vpmaddwd)")
+    if _a8_gemm(bits):
+        return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, 4-bit codes unpacked once into panels, "
+                               "vpmaddubsw register tiles")
     return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
 
 
@@ -255,7 +276,7 @@ class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_tiles",
-               "w4a8_int_mm", "a8_blocks", "a8_tiles")
+               "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
@@ -347,11 +368,13 @@ class CpuBackend(Backend):
                                     high_zero_point, high_bits, high_group_size)
 
     def linear_a8_blocks(self, x, codes, scale, zero_point, bits, group_size, act_block):
-        """Up to ``A8_ROWS_MAX_M`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
+        """Up to ``a8_rows_max_m`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
         (exact), each scaled by its block's float32 scale, per-group sums scaled by the
-        weight's; beyond, the blocks dequantized (the reference's float32 values) and
-        multiplied with float32 weight tiles (``_tiles``).  The codes and scales are the
+        weight's; beyond, for 4-bit codes on AVX2 machines gemm_a8.cpp (the same blocks and
+        exact block dot products, the codes unpacked once into panels), else the blocks
+        dequantized (the reference's float32 values) and multiplied with float32 weight
+        tiles (``_tiles``).  The codes and scales are the
         reference's; the float32 roundings differ (order of the sums, one product of the
         two scales per block, the zero-point term apart), within the bound derived in
         tests/test_a8_blocks.py."""
@@ -368,7 +391,10 @@ class CpuBackend(Backend):
             y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32)
         else:
             zp = None if zero_point is None else _float32(zero_point)
-            y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size)
+            if kernel == "a8_gemm":
+                y, ok = _C.gemm_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, group_size)
+            else:
+                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
 

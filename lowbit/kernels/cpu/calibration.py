@@ -63,7 +63,8 @@ class Threshold:
 THRESHOLDS = (
     Threshold("gemv 4-bit (AVX2)", "AVX2_GEMV_MAX_M", 4, "int4-asym-g64-f16", None, False),
     Threshold("gemv 8-bit (AVX2)", "AVX2_GEMV_MAX_M", 8, "int8-sym", None, False),
-    Threshold("a8 blocks (AVX2)", "AVX2_A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", False),
+    Threshold("a8 blocks 4-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", False),
+    Threshold("a8 blocks 8-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", False),
     Threshold("a8 blocks (AVX-512)", "A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", True),
     Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),

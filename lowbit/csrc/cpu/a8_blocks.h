@@ -1,0 +1,90 @@
+// Activations quantized to int8 in blocks of 32 values (the scheme int8-sym-g32,
+// llama.cpp's Q8_0 activations), as the kernels that multiply them (gemv_a8.cpp for a few
+// rows, gemm_a8.cpp for many) take them: the reference's codes and scales, bit for bit.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LOWBIT_A8_BLOCKS 1
+#endif
+
+namespace a8 {
+
+constexpr int64_t BLOCK = 32;  // activation values per int8 block
+
+// One block of 32 values: d = max|x| / 127.5 (1 for an all-zero block) and the codes
+// q = clamp(round_half_even(x / d), -128, 127) as int32: choose_qparams and quantize of the
+// reference for "int8-sym-g32", bit for bit.  Returns whether the block was finite (NaN and
+// Inf fail "a <= FLT_MAX").
+inline bool block_codes(const float* xb, float& scale, int32_t* q) {
+#ifdef LOWBIT_A8_BLOCKS
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 v[4], mx = _mm256_setzero_ps();
+  int ok = 0xFF;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    ok &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));  // NaN and Inf fail
+    mx = _mm256_max_ps(mx, a);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  scale = _mm_cvtss_f32(m4) / 127.5f;
+  if (!(scale > 0.f)) scale = 1.f;
+  const __m256 sv = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  for (int i = 0; i < 4; ++i) {  // x / scale correctly rounded, then to nearest even: as torch
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r))));
+  }
+  return ok == 0xFF;
+#else
+  bool finite = true;
+  float amax = 0.f;
+  for (int i = 0; i < BLOCK; ++i) {
+    const float a = std::fabs(xb[i]);
+    finite &= a <= std::numeric_limits<float>::max();
+    amax = std::max(amax, a);
+  }
+  scale = amax / 127.5f;
+  if (!(scale > 0.f)) scale = 1.f;
+  for (int i = 0; i < BLOCK; ++i) q[i] = static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(xb[i] / scale))));
+  return finite;
+#endif
+}
+
+// Quantize row x [K] into blocks (block_codes): writes the codes in the kernel's layout
+// (int8, even elements then odd ones per block, for 4-bit weights; int16 in order for
+// 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point term).
+// Returns whether the row was finite.
+template <typename Q>
+inline bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, float* d, float* xs) {
+  const int64_t per_group = group / BLOCK;
+  bool finite = true;
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    float scale;
+    int32_t codes[BLOCK];
+    finite &= block_codes(x + b * BLOCK, scale, codes);
+    int32_t sum = 0;
+    // split (4-bit weights): blocks in pairs of 64 bytes, [b0 even | b1 even | b0 odd | b1 odd],
+    // 16 values each; a last block without a pair is [even | odd].
+    const bool alone = b == K / BLOCK - 1 && b % 2 == 0;
+    const int64_t base = (b / 2) * 2 * BLOCK + (alone ? 0 : (b % 2) * (BLOCK / 2));
+    for (int i = 0; i < BLOCK; ++i) {
+      const int64_t slot = split ? base + (i % 2) * (alone ? BLOCK / 2 : BLOCK) + i / 2 : b * BLOCK + i;
+      xq[slot] = static_cast<Q>(codes[i]);
+      sum += codes[i];
+    }
+    d[b] = scale;
+    if (b % per_group == 0) xs[b / per_group] = 0.f;
+    xs[b / per_group] += scale * static_cast<float>(sum);
+  }
+  return finite;
+}
+
+}  // namespace a8
