@@ -20,7 +20,7 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
                                    "lowbit/csrc/cpu/matmul.cpp", "lowbit/csrc/cpu/gemv_bf16.cpp",
                                    "lowbit/csrc/cpu/gemm_bf16.cpp", "lowbit/csrc/cpu/gemm_int8.cpp",
                                    "lowbit/csrc/cpu/gemv_a8.cpp", "lowbit/csrc/cpu/gemm_a8.cpp",
-                                   "lowbit/csrc/cpu/dense.cpp",
+                                   "lowbit/csrc/cpu/gemm_i16.cpp", "lowbit/csrc/cpu/dense.cpp",
                                    "lowbit/csrc/cpu/decode.cpp", "lowbit/csrc/cpu/gptq.cpp",
                                    "lowbit/csrc/cpu/ggml.cpp"],
                      depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h",

@@ -118,14 +118,14 @@ def test_check_act_weight_accepts_the_presets_pairs():
         check_act_weight(weight, ACT, 576)
 
 
-def test_cpu_plan_runs_blocks_on_few_rows_and_tiles_beyond():
+def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     if not cpu.available() or not cpu._has_a8_blocks():
         pytest.skip("no AVX2 build of lowbit._C")
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
     assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
-    for w, beyond in ((w, "a8_tiles" if cpu._has_avx512() else "a8_gemm"),
-                      (QuantScheme.parse("int8-sym-g32"), "a8_tiles")):
+    beyond = "a8_tiles" if cpu._has_avx512() else "a8_gemm"
+    for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
         assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
         assert plan(w, a, rows + 1, 576, torch.float32).kernel == beyond
@@ -138,16 +138,18 @@ def _needs_gemm():
 
 
 @pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
-                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64)])
+                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
+                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9, 70])
 @pytest.mark.parametrize("n", [1, 15, 16, 40])
 def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
-    # gemm_a8.cpp at every row count (the plan's threshold set to 0): 4-row tiles and their
-    # tail, panels of 16 columns and a last one cut short, groups of one or several blocks
+    # gemm_a8.cpp (4-bit) and gemm_i16.cpp (8-bit) at every row count (the plan's threshold
+    # set to 0): 4-row tiles and their tail, panels of 16 columns and a last one cut short,
+    # groups of one or several blocks
     _needs_gemm()
     monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", 0)
-    monkeypatch.setattr(cpu, "_a8_gemm", lambda bits: bits == 4)
+    monkeypatch.setattr(cpu, "_a8_gemm", lambda bits: True)
     cpu.clear_plans()
     try:
         torch.manual_seed(m + n + k)
@@ -164,7 +166,12 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
         cpu.clear_plans()
 
 
-@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64"])
+def _gemms(bits):
+    return ((cpu._C.gemm_a8_blocks_many, cpu._C.gemm_a8_blocks) if bits == 4
+            else (cpu._C.gemm_a8_blocks8_many, cpu._C.gemm_a8_blocks8))
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64"])
 def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts
@@ -173,31 +180,34 @@ def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(schem
     x = torch.randn(13, 192)
     parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
     args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
-    ys, ok = cpu._C.gemm_a8_blocks_many(x, *map(list, zip(*args)), parts[0][4])
+    many, one = _gemms(parts[0][3])
+    ys, ok = many(x, *map(list, zip(*args)), parts[0][4])
     assert ok and len(ys) == 3
     for y, (c, s, z) in zip(ys, args):
-        one, ok1 = cpu._C.gemm_a8_blocks(x, c, s, z, parts[0][4])
-        assert ok1 and torch.equal(y, one)
+        y1, ok1 = one(x, c, s, z, parts[0][4])
+        assert ok1 and torch.equal(y, y1)
 
 
-def test_cpu_panel_gemm_reports_non_finite_x_and_checks_its_arguments():
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int8-sym-g32"])
+def test_cpu_panel_gemm_reports_non_finite_x_and_checks_its_arguments(scheme):
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts
 
-    c, s, z, _, group = weight_parts(lowbit.quantize(torch.randn(16, 64), "int4-sym-g32"))
+    c, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(16, 64), scheme))
     s = s.float().contiguous()
+    gemm = _gemms(bits)[1]
     x = torch.randn(5, 64)
     x[3, 7] = float("nan")
-    assert cpu._C.gemm_a8_blocks(x, c, s, None, group)[1] is False
+    assert gemm(x, c, s, None, group)[1] is False
     x[3, 7] = float("inf")
-    assert cpu._C.gemm_a8_blocks(x, c, s, None, group)[1] is False
+    assert gemm(x, c, s, None, group)[1] is False
     with pytest.raises(RuntimeError, match="contiguous float32 x"):
-        cpu._C.gemm_a8_blocks(x.double(), c, s, None, group)
+        gemm(x.double(), c, s, None, group)
     with pytest.raises(RuntimeError, match="multiple of 32 that divides K"):
-        cpu._C.gemm_a8_blocks(torch.randn(2, 64), c, s, None, 48)
+        gemm(torch.randn(2, 64), c, s, None, 48)
     with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
-        cpu._C.gemm_a8_blocks(torch.randn(2, 64), c, s[:8], None, group)
-    y, ok = cpu._C.gemm_a8_blocks(torch.randn(0, 64), c, s, None, group)
+        gemm(torch.randn(2, 64), c, s[:8], None, group)
+    y, ok = gemm(torch.randn(0, 64), c, s, None, group)
     assert ok and y.shape == (0, 16)
 
 

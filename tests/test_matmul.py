@@ -223,8 +223,34 @@ def test_cpu_int8_mm_rows_is_the_exact_integer_product(values, m, n, k):
     assert torch.equal(cpu._C.int8_mm_rows(a, b), reference.int8_mm(a, b))
 
 
+@pytest.mark.parametrize("values", ["random", "extreme"])
+@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (5, 70, 1024), (4, 33, 17), (9, 20, 4100), (130, 16, 576),
+                                     (6, 1, 3)])
+def test_cpu_int8_mm_panels_is_the_exact_integer_product(values, m, n, k):
+    # AVX2 without VNNI, many rows: the weight widened into int16 panels of 16 columns (70, 33,
+    # 20, 1: a last panel cut short), K in steps of 16 (17, 4100, 3: zeros past K), tiles of
+    # 4 rows and a tail; "extreme" sums reach 128 * 128 * 4100 ~ 2^26
+    if not cpu.available() or not cpu._C.has_int8_rows():
+        pytest.skip("needs lowbit._C built with AVX2")
+    a, b = int8_linear_case(m, n, k, values, False, False, torch.float32)[:3:2]
+    assert torch.equal(cpu._C.int8_mm_panels(a, b), reference.int8_mm(a, b))
+
+
+def test_cpu_int8_mm_panels_checks_its_arguments():
+    if not cpu.available() or not cpu._C.has_int8_rows():
+        pytest.skip("needs lowbit._C built with AVX2")
+    a = torch.zeros(3, 8, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"int8 a \[M, K\] and b \[N, K\] expected"):
+        cpu._C.int8_mm_panels(a, torch.zeros(2, 9, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="expected"):
+        cpu._C.int8_mm_panels(a.to(torch.int16), a)
+    with pytest.raises(RuntimeError, match="K must be below 2"):
+        cpu._C.int8_mm_panels(torch.zeros(1, 1 << 17, dtype=torch.int8), torch.zeros(1, 1 << 17, dtype=torch.int8))
+    assert cpu._C.int8_mm_panels(a[:0], a).shape == (0, 3)
+
+
 def test_cpu_8bit_activation_plans_without_vnni(monkeypatch):
-    # the AVX2 integer kernels for a few rows, float32 GEMMs beyond
+    # the AVX2 integer kernels: rows for a few rows, panels beyond
     if not cpu.available() or not cpu._C.has_int8_rows():
         pytest.skip("needs lowbit._C built with AVX2")
     plan = cpu._act8_plan
@@ -232,7 +258,8 @@ def test_cpu_8bit_activation_plans_without_vnni(monkeypatch):
         monkeypatch.setattr(cpu, "_has_avx512", lambda: False)
         monkeypatch.setattr(cpu._C, "int8_gemm_supported", lambda k: False)
         plan.cache_clear()
-        assert [plan(8, 576, m, 576).kernel for m in (1, 128, 129)] == ["int8_rows", "int8_rows", "int_mm_f32"]
+        rows = cpu.INT8_ROWS_MAX_M
+        assert [plan(8, 576, m, 576).kernel for m in (1, rows, rows + 1)] == ["int8_rows", "int8_rows", "int8_panels"]
         assert [plan(4, 64, m, 576).kernel for m in (1, 64, 65)] == ["w4a8_rows", "w4a8_rows", "w4a8_tiles"]
         assert plan(4, 16, 1, 576).kernel == "w4a8_int_mm"  # groups of 16: no rows kernel
     finally:

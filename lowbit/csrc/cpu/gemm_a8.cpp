@@ -37,27 +37,6 @@ using a8::BLOCK;
 constexpr int COLS = 16;  // weight rows per panel: two vectors of 8 int32 / float lanes
 constexpr int ROWS = 4;   // activation rows per register tile
 
-// r[i] <- dword i of every r[j] (an 8 x 8 transpose of 32-bit elements).
-inline void transpose8(__m256i r[8]) {
-  __m256i t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  __m256i u[8];
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // u[4a + b] holds, in its 128-bit lane L, dword 4L + b of rows 4a..4a+3
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
 // The panel of weight rows [n0, n0 + 16) (rows past N repeat row N - 1; never stored):
 // codes as u8 in panel[k / 4][column][4], the scales sp[g][column] and the zero-point
 // factors sz[g][column] (s * z, or s for signed codes).  4-bit codes: byte i of a row holds
@@ -100,7 +79,7 @@ void tile(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t 
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0, g = 0, left = per_group; b < nb; ++b) {  // block b of group g
     const uint8_t* pb = panel + b * (BLOCK / 4) * COLS * 4;
     const int8_t* xb = xq + b * BLOCK;
     __m256i sum[R][2];
@@ -116,8 +95,11 @@ void tile(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t 
         sum[r][1] = q ? _mm256_add_epi16(sum[r][1], p1) : p1;
       }
     }
-    const float* sg = sp + (b / per_group) * COLS;
-    const __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);
+    const __m256 s0 = _mm256_loadu_ps(sp + g * COLS), s1 = _mm256_loadu_ps(sp + g * COLS + 8);
+    if (--left == 0) {
+      ++g;
+      left = per_group;
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 dv = _mm256_set1_ps(d[r * nb + b]);
       acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones)), _mm256_mul_ps(dv, s0),

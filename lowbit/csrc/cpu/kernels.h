@@ -81,6 +81,14 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& 
                                                               int64_t group);
 std::tuple<at::Tensor, bool> gemm_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                             const c10::optional<at::Tensor>& zero_point, int64_t group);
+// gemm_i16.cpp
+at::Tensor int8_mm_panels(const at::Tensor& a, const at::Tensor& b);
+std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                                                               const std::vector<at::Tensor>& scales,
+                                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
+                                                               int64_t group);
+std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                             const c10::optional<at::Tensor>& zero_point, int64_t group);
 // dense.cpp
 bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

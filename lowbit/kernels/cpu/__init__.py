@@ -80,7 +80,11 @@ F32_EXACT_K = 1024
 # torch._int_mm / those float32 chunks, same machine, 2 threads (ms):
 #   1536x576: M=1 0.026 vs 0.29 / 0.23, M=16 0.12 vs 4.5 / 0.58, M=128 1.34 vs - / 1.74,
 #             M=512 7.3 vs - / 9.6;  576x1536 M=512: 6.7 vs - / 5.5;  4096x4096 M=1 0.63 vs 5.3 / 4.6
-INT8_ROWS_MAX_M = 128
+# Beyond, gemm_i16.cpp's int8_mm_panels (the weight widened once into int16 panels), against
+# int8_mm_rows and F.linear of the same shape in float32, best of 9 alternating rounds (ms):
+#   1536x576: M=16 0.14 / 0.12 / 0.48, M=32 0.24 / 0.34 / 0.63, M=128 0.86 / 1.39 / 1.67,
+#             M=512 3.4 / 7.8 / 5.6;  576x1536: M=16 0.15 / 0.17 / 0.40, M=512 3.4 / 7.4 / 5.2
+INT8_ROWS_MAX_M = 16
 
 
 # Without AVX-512 (AVX2 + FMA: the 8-lane decode kernels of matmul.cpp, no bf16 dot
@@ -105,7 +109,12 @@ A8_ROWS_MAX_M = 16
 #   1536x576: M=16 0.19 / 0.40 / 0.99 / 0.42, M=32 0.20 / 0.45 / 0.87 / 0.55,
 #             M=128 0.68 / 1.76 / 1.78 / 1.49, M=512 2.86 / 7.84 / 6.12 / 5.53
 #   576x1536: M=16 0.18 / 0.21 / 0.65 / 0.33, M=512 2.90 / 6.85 / 6.30 / 6.43
-AVX2_A8_ROWS_MAX_M = {4: 8, 8: 128}
+# 8-bit codes beyond it run gemm_i16.cpp (int16 panels, vpmaddwd: no faster per instruction
+# than float32 FMAs, but no float copy of the weight or x); against the rows kernel and
+# F.linear, best of 9 alternating rounds (ms):
+#   1536x576: M=16 0.25 / 0.25 / 0.48, M=32 0.44 / 0.43 / 0.63, M=512 6.3 / 7.7 / 5.6
+#   576x1536: M=16 0.25 / 0.22 / 0.40, M=32 0.44 / 0.51 / 0.59, M=512 6.4 / 8.5 / 5.2
+AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
@@ -228,9 +237,9 @@ def a8_rows_max_m(bits: int) -> int:
 
 
 def _a8_gemm(bits: int) -> bool:
-    # gemm_a8.cpp is AVX2 code, measured against float32 tiles of 8 lanes; against AVX-512's
-    # 16 it is not measured, so AVX-512 machines keep their tiles.
-    return bits == 4 and not _has_avx512()
+    # gemm_a8.cpp / gemm_i16.cpp are AVX2 code, measured against float32 tiles of 8 lanes;
+    # against AVX-512's 16 they are not measured, so AVX-512 machines keep their tiles.
+    return not _has_avx512()
 
 
 @lru_cache(maxsize=4096)
@@ -242,8 +251,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
         return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "
                                  "block (vpmaddubsw / vpmaddwd)")
     if _a8_gemm(bits):
-        return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, 4-bit codes unpacked once into panels, "
-                               "vpmaddubsw register tiles")
+        how = "u8 panels, vpmaddubsw" if bits == 4 else "int16 panels, vpmaddwd"
+        return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into {how} "
+                               "register tiles")
     return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
 
 
@@ -252,9 +262,12 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
-        if m <= INT8_ROWS_MAX_M and not _has_avx512() and _C is not None and _C.has_int8_rows():
-            return Plan("int8_rows", f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: int8 widened to int16, "
-                                     "vpmaddwd, exact int32 sums")
+        if not _has_avx512() and _C is not None and _C.has_int8_rows():
+            if m <= INT8_ROWS_MAX_M:
+                return Plan("int8_rows", f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: int8 widened to "
+                                         "int16, vpmaddwd, exact int32 sums")
+            return Plan("int8_panels", f"over {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: the weight widened "
+                                       "once into int16 panels, vpmaddwd register tiles, exact int32 sums")
         if m >= INT8_GEMM_MIN_M and not _has_avx512():
             return Plan("int_mm_f32", f"no AVX-512 VNNI: int8 products exact in float32 GEMMs over K chunks of "
                                       f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
@@ -275,7 +288,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
-               "int_mm", "int_mm_f32", "int8_rows", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_tiles",
+               "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_tiles",
                "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
@@ -371,8 +384,8 @@ class CpuBackend(Backend):
         """Up to ``a8_rows_max_m`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
         (exact), each scaled by its block's float32 scale, per-group sums scaled by the
-        weight's; beyond, for 4-bit codes on AVX2 machines gemm_a8.cpp (the same blocks and
-        exact block dot products, the codes unpacked once into panels), else the blocks
+        weight's; beyond, on AVX2 machines gemm_a8.cpp (4-bit) or gemm_i16.cpp (8-bit): the
+        same blocks and exact block dot products, the codes unpacked once into panels; else the blocks
         dequantized (the reference's float32 values) and multiplied with float32 weight
         tiles (``_tiles``).  The codes and scales are the
         reference's; the float32 roundings differ (order of the sums, one product of the
@@ -392,7 +405,8 @@ class CpuBackend(Backend):
         else:
             zp = None if zero_point is None else _float32(zero_point)
             if kernel == "a8_gemm":
-                y, ok = _C.gemm_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, group_size)
+                gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
+                y, ok = gemm(x2, codes.contiguous(), _float32(scale), zp, group_size)
             else:
                 y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
@@ -401,14 +415,17 @@ class CpuBackend(Backend):
     def int8_mm(self, a, b):
         """torch._int_mm: oneDNN's int8 GEMM (AMX/VNNI), exact int32 accumulation; on a
         machine without VNNI, up to ``INT8_ROWS_MAX_M`` rows ``_C.int8_mm_rows`` (AVX2
-        vpmaddwd), beyond exact float32 GEMMs over K chunks (``F32_EXACT_K``): the same
-        int32 result, many times faster there."""
+        vpmaddwd), beyond ``_C.int8_mm_panels`` (the same in int16 panels), or exact float32
+        GEMMs over K chunks (``F32_EXACT_K``) without AVX2: the same int32 result, many
+        times faster there."""
         m, k = a.shape
         kernel = _act8_plan(8, k, m, k).kernel
         if kernel == "int_mm_f32":
             return int8_mm_f32(a, b)
         if kernel == "int8_rows":
             return _C.int8_mm_rows(a, b)
+        if kernel == "int8_panels":
+            return _C.int8_mm_panels(a, b)
         return torch._int_mm(a.contiguous(), b.T)
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
