@@ -53,19 +53,24 @@ def test_calibrate_measures_every_threshold_that_applies_and_the_plan_follows(ow
 
 def test_a_calibration_of_another_machine_or_turned_off_is_not_used(own_cache, monkeypatch):
     path = calibration.cache_path()
-    data = {"format": 1, "machine": {**calibration.machine_key(), "cpu": "another"}, "written": "x",
-            "shapes": [], "thresholds": {}}
+    data = {"format": calibration.FORMAT, "machine": {**calibration.machine_key(), "cpu": "another"},
+            "written": "x", "shapes": [], "thresholds": {}}
     path.write_text(json.dumps(data))
     assert calibration.load() is None
     data["machine"] = calibration.machine_key()
     path.write_text(json.dumps(data))
     assert calibration.load() == data
+    # written by a lowbit whose kernels (and so crossovers) were others: not used
+    path.write_text(json.dumps({**data, "format": calibration.FORMAT - 1}))
+    assert calibration.load() is None
+    path.write_text(json.dumps(data))
     monkeypatch.setenv("LOWBIT_KERNEL_CALIBRATION", "0")
     assert calibration.load() is None
 
 
-@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": 1, "thresholds": {"x": {"value": -1}}}),
-                                  json.dumps({"format": 1, "thresholds": {"x": {"value": "16"}}})])
+@pytest.mark.parametrize("text", ["{not json", json.dumps([1]), json.dumps({"format": calibration.FORMAT}),
+                                  json.dumps({"format": calibration.FORMAT, "thresholds": {"x": {"value": -1}}}),
+                                  json.dumps({"format": calibration.FORMAT, "thresholds": {"x": {"value": "16"}}})])
 def test_a_broken_calibration_file_is_named(own_cache, text):
     calibration.cache_path().write_text(text)
     with pytest.raises(ValueError, match="kernel calibration .*kernels-"):

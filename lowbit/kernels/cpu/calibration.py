@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+# 2: the a8 blocks threshold per weight bits, and GEMM sides that changed (gemm_a8.cpp,
+# gemm_i16.cpp): a file of an older format measured other kernels and is not used.
+FORMAT = 2
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
@@ -112,7 +114,8 @@ def applies(t: Threshold) -> bool:
 
 def load(path: Path | None = None) -> dict | None:
     """The calibration of this machine, checked, or None when there is none, it is turned
-    off (``LOWBIT_KERNEL_CALIBRATION=0``) or it was written for another machine or format.
+    off (``LOWBIT_KERNEL_CALIBRATION=0``) or it was written for another machine or by a
+    lowbit whose calibration ``FORMAT`` differs (other kernels: calibrate again).
     A file that cannot be read as one raises ValueError naming it."""
     if os.environ.get("LOWBIT_KERNEL_CALIBRATION", "1") == "0":
         return None
@@ -122,7 +125,9 @@ def load(path: Path | None = None) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        ok = (data["format"] == FORMAT and isinstance(data["thresholds"], dict)
+        if isinstance(data, dict) and isinstance(data.get("format"), int) and data["format"] != FORMAT:
+            return None  # written by another version of lowbit, for other kernels
+        ok = (isinstance(data["thresholds"], dict)
               and all(isinstance(v["value"], int) and not isinstance(v["value"], bool) and 0 <= v["value"] <= LARGE
                       for v in data["thresholds"].values()))
     except (OSError, ValueError, KeyError, TypeError) as e:
