@@ -260,7 +260,8 @@ def test_cpu_8bit_activation_plans_without_vnni(monkeypatch):
         plan.cache_clear()
         rows = cpu.INT8_ROWS_MAX_M
         assert [plan(8, 576, m, 576).kernel for m in (1, rows, rows + 1)] == ["int8_rows", "int8_rows", "int8_panels"]
-        assert [plan(4, 64, m, 576).kernel for m in (1, 64, 65)] == ["w4a8_rows", "w4a8_rows", "w4a8_tiles"]
+        rows = cpu.W4A8_AVX2_ROWS_MAX_M
+        assert [plan(4, 64, m, 576).kernel for m in (1, rows, rows + 1)] == ["w4a8_rows", "w4a8_rows", "w4a8_panels"]
         assert plan(4, 16, 1, 576).kernel == "w4a8_int_mm"  # groups of 16: no rows kernel
     finally:
         plan.cache_clear()
@@ -389,7 +390,8 @@ def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp,
     # (200: a tail of 8), 6-row tiles (37 = 6 * 6 + 1, 9, 5), chunks of whole groups near 1024
     # values (2304: 1024 + 1024 + 256), a flush per group; one panel for 64 rows: the rows split
     # between threads.  With AVX2 alone: matmul.cpp's rows kernel up to 64 rows (4 at a time,
-    # 37 = 9 * 4 + 1), float32 weight tiles beyond (65, 130).
+    # 37 = 9 * 4 + 1), gemm_a8.cpp's panels beyond (65 = 16 * 4 + 1, 130; panels of 16 columns,
+    # 40 and 24: one cut short).
     if not cpu.available():
         pytest.skip(cpu.load_error())
     args = _qta8o_case(m, n, k, group, zp, values, seed=m * 1000 + k + group)

@@ -355,6 +355,9 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
+#ifndef LOWBIT_HAVE_INT8_GEMM
+  return w4a8_gemm_panels_avx2(x_q, x_zp, codes, w_scale, w_zp, group);  // gemm_a8.cpp: vpmaddubsw, no VNNI
+#endif
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_INT8_GEMM
   if (M == 0 || N == 0) return y;

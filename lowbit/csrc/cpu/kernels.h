@@ -81,6 +81,8 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& 
                                                               int64_t group);
 std::tuple<at::Tensor, bool> gemm_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                             const c10::optional<at::Tensor>& zero_point, int64_t group);
+at::Tensor w4a8_gemm_panels_avx2(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                                 const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemm_i16.cpp
 at::Tensor int8_mm_panels(const at::Tensor& a, const at::Tensor& b);
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,

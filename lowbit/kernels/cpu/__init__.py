@@ -64,8 +64,15 @@ W4A8_ROWS_MAX_M = 4
 # kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 3,
 # 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
 # M=512 10.1 vs 5.9; 576x1536 g128 M=64 0.84 vs 1.21, M=128 1.64 vs 1.97, M=512 7.6 vs 5.6.
-# (torch._int_mm per group, the route before: 2.5-7 ms at M=1-16 on those shapes.)
-W4A8_AVX2_ROWS_MAX_M = 64
+# (torch._int_mm per group, the route before: 2.5-7 ms at M=1-16 on those shapes.)  Those
+# tiles are replaced by gemm_a8.cpp's u8 panels (the codes unpacked once, vpmaddubsw
+# register tiles, the same exact integers), against the rows kernel, the tiles and F.linear
+# of the same shape in float32, best of 9 alternating rounds (ms):
+#   1536x576 g64:  M=16 0.22 / 0.54 / 0.85 / 0.53, M=64 0.68 / 2.23 / 1.52 / 1.14,
+#                  M=512 5.4 / 18.9 / 7.8 / 7.0
+#   576x1536 g128: M=16 0.24 / 0.24 / 1.37 / 0.61, M=128 0.91 / 2.02 / 2.75 / 1.95,
+#                  M=512 4.2 / 11.9 / 7.8 / 6.1
+W4A8_AVX2_ROWS_MAX_M = 16
 # W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
 # 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
 INT8_GEMM_MIN_M = 2
@@ -280,15 +287,15 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
         if m <= W4A8_AVX2_ROWS_MAX_M:
             return Plan("w4a8_rows", f"up to {W4A8_AVX2_ROWS_MAX_M} rows: packed u4 codes, vpmaddubsw / vpmaddwd "
                                      "dot products per group (no AVX-512 VNNI)")
-        return Plan("w4a8_tiles", f"over {W4A8_AVX2_ROWS_MAX_M} rows without AVX-512 VNNI: x - x_zp and L2-sized "
-                                  "weight tiles dequantized to float32, torch.mm")
+        return Plan("w4a8_panels", f"over {W4A8_AVX2_ROWS_MAX_M} rows without AVX-512 VNNI: u4 codes unpacked "
+                                   "once into u8 panels, vpmaddubsw register tiles, exact integers per group")
     return Plan("w4a8_int_mm", "torch._int_mm per weight group, float scaling per group")
 
 
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
-               "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels", "w4a8_tiles",
+               "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
@@ -443,18 +450,12 @@ class CpuBackend(Backend):
 
         The inner sum expands to  sum x_q w_q - w_zp sum x_q - x_zp sum w_q + |g| x_zp w_zp,
         all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
-        ``w4a8_rows`` (matmul.cpp: vpdpbusd, or vpmaddubsw / vpmaddwd on AVX2) computes these
-        integers exactly; ``w4a8_tiles`` (many rows, no VNNI) rounds like a float32 matmul of
-        x - x_zp (exact) and the dequantized weight instead: the products (x - x_zp) s w and
-        their sum round in float32, within the float32 matmul bound the tests derive.
+        ``w4a8_rows`` (matmul.cpp: vpdpbusd, or vpmaddubsw / vpmaddwd on AVX2) and
+        ``w4a8_panels`` (many rows: gemm_int8.cpp's vpdpbusd panels, or gemm_a8.cpp's
+        vpmaddubsw panels on AVX2) compute these integers exactly.
         """
         m, k = x_q.shape
         kernel = _act8_plan(4, group_size, m, k).kernel
-        if kernel == "w4a8_tiles":  # x - x_zp: exact integers in float32, times the dequantized weight
-            xf = x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]
-            y = _tiles(xf, w_codes, w_scale, w_zero_point, 4, group_size, torch.float32)
-            y = y * x_scale.to(torch.float32)[:, None]
-            return y if bias is None else y + bias.to(torch.float32)
         if kernel != "w4a8_int_mm":
             zp = None if w_zero_point is None else w_zero_point.to(torch.int32).contiguous()
             run = _C.w4a8_gemm_panels if kernel == "w4a8_panels" else _C.w4a8_gemm
