@@ -239,7 +239,13 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
 
 def a8_rows_max_m(bits: int) -> int:
     """Up to how many rows activations in int8 blocks run gemv_a8.cpp's rows kernel with
-    ``bits``-bit weights; beyond, a GEMM path (``a8_gemm`` or ``a8_tiles``)."""
+    ``bits``-bit weights; beyond, a GEMM path (``a8_gemm`` or ``a8_tiles``).
+
+    Example::
+
+        >>> a8_rows_max_m(4) >= 1 and a8_rows_max_m(8) >= 1
+        True
+    """
     return A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M.get(bits, 0)
 
 
