@@ -1,13 +1,18 @@
 // Activations quantized to int8 in blocks of 32 values (the scheme int8-sym-g32,
 // llama.cpp's Q8_0 activations), as the kernels that multiply them (gemv_a8.cpp for a few
-// rows, gemm_a8.cpp for many) take them: the reference's codes and scales, bit for bit.
+// rows, gemm_a8.cpp and gemm_i16.cpp for many) take them: the reference's codes and
+// scales, bit for bit.
 #pragma once
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LOWBIT_A8_BLOCKS 1
@@ -86,5 +91,33 @@ inline bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q
   }
   return finite;
 }
+
+// The checks every kernel taking float32 x [M, K] into blocks makes (`who` names it):
+// x contiguous float32 2-D, the weight's group whole blocks that tile K.
+inline void check_x(const char* who, const at::Tensor& x, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), who,
+              ": contiguous float32 x [M, K] expected");
+  TORCH_CHECK(group > 0 && group % BLOCK == 0 && x.size(1) % group == 0, who,
+              ": the weight group must be a multiple of 32 that divides K");
+}
+
+// x [M, K] quantized row by row (quantize_row, in order, rows in parallel): codes q [M][K],
+// block scales d [M][K / 32], group sums xs [M][K / group], and whether x was finite.
+template <typename Q>
+struct Rows {
+  std::vector<Q> q;
+  std::vector<float> d, xs;
+  bool finite = true;
+  Rows(const float* x, int64_t M, int64_t K, int64_t group)
+      : q(M * K), d(M * (K / BLOCK)), xs(M * (K / group)) {
+    const int64_t nb = K / BLOCK, G = K / group;
+    std::vector<char> ok(M);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        ok[m] = quantize_row<Q>(x + m * K, K, group, false, q.data() + m * K, d.data() + m * nb, xs.data() + m * G);
+    });
+    finite = std::all_of(ok.begin(), ok.end(), [](char f) { return f; });
+  }
+};
 
 }  // namespace a8

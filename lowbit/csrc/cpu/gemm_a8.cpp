@@ -181,15 +181,10 @@ void w4a8_tile(const int8_t* xq, const int32_t* xg, const int32_t* xzp, int64_t 
 template <bool SIGNED>
 bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights) {
   const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> d(M * nb), xs(M * G);
-  std::vector<char> finite(M);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      finite[m] = a8::quantize_row<int8_t>(x + m * K, K, group, false, xq.data() + m * K, d.data() + m * nb,
-                                           xs.data() + m * G);
-  });
-  if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f; })) return false;
+  const a8::Rows<int8_t> rows(x, M, K, group);
+  if (!rows.finite) return false;
+  const int8_t* xq = rows.q.data();
+  const float *d = rows.d.data(), *xs = rows.xs.data();
   std::vector<int64_t> first_panel{0};  // the panels of every weight, numbered in one range
   for (const PackedWeight& wt : weights) first_panel.push_back(first_panel.back() + (wt.N + COLS - 1) / COLS);
   const int64_t panels = first_panel.back();
@@ -210,10 +205,10 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
       const int64_t m_end = std::min(M, (part + 1) * work.rows);
       int64_t m = part * work.rows;
       for (; m + ROWS <= m_end; m += ROWS)
-        tile<ROWS, SIGNED>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, panel.data(),
+        tile<ROWS, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, panel.data(),
                            sp.data(), sz.data(), wt.y + m * wt.N + n0, wt.N, static_cast<int>(cols));
       for (; m < m_end; ++m)
-        tile<1, SIGNED>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, panel.data(),
+        tile<1, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, panel.data(),
                         sp.data(), sz.data(), wt.y + m * wt.N + n0, wt.N, static_cast<int>(cols));
     }
   });
@@ -233,11 +228,8 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& 
                                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                               int64_t group) {
   TORCH_CHECK(has_a8_blocks(), "lowbit._C.gemm_a8_blocks needs AVX2 and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "lowbit._C.gemm_a8_blocks: contiguous float32 x [M, K] expected");
+  a8::check_x("lowbit._C.gemm_a8_blocks", x, group);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group > 0 && group % BLOCK == 0 && K % group == 0,
-              "lowbit._C.gemm_a8_blocks: the weight group must be a multiple of 32 that divides K");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.gemm_a8_blocks", x, codes, scales, zero_points, 4, group, ys);

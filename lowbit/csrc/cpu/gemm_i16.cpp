@@ -214,11 +214,8 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
                                                                const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                                int64_t group) {
   TORCH_CHECK(has_a8_blocks(), "lowbit._C.gemm_a8_blocks8 needs AVX2 and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "lowbit._C.gemm_a8_blocks8: contiguous float32 x [M, K] expected");
+  a8::check_x("lowbit._C.gemm_a8_blocks8", x, group);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group > 0 && group % a8::BLOCK == 0 && K % group == 0,
-              "lowbit._C.gemm_a8_blocks8: the weight group must be a multiple of 32 that divides K");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.gemm_a8_blocks8", x, codes, scales, zero_points, 8, group, ys);
@@ -226,16 +223,10 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
 #ifdef LOWBIT_I16_PANELS
   if (M == 0) return {ys, true};
   const int64_t G = K / group, nb = K / a8::BLOCK, per_group = group / a8::BLOCK;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> d(M * nb), xs(M * G);
-  std::vector<char> ok(M);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      ok[m] = a8::quantize_row<int16_t>(x.data_ptr<float>() + m * K, K, group, false, xq.data() + m * K,
-                                        d.data() + m * nb, xs.data() + m * G);
-  });
-  finite = std::all_of(ok.begin(), ok.end(), [](char f) { return f; });
-  if (!finite) return {ys, false};
+  const a8::Rows<int16_t> rows(x.data_ptr<float>(), M, K, group);
+  if (!rows.finite) return {ys, false};
+  const int16_t* xq = rows.q.data();
+  const float *d = rows.d.data(), *xs = rows.xs.data();
   const bool has_zp = weights[0].z != nullptr;  // unsigned codes
   std::vector<int64_t> Ns;
   for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
@@ -262,7 +253,7 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
       [&](auto r, size_t j, int64_t m, int64_t n0, int cols, const int16_t* panel) {
         const PackedWeight& wt = weights[j];
         const int64_t off = n0 / COLS * G * COLS;
-        block_tile<decltype(r)::value>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group,
+        block_tile<decltype(r)::value>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group,
                                        panel, sp[j].data() + off, has_zp ? sz[j].data() + off : nullptr,
                                        wt.y + m * wt.N + n0, wt.N, cols);
       });

@@ -246,12 +246,9 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                                 int64_t bits, int64_t group) {
   TORCH_CHECK(has_a8_blocks(), "lowbit._C.linear_a8_blocks needs AVX2 and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "lowbit._C.linear_a8_blocks: contiguous float32 x [M, K] expected");
+  a8::check_x("lowbit._C.linear_a8_blocks", x, group);
   TORCH_CHECK(bits == 4 || bits == 8, "lowbit._C.linear_a8_blocks: bits must be 4 or 8");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group > 0 && group % BLOCK == 0 && K % group == 0,
-              "lowbit._C.linear_a8_blocks: the weight group must be a multiple of 32 that divides K");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.linear_a8_blocks", x, codes, scales, zero_points, bits, group, ys);
