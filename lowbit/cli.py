@@ -1327,18 +1327,30 @@ def _version() -> str:
     return __version__
 
 
-def _positionals(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The positional arguments of the subcommand argv[0] in argv: not an option, not an
-    option's value."""
+def _positionals(parser: argparse.ArgumentParser, argv: list[str]) -> list[int]:
+    """Where the positional arguments of the subcommand argv[0] are in argv: not an option,
+    not an option's value."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
     takes_value = {o for a in sub._actions if a.nargs != 0 for o in a.option_strings}
-    pos, rest = [], iter(argv[1:])
-    for a in rest:
+    pos, rest = [], iter(enumerate(argv[1:], 1))
+    for i, a in rest:
         if a in takes_value:
             next(rest, None)
         elif not a.startswith("-"):
-            pos.append(a)
+            pos.append(i)
     return pos
+
+
+def _default_model(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with an empty MODEL (the bundled one) just before the prompt of `lowbit generate
+    "prompt"`: right before it, as argparse fills both optional positionals from the first
+    run of positional strings it meets (a placeholder after `generate` with options between
+    it and the prompt would leave the prompt unrecognized)."""
+    if len(argv) >= 2 and argv[0] == "generate" and "--prompts" not in argv:
+        pos = _positionals(parser, argv)
+        if len(pos) == 1 and not os.path.exists(argv[pos[0]]):
+            return [*argv[:pos[0]], "", *argv[pos[0]:]]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1355,11 +1367,7 @@ def main(argv: list[str] | None = None) -> int:
     # `lowbit generate "prompt"` (no model): argparse would take the prompt as the model
     if argv is None:
         argv = sys.argv[1:]
-    if len(argv) >= 2 and argv[0] == "generate" and "--prompts" not in argv:
-        pos = _positionals(parser, argv)
-        if len(pos) == 1 and not os.path.exists(pos[0]):
-            argv = ["generate", "", *argv[1:]]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_default_model(parser, argv))
     import torch
 
     try:

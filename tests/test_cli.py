@@ -77,6 +77,19 @@ def test_generate_without_a_model_uses_the_bundled_one(capsys):
     assert "prefill" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["generate", "Hi there", "-n", "3"], ["generate", "-n", "3", "Hi there"],
+                                  ["generate", "--recipe", "q4_0-a8", "Hi there", "-n", "3"],
+                                  ["generate", "--dtype", "float32", "-n", "3", "Hi there", "--raw"]])
+def test_generate_without_a_model_takes_the_prompt_wherever_it_stands(argv):
+    # the bundled model's placeholder goes right before the prompt: argparse fills both
+    # optional positionals from the first positional it meets
+    from lowbit.cli import _default_model, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(_default_model(parser, argv))
+    assert (args.model, args.prompt, args.max_new_tokens) == ("", "Hi there", 3)
+
+
 def test_generate_act_compute_int8_runs_weight_only_models_and_refuses_others(capsys):
     assert main(["generate", "What is the capital of France?", "-n", "6", "--dtype", "float32",
                  "--recipe", "w4a16-g128-head8", "--act-compute", "int8"]) == 0
