@@ -64,13 +64,6 @@ void pack_codes(const uint8_t* w, int64_t N, int64_t K, int64_t n0, bool is_sign
   }
 }
 
-// [G][16] of per-group values t[n, g] of the panel's rows (rows past N repeat row N - 1).
-template <typename T, typename F>
-void pack_groups(int64_t N, int64_t G, int64_t n0, T* out, F value) {
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < COLS; ++c) out[g * COLS + c] = value(std::min<int64_t>(n0 + c, N - 1), g);
-}
-
 // 8 steps of 4 values (one block of 32) of R rows x the panel's 16 columns: int16 sums of
 // vpmaddubsw (unsigned code x signed activation), at most 8 * 2 * 15 * 128 = 30720.
 template <int R>
@@ -185,33 +178,30 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   if (!rows.finite) return false;
   const int8_t* xq = rows.q.data();
   const float *d = rows.d.data(), *xs = rows.xs.data();
-  std::vector<int64_t> first_panel{0};  // the panels of every weight, numbered in one range
-  for (const PackedWeight& wt : weights) first_panel.push_back(first_panel.back() + (wt.N + COLS - 1) / COLS);
-  const int64_t panels = first_panel.back();
-  const PanelWork work(panels, M, ROWS, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> panel(K * COLS);
-    std::vector<float> sp(G * COLS), sz(G * COLS);
-    size_t j = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / work.parts, part = i % work.parts;
-      while (p >= first_panel[j + 1]) ++j;
-      const PackedWeight& wt = weights[j];
-      const int64_t n0 = (p - first_panel[j]) * COLS, cols = std::min<int64_t>(COLS, wt.N - n0);
-      pack_codes(wt.w, wt.N, K, n0, !wt.z, panel.data());
-      pack_groups(wt.N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
-      pack_groups(wt.N, G, n0, sz.data(),
-                  [&](int64_t n, int64_t g) { return wt.z ? wt.s[n * G + g] * wt.z[n * G + g] : wt.s[n * G + g]; });
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      int64_t m = part * work.rows;
-      for (; m + ROWS <= m_end; m += ROWS)
-        tile<ROWS, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, panel.data(),
-                           sp.data(), sz.data(), wt.y + m * wt.N + n0, wt.N, static_cast<int>(cols));
-      for (; m < m_end; ++m)
-        tile<1, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, panel.data(),
-                        sp.data(), sz.data(), wt.y + m * wt.N + n0, wt.N, static_cast<int>(cols));
-    }
-  });
+  std::vector<int64_t> Ns;
+  for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
+  struct Scratch {
+    std::vector<uint8_t> panel;
+    std::vector<float> sp, sz;  // per group and column: s, and s * z (s for signed codes)
+  };
+  each_panel<COLS, ROWS>(
+      Ns, M,
+      [&] {
+        return Scratch{std::vector<uint8_t>(K * COLS), std::vector<float>(G * COLS), std::vector<float>(G * COLS)};
+      },
+      [&](size_t j, int64_t n0, Scratch& t) {
+        const PackedWeight& wt = weights[j];
+        pack_codes(wt.w, wt.N, K, n0, !wt.z, t.panel.data());
+        pack_groups<COLS>(wt.N, G, n0, t.sp.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
+        pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
+          return wt.z ? wt.s[n * G + g] * wt.z[n * G + g] : wt.s[n * G + g];
+        });
+      },
+      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
+        const PackedWeight& wt = weights[j];
+        tile<decltype(r)::value, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, t.panel.data(),
+                                         t.sp.data(), t.sz.data(), wt.y + m * wt.N + n0, wt.N, cols);
+      });
   return true;
 }
 #endif
@@ -281,39 +271,37 @@ at::Tensor w4a8_gemm_panels_avx2(const at::Tensor& x_q, const at::Tensor& x_zp, 
   const float* s = sc.data_ptr<float>();
   const int32_t* z = zc.defined() ? zc.data_ptr<int32_t>() : nullptr;
   float* py = y.data_ptr<float>();
-  const int64_t panels = (N + COLS - 1) / COLS;
-  const PanelWork work(panels, M, ROWS, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> panel(K * COLS);
-    std::vector<float> sp(G * COLS);
-    std::vector<int32_t> zp(G * COLS), usum(G * COLS);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / work.parts, part = i % work.parts;
-      const int64_t n0 = p * COLS;
-      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
-      pack_codes(w, N, K, n0, z == nullptr, panel.data());
-      pack_groups(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
-      pack_groups(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
-      const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-      for (int64_t g = 0; g < G; ++g)  // sum of the codes u per column and group: 4 bytes a dword
-        for (int v = 0; v < 2; ++v) {
-          __m256i t = _mm256_setzero_si256();
-          for (int64_t q = g * group / 4; q < (g + 1) * group / 4; ++q) {
-            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel.data() + (q * COLS + 8 * v) * 4));
-            t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(u, ones8), ones16));
+  struct Scratch {
+    std::vector<uint8_t> panel;
+    std::vector<float> sp;           // per group and column: s
+    std::vector<int32_t> zp, usum;   // z (8 for signed codes), and the sum of the codes u
+  };
+  each_panel<COLS, ROWS>(
+      {N}, M,
+      [&] {
+        return Scratch{std::vector<uint8_t>(K * COLS), std::vector<float>(G * COLS), std::vector<int32_t>(G * COLS),
+                       std::vector<int32_t>(G * COLS)};
+      },
+      [&](size_t, int64_t n0, Scratch& t) {
+        pack_codes(w, N, K, n0, z == nullptr, t.panel.data());
+        pack_groups<COLS>(N, G, n0, t.sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
+        pack_groups<COLS>(N, G, n0, t.zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
+        const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+        for (int64_t g = 0; g < G; ++g)  // sum of the codes u per column and group: 4 bytes a dword
+          for (int v = 0; v < 2; ++v) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int64_t q = g * group / 4; q < (g + 1) * group / 4; ++q) {
+              const __m256i u =
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.panel.data() + (q * COLS + 8 * v) * 4));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, ones8), ones16));
+            }
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.usum.data() + g * COLS + 8 * v), sum);
           }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(usum.data() + g * COLS + 8 * v), t);
-        }
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      int64_t m = part * work.rows;
-      for (; m + ROWS <= m_end; m += ROWS)
-        w4a8_tile<ROWS>(px + m * K, pxg + m * G, pxz + m, K, G, group, panel.data(), sp.data(), zp.data(),
-                        usum.data(), py + m * N + n0, N, cols);
-      for (; m < m_end; ++m)
-        w4a8_tile<1>(px + m * K, pxg + m * G, pxz + m, K, G, group, panel.data(), sp.data(), zp.data(), usum.data(),
-                     py + m * N + n0, N, cols);
-    }
-  });
+      },
+      [&](auto r, size_t, int64_t m, int64_t n0, int cols, Scratch& t) {
+        w4a8_tile<decltype(r)::value>(px + m * K, pxg + m * G, pxz + m, K, G, group, t.panel.data(), t.sp.data(),
+                                      t.zp.data(), t.usum.data(), py + m * N + n0, N, cols);
+      });
 #endif
   return y;
 }

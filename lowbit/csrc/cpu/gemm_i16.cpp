@@ -148,31 +148,6 @@ void block_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, i
   }
 }
 
-// For every panel of every weight (numbered in one range) and part of the rows
-// (PanelWork), pack(weight, n0, panel) then tile(weight, m, rows, n0, cols, panel) for rows
-// in tiles of ROWS and a tail of single rows.
-template <typename Pack, typename Tile>
-void each_panel(const std::vector<int64_t>& Ns, int64_t M, int64_t panel_size, Pack pack, Tile tile) {
-  std::vector<int64_t> first{0};
-  for (int64_t N : Ns) first.push_back(first.back() + (N + COLS - 1) / COLS);
-  const int64_t panels = first.back();
-  const PanelWork work(panels, M, ROWS, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int16_t> panel(panel_size);
-    size_t j = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / work.parts, part = i % work.parts;
-      while (p >= first[j + 1]) ++j;
-      const int64_t n0 = (p - first[j]) * COLS;
-      const int cols = static_cast<int>(std::min<int64_t>(COLS, Ns[j] - n0));
-      pack(j, n0, panel.data());
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      int64_t m = part * work.rows;
-      for (; m + ROWS <= m_end; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, panel.data());
-      for (; m < m_end; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, panel.data());
-    }
-  });
-}
 #endif
 
 }  // namespace
@@ -195,10 +170,11 @@ at::Tensor int8_mm_panels(const at::Tensor& a, const at::Tensor& b) {
   const int16_t* pa = a16.data_ptr<int16_t>();
   const uint8_t* pb = reinterpret_cast<const uint8_t*>(bc.data_ptr<int8_t>());
   int32_t* pc = c.data_ptr<int32_t>();
-  each_panel(
-      {N}, M, Kp * COLS, [&](size_t, int64_t n0, int16_t* panel) { pack_panel<true>(pb, N, K, Kp, n0, panel); },
-      [&](auto r, size_t, int64_t m, int64_t n0, int cols, const int16_t* panel) {
-        int_tile<decltype(r)::value>(pa + m * Kp, Kp, panel, pc + m * N + n0, N, cols);
+  each_panel<COLS, ROWS>(
+      {N}, M, [&] { return std::vector<int16_t>(Kp * COLS); },
+      [&](size_t, int64_t n0, std::vector<int16_t>& panel) { pack_panel<true>(pb, N, K, Kp, n0, panel.data()); },
+      [&](auto r, size_t, int64_t m, int64_t n0, int cols, const std::vector<int16_t>& panel) {
+        int_tile<decltype(r)::value>(pa + m * Kp, Kp, panel.data(), pc + m * N + n0, N, cols);
       });
 #endif
   return c;
@@ -230,32 +206,29 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
   const bool has_zp = weights[0].z != nullptr;  // unsigned codes
   std::vector<int64_t> Ns;
   for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
-  // the scales of each weight transposed per panel: sp[p][g][column], sz likewise (s * z)
-  std::vector<std::vector<float>> sp(weights.size()), sz(weights.size());
-  for (size_t j = 0; j < weights.size(); ++j) {
-    const PackedWeight& wt = weights[j];
-    const int64_t panels = (wt.N + COLS - 1) / COLS;
-    sp[j].resize(panels * G * COLS);
-    if (has_zp) sz[j].resize(panels * G * COLS);
-    for (int64_t n = 0; n < panels * COLS; ++n)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t src = std::min(n, wt.N - 1) * G + g, dst = ((n / COLS) * G + g) * COLS + n % COLS;
-        sp[j][dst] = wt.s[src];
-        if (has_zp) sz[j][dst] = wt.s[src] * wt.z[src];
-      }
-  }
-  each_panel(
-      Ns, M, K * COLS,
-      [&](size_t j, int64_t n0, int16_t* panel) {
-        if (has_zp) pack_panel<false>(weights[j].w, weights[j].N, K, K, n0, panel);
-        else pack_panel<true>(weights[j].w, weights[j].N, K, K, n0, panel);
+  struct Scratch {
+    std::vector<int16_t> panel;
+    std::vector<float> sp, sz;  // per group and column: s, and s * z (codes with zero points)
+  };
+  each_panel<COLS, ROWS>(
+      Ns, M,
+      [&] {
+        return Scratch{std::vector<int16_t>(K * COLS), std::vector<float>(G * COLS), std::vector<float>(G * COLS)};
       },
-      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, const int16_t* panel) {
+      [&](size_t j, int64_t n0, Scratch& t) {
         const PackedWeight& wt = weights[j];
-        const int64_t off = n0 / COLS * G * COLS;
-        block_tile<decltype(r)::value>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group,
-                                       panel, sp[j].data() + off, has_zp ? sz[j].data() + off : nullptr,
-                                       wt.y + m * wt.N + n0, wt.N, cols);
+        if (has_zp) pack_panel<false>(wt.w, wt.N, K, K, n0, t.panel.data());
+        else pack_panel<true>(wt.w, wt.N, K, K, n0, t.panel.data());
+        pack_groups<COLS>(wt.N, G, n0, t.sp.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
+        if (has_zp)
+          pack_groups<COLS>(wt.N, G, n0, t.sz.data(),
+                            [&](int64_t n, int64_t g) { return wt.s[n * G + g] * wt.z[n * G + g]; });
+      },
+      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
+        const PackedWeight& wt = weights[j];
+        block_tile<decltype(r)::value>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, t.panel.data(),
+                                       t.sp.data(), has_zp ? t.sz.data() : nullptr, wt.y + m * wt.N + n0, wt.N,
+                                       cols);
       });
 #endif
   return {ys, finite};

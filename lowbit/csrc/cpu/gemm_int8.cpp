@@ -353,13 +353,11 @@ constexpr auto TILES_U4 = tile_u4_table(std::make_integer_sequence<int, MR>{});
 // the contract of matmul.cpp's w4a8_gemm (x_scale and bias applied by the caller).
 at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
-  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
-  TORCH_CHECK(group % 32 == 0 && K % group == 0, "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
-#ifndef LOWBIT_HAVE_INT8_GEMM
-  return w4a8_gemm_panels_avx2(x_q, x_zp, codes, w_scale, w_zp, group);  // gemm_a8.cpp: vpmaddubsw, no VNNI
-#endif
-  at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
+  TORCH_CHECK(group % 32 == 0 && x_q.size(1) % group == 0,
+              "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
 #ifdef LOWBIT_HAVE_INT8_GEMM
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
+  at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
   const int64_t Npad = (N + NP - 1) / NP * NP;
   // activations in panel order: each 8 values as (0, 2, 4, 6, 1, 3, 5, 7)
@@ -403,8 +401,10 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
       }
     }
   });
-#endif
   return y;
+#else
+  return w4a8_gemm_panels_avx2(x_q, x_zp, codes, w_scale, w_zp, group);  // gemm_a8.cpp: vpmaddubsw, no VNNI
+#endif
 }
 
 // ---- W8A8 for a few rows without VNNI: int8 x int8 with vpmaddwd ------------------------

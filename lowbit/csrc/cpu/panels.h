@@ -1,11 +1,14 @@
-// What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp) share: the panel layout and its
-// register tile, how their work is split between threads, and the 16 x 16 transpose that
-// lays 16 rows of a weight out as the 16 lanes of a vector.
+// What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp, gemm_a8.cpp, gemm_i16.cpp) share:
+// how their work is split between threads (PanelWork, each_panel), per-group values laid
+// out per panel (pack_groups), and for the AVX-512 ones the panel layout, its register tile
+// and the 16 x 16 transpose that lays 16 rows of a weight out as the 16 lanes of a vector.
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 // A panel holds NP = 64 output columns (weight rows) as dwords, panel[k-step][column]; a
@@ -38,6 +41,43 @@ struct PanelWork {
   }
   int64_t items(int64_t panels) const { return panels * parts; }
 };
+
+// The loop of a panel GEMM over several weights (q/k/v or gate/up share one parallel
+// region): for every panel of COLS weight rows of every weight (numbered in one range,
+// weight j has Ns[j] rows) and every part of the activation rows (PanelWork),
+// pack(j, n0, scratch), then tile(rows, j, m, n0, cols, scratch) for the part's rows in
+// tiles of ROWS rows (rows: std::integral_constant<int, ROWS>) and a tail of single rows;
+// cols = the panel's columns that exist.  scratch = make(), one per thread.
+template <int COLS, int ROWS, typename Make, typename Pack, typename Tile>
+void each_panel(const std::vector<int64_t>& Ns, int64_t M, Make make, Pack pack, Tile tile) {
+  std::vector<int64_t> first{0};
+  for (int64_t N : Ns) first.push_back(first.back() + (N + COLS - 1) / COLS);
+  const int64_t panels = first.back();
+  const PanelWork work(panels, M, ROWS, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
+    auto scratch = make();
+    size_t j = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / work.parts, part = i % work.parts;
+      while (p >= first[j + 1]) ++j;
+      const int64_t n0 = (p - first[j]) * COLS;
+      const int cols = static_cast<int>(std::min<int64_t>(COLS, Ns[j] - n0));
+      pack(j, n0, scratch);
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      int64_t m = part * work.rows;
+      for (; m + ROWS <= m_end; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, scratch);
+      for (; m < m_end; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, scratch);
+    }
+  });
+}
+
+// out[g][c] = value(n0 + c, g) for the COLS columns of the panel at weight row n0 and the
+// G groups (rows past N repeat row N - 1: they are computed, never stored).
+template <int COLS, typename T, typename F>
+void pack_groups(int64_t N, int64_t G, int64_t n0, T* out, F value) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < COLS; ++c) out[g * COLS + c] = value(std::min<int64_t>(n0 + c, N - 1), g);
+}
 
 #if defined(__AVX512F__)
 // The tile's inner loop: acc[r][v] = sum over q < steps of dot(acc, the dword x[r * ldx + q]

@@ -249,7 +249,7 @@ def a8_rows_max_m(bits: int) -> int:
     return A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M.get(bits, 0)
 
 
-def _a8_gemm(bits: int) -> bool:
+def _a8_gemm() -> bool:
     # gemm_a8.cpp / gemm_i16.cpp are AVX2 code, measured against float32 tiles of 8 lanes;
     # against AVX-512's 16 they are not measured, so AVX-512 machines keep their tiles.
     return not _has_avx512()
@@ -263,7 +263,7 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if m <= rows:
         return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "
                                  "block (vpmaddubsw / vpmaddwd)")
-    if _a8_gemm(bits):
+    if _a8_gemm():
         how = "u8 panels, vpmaddubsw" if bits == 4 else "int16 panels, vpmaddwd"
         return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into {how} "
                                "register tiles")
