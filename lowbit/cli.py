@@ -610,9 +610,12 @@ def _gguf_own_weights(model: str | None, dtype, backend):
 def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, corpus: str | None = None,
              ctx: int = 512, windows: int | None = 16, protocol: str = "lowbit", speed: bool = True,
              greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None,
-             calib: str | None = None, calib_samples: int = 128, calib_len: int = 512) -> list[dict]:
+             calib: str | None = None, calib_samples: int = 128, calib_len: int = 512,
+             act_compute: str | None = None) -> list[dict]:
     """Evaluate a checkpoint (against its float source) or a float model, plus the
-    ``compare`` recipes applied to the float model, in one table.
+    ``compare`` recipes applied to the float model, in one table; with ``act_compute``
+    (``"int8"``) each weight-only quantized model also as ``lowbit.Runner(model,
+    act_compute=...)`` runs it, in a row of its own.
 
     Example::
 
@@ -633,8 +636,10 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     """
     import lowbit
     from lowbit.evaluation import evaluate, format_table, load_corpus
-    from lowbit.runtime import check_positions
+    from lowbit.runtime import ACT_COMPUTE, check_positions
 
+    if act_compute is not None and act_compute not in ACT_COMPUTE:
+        raise ValueError(f"--act-compute must be one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
     for text in (corpus, calib):
         if text is not None:
             load_corpus(text)  # a missing or unreadable file: say so before loading the model
@@ -657,7 +662,7 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
         models[r] = lowbit.quantize_model(ref, r, backend=backend, inplace=False, calibration=ids,
                                           progress=not as_json)
     rows = evaluate(models, tok, reference=ref, corpus=corpus, ctx=ctx, max_windows=windows, protocol=protocol,
-                    speed=speed, greedy_tokens=greedy_tokens, progress=not as_json)
+                    speed=speed, greedy_tokens=greedy_tokens, act_compute=act_compute, progress=not as_json)
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
@@ -1175,7 +1180,8 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
 --compare applies more recipes to the float model and adds them to the same table.""", """
   lowbit eval smollm2-w4a16
   lowbit eval --compare w4a16-g32 w4a16-g32:gptq w4a16-g32:awq --calib-samples 32 --no-speed
-  lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama""")
+  lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama
+  lowbit eval --compare w4a16-g128-head8 --act-compute int8""")
     _model_options(p, "float32", "float dtype of the models")
     p.add_argument("--compare", nargs="*", default=[], metavar="RECIPE",
                    help="presets or recipe files to apply to the float model (default: none)")
@@ -1190,6 +1196,10 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
     p.add_argument("--greedy-tokens", type=int_at_least(1), default=48,
                    help="greedy tokens to generate and compare with the float model's (default: %(default)s)")
     p.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing (default: timed)")
+    p.add_argument("--act-compute", choices=["int8"],
+                   help="int8: also evaluate each weight-only quantized model with its activations rounded to "
+                        "int8 in blocks of 32 (lowbit generate --act-compute int8), in a row 'NAME act int8' "
+                        "(default: none)")
     _calib_options(p)
 
     p = _command(sub, "generate", "generate text (greedy by default) with the fast runtime", """
@@ -1383,7 +1393,8 @@ def main(argv: list[str] | None = None) -> int:
                 eval_cmd(args.model, args.compare, as_json=args.json, corpus=args.corpus, ctx=args.ctx,
                          windows=args.windows, protocol=args.protocol, speed=not args.no_speed,
                          greedy_tokens=args.greedy_tokens, dtype=args.dtype, backend=args.backend,
-                         calib=args.calib, calib_samples=args.calib_samples, calib_len=args.calib_len)
+                         calib=args.calib, calib_samples=args.calib_samples, calib_len=args.calib_len,
+                         act_compute=args.act_compute)
             elif args.command == "generate":
                 generate_cmd(args.model or None, _prompts(args.prompt, args.prompts), max_new_tokens=args.max_new_tokens, sample=args.sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

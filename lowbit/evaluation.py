@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 
 from .nn import QuantLinear, SplitQuantLinear
 from .sparse import SparseQuantLinear
-from .runtime import Runner, check_positions
+from .runtime import ACT_COMPUTE, Runner, check_positions
 
 PROTOCOLS = ("lowbit", "llama")
 # The corpus's tokens are split once: evaluation windows come from the first half,
@@ -192,6 +193,12 @@ def _body_linears(model: nn.Module):
             yield name, m
 
 
+def _has_weight_only(model: nn.Module) -> bool:
+    """Whether the model has a quantized linear without an activation scheme (one that
+    ``act_compute`` changes)."""
+    return any(isinstance(m, QuantLinear) and m.act_scheme is None for m in model.modules())
+
+
 def _linear_params(model: nn.Module) -> int:
     return sum(m.in_features * m.out_features for _, m in _body_linears(model))
 
@@ -204,10 +211,12 @@ def _prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
     return torch.tensor(tokenizer(prompt).input_ids)
 
 
-def measure_speed(model: nn.Module, prompt: torch.Tensor, decode_tokens: int, repeats: int = 1) -> dict[str, float]:
+def measure_speed(model: nn.Module, prompt: torch.Tensor, decode_tokens: int, repeats: int = 1,
+                  act_compute: str | None = None) -> dict[str, float]:
     """Prefill tokens/s (one forward over ``prompt``) and decode tokens/s (greedy, one
-    token per step with the KV cache), best of ``repeats`` after a warm-up."""
-    r = Runner(model)
+    token per step with the KV cache), best of ``repeats`` after a warm-up, with
+    ``Runner(model, act_compute=act_compute)``."""
+    r = Runner(model, act_compute=act_compute)
     r.generate(prompt[:8], 2)  # warm-up: first-call allocations, kernel dispatch caches
     best_p = best_d = 0.0
     for _ in range(repeats):
@@ -221,7 +230,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
              corpus: str | os.PathLike | None = None, ctx: int = 512, max_windows: int | None = 16,
              protocol: str = "lowbit", greedy_tokens: int = 48, prompt: str = GREEDY_PROMPT,
              speed: bool = True, prefill_tokens: int = 512, decode_tokens: int = 64,
-             progress: bool = False) -> list[dict]:
+             act_compute: str | None = None, progress: bool = False) -> list[dict]:
     r"""Evaluate one or several models (``{"name": model}``) on the same token windows.
 
     Per model: ``perplexity``; against ``reference`` (the float model, also reported as
@@ -231,7 +240,10 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
     ``greedy_tokens`` greedy tokens from ``prompt`` equal the reference's before the
     first difference); ``weight_bytes``, ``bits_per_linear_weight``; with ``speed``,
     ``prefill_tokens_per_s`` (``prefill_tokens`` corpus tokens in one forward) and
-    ``decode_tokens_per_s`` (``decode_tokens`` greedy steps).
+    ``decode_tokens_per_s`` (``decode_tokens`` greedy steps).  With ``act_compute``
+    (``"int8"``), every model with weight-only quantized linears is evaluated a second
+    time as ``Runner(model, act_compute=...)`` runs it, in a row ``"<name> act int8"``
+    right after its own: the accuracy of that compute mode next to the weight-only one.
 
     Example::
 
@@ -249,7 +261,23 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
     """
     if isinstance(models, nn.Module):
         models = {getattr(getattr(models, "lowbit_recipe", None), "name", "model"): models}
+    if act_compute is not None and act_compute not in ACT_COMPUTE:
+        raise ValueError(f"act_compute must be None or one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
     named = ({"float": reference} if reference is not None else {}) | dict(models)
+    acts = {n: None for n in named}  # row name -> the Runner's act_compute
+    if act_compute is not None:
+        rows_in_order = {}
+        for n, m in named.items():
+            rows_in_order[n] = m
+            if n in models and _has_weight_only(m):
+                try:
+                    Runner(m, act_compute=act_compute)
+                except ValueError as e:  # weights it cannot take (GGUF Q4_1's q * s + m): no row, said
+                    warnings.warn(f"no '{n} act {act_compute}' row: {e}", stacklevel=3)
+                    continue
+                rows_in_order[f"{n} act {act_compute}"] = m
+                acts[f"{n} act {act_compute}"] = act_compute
+        named = rows_in_order
     _check_count("ctx", ctx, 2)
     prompt_ids = _prompt_ids(tokenizer, prompt)
     for name, m in named.items():  # before any work: every window, generation and timing fits
@@ -260,7 +288,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
             check_positions(m, prefill_tokens, decode_tokens, what=f"the speed prompt for model {name!r}")
     text, corpus_name = load_corpus(corpus)
     wins, first = windows(tokenizer, text, ctx, max_windows, protocol)
-    runners = {n: Runner(m) for n, m in named.items()}
+    runners = {n: Runner(m, act_compute=acts[n]) for n, m in named.items()}
     acc = {n: dict(nll=0.0, kl=0.0, top1=0, max_err=0.0, abs_err=0.0, count=0) for n in named}
     it = wins
     if progress:
@@ -294,6 +322,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
         row = {
             "model": name,
             "recipe": getattr(getattr(model, "lowbit_recipe", None), "name", None),
+            "act_compute": acts[name],
             "perplexity": math.exp(a["nll"] / a["count"]),
             "scored_tokens": a["count"],
             **sizes,
@@ -311,7 +340,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
                        mean_abs_logit_error=0.0 if is_ref else a["abs_err"] / a["count"],
                        greedy_match=same, greedy_tokens=len(ref_tokens))
         if speed:
-            row.update(measure_speed(model, speed_prompt, decode_tokens))
+            row.update(measure_speed(model, speed_prompt, decode_tokens, act_compute=acts[name]))
         rows.append(row)
     return rows
 

@@ -257,6 +257,26 @@ def test_evaluate_reports_what_quantization_costs(smol):
     assert table.splitlines()[0].split()[:3] == ["model", "bits/w", "weights"] and "w4a16-g64" in table
 
 
+def test_evaluate_adds_an_int8_activation_row_after_each_weight_only_model(smol):
+    from lowbit.evaluation import evaluate
+
+    model, tok = smol
+    models = {r: lowbit.quantize_model(model, r, inplace=False) for r in ["q4_1", "w4a16-g64", "w8a8"]}
+    with pytest.warns(UserWarning, match="no 'q4_1 act int8' row: .*min"):  # q * s + m weights cannot
+        rows = evaluate(models, tok, reference=model, ctx=64, max_windows=1, greedy_tokens=4, speed=False,
+                        act_compute="int8")
+    by = {r["model"]: r for r in rows}
+    assert list(by) == ["float", "q4_1", "w4a16-g64", "w4a16-g64 act int8", "w8a8"]  # w8a8: int8 already
+    assert by["w4a16-g64 act int8"]["act_compute"] == "int8" and by["w4a16-g64"]["act_compute"] is None
+    # another arithmetic, close to the weight-only one: the activations' rounding is small next
+    # to the weights' (int4 g64, the bundled model's weights rounded a second time)
+    act, wo = by["w4a16-g64 act int8"], by["w4a16-g64"]
+    assert act["perplexity"] != wo["perplexity"]
+    assert 0 < act["kl_divergence"] < 1.5 * wo["kl_divergence"]
+    with pytest.raises(ValueError, match="act_compute must be None or one of"):
+        evaluate(model, tok, act_compute="int4")
+
+
 def test_llama_protocol_scores_the_second_half(smol):
     from lowbit.evaluation import evaluate
 
@@ -299,7 +319,7 @@ def _decode_step_covers(model, dtype) -> bool:
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
 @pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16", "w8a8", "w4a8-g128", "w8a8-asym", "q4_0-a8",
-                                    "q8_0-a8"])
+                                    "q8_0-a8", "w4a8-g128-head8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16, prompt_ids, recipe, dtype,
                                                                  monkeypatch):

@@ -33,6 +33,11 @@ def test_overrides_apply_in_order_and_can_keep_a_module_float():
 def test_lm_head_is_quantized_only_when_asked():
     assert Recipe(weight="int8-sym", lm_head="int8-sym").scheme_for("lm_head") == ("int8-sym", None)
     assert RECIPE_PRESETS["w4a16-g128-head8"].scheme_for("lm_head") == ("int8-sym", None)
+    for name in ("w8a8-head8", "w4a8-g128-head8"):  # W8A8 for lm_head, the layers as without -head8
+        assert RECIPE_PRESETS[name].scheme_for("lm_head") == ("int8-sym", "int8-sym-token")
+        body = RECIPE_PRESETS[name.replace("-head8", "")]
+        assert RECIPE_PRESETS[name].scheme_for("model.layers.3.mlp.up_proj") == body.scheme_for(
+            "model.layers.3.mlp.up_proj")
 
 
 def test_recipe_files_json_and_yaml(tmp_path):
