@@ -399,6 +399,29 @@ def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp,
     _assert_ties_only(args, ref, lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend="cpu"))
 
 
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("x_zp", [[-128, 127, 0, -1], [-256, 256, 255, -255], [257, -300, 0, 5], [1500, -1500, 1, 2]])
+def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(group, x_zp):
+    # Unit scales make every output the exact integer sum_k (x - xz)(u - z): the AVX2 rows
+    # kernel holds (x - xz).u in int16 lanes for |xz| <= 256 (|.| <= 23040) and in int32
+    # beyond; AVX-512 VNNI in int32.  Extreme codes (x = -128 / 127, u = 0 / 15) and every
+    # row count of the decode kernels (1 to 4, then a tile and a row).
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    g = torch.Generator().manual_seed(group + x_zp[0])
+    k, n = 576, 24
+    x_q = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    w_q = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15).to(torch.uint8)
+    w_zp = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+    zp = torch.tensor(x_zp + [x_zp[0]], dtype=torch.int32)
+    exact = ((x_q.long() - zp.long()[:, None]) @ (w_q.long() - w_zp.long().repeat_interleave(group, 1)).T)
+    w_packed = reference.pack(w_q, 4, "u32")
+    ones = torch.ones(n, k // group)
+    for m in (1, 2, 3, 4, 5):
+        y = get_backend("cpu").linear_qta8a_qga4w(x_q[:m], torch.ones(m), zp[:m], w_packed, ones, w_zp, group, None)
+        assert torch.equal(y.double(), exact[:m].double()), m  # every sum below 2^24: exact in float32
+
+
 def test_w4a8_qta8o_is_the_written_reference():
     args = _qta8o_case(5, 16, 128, 32, "random", "random", seed=1)
     x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args

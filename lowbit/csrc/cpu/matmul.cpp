@@ -245,9 +245,15 @@ template <> struct Vec<16> {
   // acc + u1.x1 + u2.x2, four u8 x s8 products per int32 lane
   static I dot2(I acc, I u1, I x1, I u2, I x2) { return _mm_dpbusd_epi32(_mm_dpbusd_epi32(acc, u1, x1), u2, x2); }
 #else
-  static I dot2(I acc, I u1, I x1, I u2, I x2) {
-    const I pairs = _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2));
-    return _mm_add_epi32(acc, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
+  // int16 lanes u1.x1 + u2.x2 (pairs of u8 x s8 products), and the int16 arithmetic after it
+  static I pairs(I u1, I x1, I u2, I x2) { return _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2)); }
+  static I words(int16_t v) { return _mm_set1_epi16(v); }
+  static I sub_mul16(I a, I b, I c) { return _mm_sub_epi16(a, _mm_mullo_epi16(b, c)); }  // a - b c
+  static I add_widened(I acc, I t) { return _mm_add_epi32(acc, _mm_madd_epi16(t, _mm_set1_epi16(1))); }
+  static I dwords(int32_t v) { return _mm_set1_epi32(v); }
+  static I add_widened_sub_mul(I acc, I a, I b, I c) {  // acc + widen(a) - widen(b) c, in int32
+    const I one = _mm_set1_epi16(1);
+    return _mm_add_epi32(acc, _mm_sub_epi32(_mm_madd_epi16(a, one), _mm_mullo_epi32(_mm_madd_epi16(b, one), c)));
   }
 #endif
   static F fzero() { return _mm_setzero_ps(); }
@@ -271,9 +277,17 @@ template <> struct Vec<32> {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u1, x1), u2, x2);
   }
 #else
-  static I dot2(I acc, I u1, I x1, I u2, I x2) {
-    const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  static I pairs(I u1, I x1, I u2, I x2) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
+  }
+  static I words(int16_t v) { return _mm256_set1_epi16(v); }
+  static I sub_mul16(I a, I b, I c) { return _mm256_sub_epi16(a, _mm256_mullo_epi16(b, c)); }
+  static I add_widened(I acc, I t) { return _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(1))); }
+  static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
+  static I add_widened_sub_mul(I acc, I a, I b, I c) {
+    const I one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(acc, _mm256_sub_epi32(_mm256_madd_epi16(a, one),
+                                                  _mm256_mullo_epi32(_mm256_madd_epi16(b, one), c)));
   }
 #endif
   static F fzero() { return _mm256_setzero_ps(); }
@@ -300,6 +314,7 @@ template <> struct Vec<64> {
 };
 #endif
 
+#ifdef LOWBIT_W4A8_VNNI
 // R activation rows x one weight row.  The products x.u accumulate in int32 lanes inside
 // a group (exact: a lane holds at most group/16 * 4 products of |x| <= 128, u <= 15),
 // are converted to float once per group and scaled by s[g]; the zero-point terms are
@@ -336,6 +351,54 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
 }
+#else
+// R activation rows x one weight row without VNNI.  Per step of 2 * BYTES values, in int16
+// lanes: u.x (the low and the high nibbles' pairs, at most 2 * 2 * 15 * 128 = 7680) minus
+// xz times the same pairs' sum of u (at most 4 * 15 * 256 = 15360 for |xz| <= 256), which
+// is (x - xz).u exactly (|.| <= 23040 < 2^15); then vpmaddwd into int32 lanes.  The lanes are scaled by
+// s[g] at the end of each group and summed once per row at the end (no horizontal sum per
+// group); the rest of the group's integer, -z sum (x - xz) = -z xg[g], is one exact
+// product per row and group.  The same integers per group as the VNNI kernel.  A zero point
+// beyond +-256 (not one of int8 codes, but the op takes any) would leave int16: WIDE rows
+// subtract xz u in int32 lanes instead (vpmulld, slower).
+template <int R, int BYTES, bool WIDE>
+void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
+               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
+               float* y, int64_t ldy) {
+  using V = Vec<BYTES>;
+  typename V::F total[R];
+  typename V::I xz[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = V::fzero();
+    xz[r] = WIDE ? V::dwords(xzp[r]) : V::words(static_cast<int16_t>(xzp[r]));
+    corr[r] = 0.f;
+  }
+  const auto mask = V::bytes(0x0F), flip = V::bytes(is_signed ? 0x08 : 0x00), ones = V::bytes(1);
+  const int64_t blocks = group / (2 * BYTES);
+  for (int64_t g = 0; g < G; ++g) {
+    typename V::I acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t off = (g * group + b * 2 * BYTES) / 2;
+      const auto bytes = V::load(w + off);
+      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);
+      const auto usum = V::pairs(lo, ones, hi, ones);  // shared by the R rows
+      for (int r = 0; r < R; ++r) {
+        const auto ux = V::pairs(lo, V::load(xe + r * (K / 2) + off), hi, V::load(xo + r * (K / 2) + off));
+        acc[r] = WIDE ? V::add_widened_sub_mul(acc[r], ux, usum, xz[r])
+                      : V::add_widened(acc[r], V::sub_mul16(ux, usum, xz[r]));
+      }
+    }
+    const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
+    for (int r = 0; r < R; ++r) {
+      total[r] = V::fma(acc[r], s[g], total[r]);
+      corr[r] += s[g] * static_cast<float>(zg * xg[r * G + g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) - corr[r];
+}
+#endif
 #endif
 
 #ifdef LOWBIT_GEMV_F32
@@ -470,16 +533,31 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 #ifdef LOWBIT_W4A8
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
   deinterleave<int8_t>(x_q.data_ptr<int8_t>(), xe.data_ptr<int8_t>(), xo.data_ptr<int8_t>(), M, K);
-  at::Tensor xsum = x_q.view({M, G, group}).sum(-1, false, at::kInt).contiguous();
+  // per row and group: sum x (VNNI), or sum x - |g| xz (AVX2: sum (x - xz)); plain loops,
+  // not ATen ops, at decode sizes
+  std::vector<int32_t> xsum(M * G);
+  const int8_t* pq = x_q.data_ptr<int8_t>();
+  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M * G; ++i) {
+    int32_t t = 0;
+    for (int64_t k = 0; k < group; ++k) t += pq[i * group + k];
+#ifdef LOWBIT_W4A8_VNNI
+    xsum[i] = t;
+#else
+    xsum[i] = t - static_cast<int32_t>(group) * pz[i / G];
+#endif
+  }
   const bool is_signed = !w_zp.has_value();
   const int32_t* z = is_signed ? nullptr : w_zp->data_ptr<int32_t>();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const int8_t* pe = xe.data_ptr<int8_t>();
   const int8_t* po = xo.data_ptr<int8_t>();
-  const int32_t* ps = xsum.data_ptr<int32_t>();
-  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  const int32_t* ps = xsum.data();
   const float* s = w_scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
+  // AVX2: (x - xz).u in int16 lanes while |xz| <= 256 (|.| <= 7680 + 60 * 256 < 2^15)
+  const bool wide = std::any_of(pz, pz + M, [](int32_t v) { return v < -256 || v > 256; });
+  (void)wide;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
@@ -490,10 +568,17 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
     };
 #ifdef LOWBIT_W4A8_VNNI
     if (width == 64) call(w4a8_rows<R, 64>);
-    else
-#endif
-    if (width == 32) call(w4a8_rows<R, 32>);
+    else if (width == 32) call(w4a8_rows<R, 32>);
     else call(w4a8_rows<R, 16>);
+#else
+    if (wide) {
+      if (width == 32) call(w4a8_rows<R, 32, true>);
+      else call(w4a8_rows<R, 16, true>);
+    } else {
+      if (width == 32) call(w4a8_rows<R, 32, false>);
+      else call(w4a8_rows<R, 16, false>);
+    }
+#endif
   };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
