@@ -8,7 +8,8 @@ llama-bench on the same model.
 
 Rows run in alternation (round 1: every row, round 2: every row, ...) and each row
 reports its best round: this machine drifts by ~20% over minutes, and alternation
-spreads the drift over all rows instead of favouring whichever ran first.
+spreads the drift over all rows instead of favouring whichever ran first.  llama-bench
+runs in every round too, before lowbit's rows, and reports its best repetition.
 
 Quantized recipes are made from the model loaded in bfloat16 where the CPU has bf16 dot
 products (AVX512-BF16 or AMX), as llama.cpp's quantized matmuls do not keep float32
@@ -34,6 +35,7 @@ to vLLM's row of the same class (float, W8A8, W4A16).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -100,8 +102,6 @@ def vllm_rows(python: str, folder: str, model, tok, batches: list[int], tokens: 
     """{class: {batch: tok/s}} from benchmarks/vllm_serve.py run by the vLLM venv's
     python on the float model and its w8a8 / w4a16-g64 compressed-tensors exports
     (written into ``folder`` once), or an error string per class."""
-    import json
-
     os.makedirs(folder, exist_ok=True)
     dirs = {name: os.path.join(folder, name) for name in ("float", "w8a8", "w4a16-g64")}
     if not os.path.isdir(dirs["float"]):
@@ -130,7 +130,10 @@ def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[s
     """tokens/s (prefill, decode) per llama.cpp type from llama-bench, for the GGUF files
     named SmolLM2-135M-Instruct.<TYPE>.gguf in gguf_dir (plus the bundled Q4_1): prefill of
     ``prefill`` tokens from an empty context, and decode of ``decode`` tokens after
-    ``prefill`` tokens of context (``-d``), as lowbit's rows decode after their prompt."""
+    ``prefill`` tokens of context (``-d``), as lowbit's rows decode after their prompt.
+    The best of llama-bench's 2 repetitions (lowbit's rows report their best round too);
+    main() calls it once per round, between lowbit's rows, so that both sides see the same
+    drift of the machine."""
     files = {m.group(1): os.path.join(gguf_dir, f) for f in sorted(os.listdir(gguf_dir))
              if (m := re.match(r"SmolLM2-135M-Instruct\.(\w+)\.gguf$", f))}
     files.setdefault("Q4_1", str(lowbit.models.bundled_model_path()))
@@ -139,14 +142,12 @@ def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[s
         tps = {}
         for what, extra in (("prefill", ["-p", str(prefill), "-n", "0"]),
                             ("decode", ["-p", "0", "-n", str(decode), "-d", str(prefill)])):
-            res = subprocess.run([binary, "-m", path, *extra, "-t", str(torch.get_num_threads()), "-o", "csv"],
-                                 capture_output=True, text=True)
+            res = subprocess.run([binary, "-m", path, *extra, "-t", str(torch.get_num_threads()), "-r", "2",
+                                  "-o", "json"], capture_output=True, text=True)
             if res.returncode:
                 print(f"llama-bench failed on {path}: {res.stderr.strip()[-300:]}")
                 continue
-            rows = [line.split(",") for line in res.stdout.strip().splitlines()]
-            head = [h.strip('"') for h in rows[0]]
-            tps[what] = float(dict(zip(head, (c.strip('"') for c in rows[-1])))["avg_ts"])
+            tps[what] = max(json.loads(res.stdout)[-1]["samples_ts"])
         out[kind] = (tps.get("prefill", float("nan")), tps.get("decode", float("nan")))
     return out
 
@@ -192,8 +193,16 @@ def main() -> None:
         runners[name].generate(prompt[:16], 4)  # warm-up
     hf = {} if args.no_transformers else {"transformers float32": models[torch.float32][0],
                                           "transformers bfloat16": models[torch.bfloat16][0]}
+    run_llama = bool(args.llama_bench) and os.path.isdir(args.gguf_dir)
+    if args.llama_bench and not run_llama:
+        print(f"(no {args.gguf_dir}: llama-bench rows skipped)")
     best: dict[str, list[float]] = {}
+    llama: dict[str, tuple[float, float]] = {}
     for rnd in range(args.rounds):
+        if run_llama:
+            for kind, (p, d) in llama_bench(args.llama_bench, args.gguf_dir, args.prefill, args.decode).items():
+                lp, ld = llama.get(kind, (0.0, 0.0))
+                llama[kind] = (max(lp, p), max(ld, d))
         for name, r in runners.items():
             p, d = lowbit_round(r, prompt, args.decode)
             b = best.setdefault(name, [0.0, 0.0])
@@ -217,11 +226,6 @@ def main() -> None:
         vllm = vllm_rows(args.vllm_python, args.vllm_dir, models[torch.float32][0], tok, args.batch,
                          args.batch_tokens, args.quantized_dtype)
 
-    llama = {}
-    if args.llama_bench and os.path.isdir(args.gguf_dir):
-        llama = llama_bench(args.llama_bench, args.gguf_dir, args.prefill, args.decode)
-    elif args.llama_bench:
-        print(f"(no {args.gguf_dir}: llama-bench rows skipped)")
 
     floats = [best[n] for n in ("float32", "bfloat16") if n in best] or [(float("nan"), float("nan"))]
     base_p, base_d = max(f[0] for f in floats), max(f[1] for f in floats)
