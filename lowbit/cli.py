@@ -1180,8 +1180,7 @@ logit error, how many greedy tokens agree, weight memory, prefill and decode spe
 --compare applies more recipes to the float model and adds them to the same table.""", """
   lowbit eval smollm2-w4a16
   lowbit eval --compare w4a16-g32 w4a16-g32:gptq w4a16-g32:awq --calib-samples 32 --no-speed
-  lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama
-  lowbit eval --compare w4a16-g128-head8 --act-compute int8""")
+  lowbit eval smollm2-w4a16 --corpus wiki.txt --ctx 1024 --windows all --protocol llama""")
     _model_options(p, "float32", "float dtype of the models")
     p.add_argument("--compare", nargs="*", default=[], metavar="RECIPE",
                    help="presets or recipe files to apply to the float model (default: none)")
