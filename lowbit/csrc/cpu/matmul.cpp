@@ -355,12 +355,12 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 // R activation rows x one weight row without VNNI.  Per step of 2 * BYTES values, in int16
 // lanes: u.x (the low and the high nibbles' pairs, at most 2 * 2 * 15 * 128 = 7680) minus
 // xz times the same pairs' sum of u (at most 4 * 15 * 256 = 15360 for |xz| <= 256), which
-// is (x - xz).u exactly (|.| <= 23040 < 2^15); then vpmaddwd into int32 lanes.  The lanes are scaled by
-// s[g] at the end of each group and summed once per row at the end (no horizontal sum per
-// group); the rest of the group's integer, -z sum (x - xz) = -z xg[g], is one exact
-// product per row and group.  The same integers per group as the VNNI kernel.  A zero point
-// beyond +-256 (not one of int8 codes, but the op takes any) would leave int16: WIDE rows
-// subtract xz u in int32 lanes instead (vpmulld, slower).
+// is (x - xz).u exactly (|.| <= 23040 < 2^15); then vpmaddwd into int32 lanes.  The lanes
+// are scaled by s[g] at the end of each group and summed once per row at the end (no
+// horizontal sum per group); the rest of the group's integer, -z sum (x - xz) = -z xg[g],
+// is one exact product per row and group.  The same integers per group as the VNNI kernel.
+// A zero point beyond +-256 (not one of int8 codes, but the op takes any) would leave
+// int16: WIDE rows subtract xz u in int32 lanes instead (vpmulld, slower).
 template <int R, int BYTES, bool WIDE>
 void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
                int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
@@ -555,9 +555,10 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   const int32_t* ps = xsum.data();
   const float* s = w_scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  // AVX2: (x - xz).u in int16 lanes while |xz| <= 256 (|.| <= 7680 + 60 * 256 < 2^15)
+#ifndef LOWBIT_W4A8_VNNI
+  // (x - xz).u in int16 lanes while |xz| <= 256 (|.| <= 7680 + 60 * 256 < 2^15)
   const bool wide = std::any_of(pz, pz + M, [](int32_t v) { return v < -256 || v > 256; });
-  (void)wide;
+#endif
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
