@@ -607,6 +607,15 @@ def _gguf_own_weights(model: str | None, dtype, backend):
     return "gguf " + "+".join(sorted(types, key=types.get, reverse=True)), m
 
 
+def _check_act_compute(act_compute: str | None) -> None:
+    """--act-compute's value, checked before any work (argparse checks the CLI's; this, a
+    Python caller's)."""
+    from lowbit.runtime import ACT_COMPUTE
+
+    if act_compute is not None and act_compute not in ACT_COMPUTE:
+        raise ValueError(f"--act-compute must be one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
+
+
 def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, corpus: str | None = None,
              ctx: int = 512, windows: int | None = 16, protocol: str = "lowbit", speed: bool = True,
              greedy_tokens: int = 48, dtype: str = "float32", backend: str | None = None,
@@ -636,10 +645,9 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
     """
     import lowbit
     from lowbit.evaluation import evaluate, format_table, load_corpus
-    from lowbit.runtime import ACT_COMPUTE, check_positions
+    from lowbit.runtime import check_positions
 
-    if act_compute is not None and act_compute not in ACT_COMPUTE:
-        raise ValueError(f"--act-compute must be one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
+    _check_act_compute(act_compute)
     for text in (corpus, calib):
         if text is not None:
             load_corpus(text)  # a missing or unreadable file: say so before loading the model
@@ -711,10 +719,9 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
 
     import lowbit
     from lowbit.evaluation import _prompt_ids
-    from lowbit.runtime import ACT_COMPUTE, check_positions
+    from lowbit.runtime import check_positions
 
-    if act_compute is not None and act_compute not in ACT_COMPUTE:
-        raise ValueError(f"--act-compute must be one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
+    _check_act_compute(act_compute)
     r = lowbit.Recipe.get(recipe) if recipe else None
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
