@@ -6,6 +6,9 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "kernels.h"
+#include "panels.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -119,5 +122,42 @@ struct Rows {
     finite = std::all_of(ok.begin(), ok.end(), [](char f) { return f; });
   }
 };
+
+// The loop of the many-row kernels (gemm_a8.cpp, gemm_i16.cpp): x [M, K] in blocks
+// (Rows<Q>), then every weight in panels of COLS of its rows (each_panel), each thread
+// with its own panel of K x COLS codes of type P that pack_codes(weight, n0, panel) lays
+// out, and per group and column the panel's s and s * z (s again for signed codes);
+// tile(rows, xq, d, xs, panel, s, sz, y, ldy, cols) for each tile, with x's codes, block
+// scales and group sums at the tile's first row.  False (nothing written) if x held NaN or Inf.
+template <typename Q, typename P, int COLS, int ROWS, typename PackCodes, typename Tile>
+bool blocks_by_panels(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights,
+                      PackCodes pack_codes, Tile tile) {
+  const int64_t G = K / group, nb = K / BLOCK;
+  const Rows<Q> rows(x, M, K, group);
+  if (!rows.finite) return false;
+  std::vector<int64_t> Ns;
+  for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
+  struct Scratch {
+    std::vector<P> panel;
+    std::vector<float> s, sz;
+  };
+  each_panel<COLS, ROWS>(
+      Ns, M,
+      [&] { return Scratch{std::vector<P>(K * COLS), std::vector<float>(G * COLS), std::vector<float>(G * COLS)}; },
+      [&](size_t j, int64_t n0, Scratch& t) {
+        const PackedWeight& wt = weights[j];
+        pack_codes(wt, n0, t.panel.data());
+        pack_groups<COLS>(wt.N, G, n0, t.s.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
+        pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
+          return wt.z ? wt.s[n * G + g] * wt.z[n * G + g] : wt.s[n * G + g];
+        });
+      },
+      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
+        const PackedWeight& wt = weights[j];
+        tile(r, rows.q.data() + m * K, rows.d.data() + m * nb, rows.xs.data() + m * G, t.panel.data(), t.s.data(),
+             t.sz.data(), wt.y + m * wt.N + n0, wt.N, cols);
+      });
+  return true;
+}
 
 }  // namespace a8

@@ -173,36 +173,14 @@ void w4a8_tile(const int8_t* xq, const int32_t* xg, const int32_t* xzp, int64_t 
 // pass over x and one parallel region).  False (nothing written) if x held NaN or Inf.
 template <bool SIGNED>
 bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights) {
-  const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
-  const a8::Rows<int8_t> rows(x, M, K, group);
-  if (!rows.finite) return false;
-  const int8_t* xq = rows.q.data();
-  const float *d = rows.d.data(), *xs = rows.xs.data();
-  std::vector<int64_t> Ns;
-  for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
-  struct Scratch {
-    std::vector<uint8_t> panel;
-    std::vector<float> sp, sz;  // per group and column: s, and s * z (s for signed codes)
-  };
-  each_panel<COLS, ROWS>(
-      Ns, M,
-      [&] {
-        return Scratch{std::vector<uint8_t>(K * COLS), std::vector<float>(G * COLS), std::vector<float>(G * COLS)};
-      },
-      [&](size_t j, int64_t n0, Scratch& t) {
-        const PackedWeight& wt = weights[j];
-        pack_codes(wt.w, wt.N, K, n0, !wt.z, t.panel.data());
-        pack_groups<COLS>(wt.N, G, n0, t.sp.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
-        pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
-          return wt.z ? wt.s[n * G + g] * wt.z[n * G + g] : wt.s[n * G + g];
-        });
-      },
-      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
-        const PackedWeight& wt = weights[j];
-        tile<decltype(r)::value, SIGNED>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, t.panel.data(),
-                                         t.sp.data(), t.sz.data(), wt.y + m * wt.N + n0, wt.N, cols);
+  const int64_t G = K / group, per_group = group / BLOCK;
+  return a8::blocks_by_panels<int8_t, uint8_t, COLS, ROWS>(
+      x, M, K, group, weights,
+      [&](const PackedWeight& wt, int64_t n0, uint8_t* panel) { pack_codes(wt.w, wt.N, K, n0, !wt.z, panel); },
+      [&](auto r, const int8_t* xq, const float* d, const float* xs, const uint8_t* panel, const float* sp,
+          const float* sz, float* y, int64_t ldy, int cols) {
+        tile<decltype(r)::value, SIGNED>(xq, d, xs, K, G, per_group, panel, sp, sz, y, ldy, cols);
       });
-  return true;
 }
 #endif
 

@@ -198,37 +198,17 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
   bool finite = true;
 #ifdef LOWBIT_I16_PANELS
   if (M == 0) return {ys, true};
-  const int64_t G = K / group, nb = K / a8::BLOCK, per_group = group / a8::BLOCK;
-  const a8::Rows<int16_t> rows(x.data_ptr<float>(), M, K, group);
-  if (!rows.finite) return {ys, false};
-  const int16_t* xq = rows.q.data();
-  const float *d = rows.d.data(), *xs = rows.xs.data();
+  const int64_t G = K / group, per_group = group / a8::BLOCK;
   const bool has_zp = weights[0].z != nullptr;  // unsigned codes
-  std::vector<int64_t> Ns;
-  for (const PackedWeight& wt : weights) Ns.push_back(wt.N);
-  struct Scratch {
-    std::vector<int16_t> panel;
-    std::vector<float> sp, sz;  // per group and column: s, and s * z (codes with zero points)
-  };
-  each_panel<COLS, ROWS>(
-      Ns, M,
-      [&] {
-        return Scratch{std::vector<int16_t>(K * COLS), std::vector<float>(G * COLS), std::vector<float>(G * COLS)};
+  finite = a8::blocks_by_panels<int16_t, int16_t, COLS, ROWS>(
+      x.data_ptr<float>(), M, K, group, weights,
+      [&](const PackedWeight& wt, int64_t n0, int16_t* panel) {
+        if (has_zp) pack_panel<false>(wt.w, wt.N, K, K, n0, panel);
+        else pack_panel<true>(wt.w, wt.N, K, K, n0, panel);
       },
-      [&](size_t j, int64_t n0, Scratch& t) {
-        const PackedWeight& wt = weights[j];
-        if (has_zp) pack_panel<false>(wt.w, wt.N, K, K, n0, t.panel.data());
-        else pack_panel<true>(wt.w, wt.N, K, K, n0, t.panel.data());
-        pack_groups<COLS>(wt.N, G, n0, t.sp.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
-        if (has_zp)
-          pack_groups<COLS>(wt.N, G, n0, t.sz.data(),
-                            [&](int64_t n, int64_t g) { return wt.s[n * G + g] * wt.z[n * G + g]; });
-      },
-      [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
-        const PackedWeight& wt = weights[j];
-        block_tile<decltype(r)::value>(xq + m * K, d + m * nb, xs + m * G, K, G, per_group, t.panel.data(),
-                                       t.sp.data(), has_zp ? t.sz.data() : nullptr, wt.y + m * wt.N + n0, wt.N,
-                                       cols);
+      [&](auto r, const int16_t* xq, const float* d, const float* xs, const int16_t* panel, const float* sp,
+          const float* sz, float* y, int64_t ldy, int cols) {
+        block_tile<decltype(r)::value>(xq, d, xs, K, G, per_group, panel, sp, has_zp ? sz : nullptr, y, ldy, cols);
       });
 #endif
   return {ys, finite};
