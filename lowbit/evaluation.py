@@ -265,18 +265,20 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
         raise ValueError(f"act_compute must be None or one of {sorted(ACT_COMPUTE)}, got {act_compute!r}")
     named = ({"float": reference} if reference is not None else {}) | dict(models)
     acts = {n: None for n in named}  # row name -> the Runner's act_compute
+    runners = {}  # row name -> its Runner, built here where building it is the check
     if act_compute is not None:
         rows_in_order = {}
         for n, m in named.items():
             rows_in_order[n] = m
             if n in models and _has_weight_only(m):
                 try:
-                    Runner(m, act_compute=act_compute)
+                    r = Runner(m, act_compute=act_compute)
                 except ValueError as e:  # weights it cannot take (GGUF Q4_1's q * s + m): no row, said
                     warnings.warn(f"no '{n} act {act_compute}' row: {e}", stacklevel=3)
                     continue
                 rows_in_order[f"{n} act {act_compute}"] = m
                 acts[f"{n} act {act_compute}"] = act_compute
+                runners[f"{n} act {act_compute}"] = r
         named = rows_in_order
     _check_count("ctx", ctx, 2)
     prompt_ids = _prompt_ids(tokenizer, prompt)
@@ -288,7 +290,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
             check_positions(m, prefill_tokens, decode_tokens, what=f"the speed prompt for model {name!r}")
     text, corpus_name = load_corpus(corpus)
     wins, first = windows(tokenizer, text, ctx, max_windows, protocol)
-    runners = {n: Runner(m, act_compute=acts[n]) for n, m in named.items()}
+    runners = {n: runners[n] if n in runners else Runner(m, act_compute=acts[n]) for n, m in named.items()}
     acc = {n: dict(nll=0.0, kl=0.0, top1=0, max_err=0.0, abs_err=0.0, count=0) for n in named}
     it = wins
     if progress:
