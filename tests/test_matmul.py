@@ -399,27 +399,46 @@ def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp,
     _assert_ties_only(args, ref, lowbit.ops.linear_qta8a_qga4w_qta8o(*args, backend="cpu"))
 
 
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("x_zp", [[-128, 127, 0, -1], [-256, 256, 255, -255], [257, -300, 0, 5], [1500, -1500, 1, 2]])
-def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(group, x_zp):
+def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(group, x_zp, signed):
     # Unit scales make every output the exact integer sum_k (x - xz)(u - z): the AVX2 rows
-    # kernel holds (x - xz).u in int16 lanes for |xz| <= 256 (|.| <= 23040) and in int32
-    # beyond; AVX-512 VNNI in int32.  Extreme codes (x = -128 / 127, u = 0 / 15) and every
-    # row count of the decode kernels (1 to 4, then a tile and a row).
+    # kernel sums u.x and u in int32 lanes and takes xz sum u away per group; AVX-512 VNNI
+    # subtracts it per group as a scalar.  Extreme codes (x = -128 / 127, u = 0 / 15 with
+    # zero points, q = -8 / 7 signed) and every row count of the decode kernels (1 to 4,
+    # then a tile and a row).
     if not cpu.available():
         pytest.skip(cpu.load_error())
     g = torch.Generator().manual_seed(group + x_zp[0])
     k, n = 576, 24
     x_q = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
-    w_q = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15).to(torch.uint8)
-    w_zp = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+    if signed:
+        w_q = torch.where(torch.rand(n, k, generator=g) < 0.5, -8, 7).to(torch.int8)
+        w_zp, w_full = None, w_q.long()
+    else:
+        w_q = torch.where(torch.rand(n, k, generator=g) < 0.5, 0, 15).to(torch.uint8)
+        w_zp = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+        w_full = w_q.long() - w_zp.long().repeat_interleave(group, 1)
     zp = torch.tensor(x_zp + [x_zp[0]], dtype=torch.int32)
-    exact = ((x_q.long() - zp.long()[:, None]) @ (w_q.long() - w_zp.long().repeat_interleave(group, 1)).T)
+    exact = (x_q.long() - zp.long()[:, None]) @ w_full.T
     w_packed = reference.pack(w_q, 4, "u32")
     ones = torch.ones(n, k // group)
     for m in (1, 2, 3, 4, 5):
         y = get_backend("cpu").linear_qta8a_qga4w(x_q[:m], torch.ones(m), zp[:m], w_packed, ones, w_zp, group, None)
         assert torch.equal(y.double(), exact[:m].double()), m  # every sum below 2^24: exact in float32
+
+
+def test_cpu_w4a8_kernel_refuses_zero_points_its_int32_terms_cannot_hold():
+    if not cpu.available() or not cpu._C.has_w4a8_rows():
+        pytest.skip("no W4A8 rows kernel here")
+    w = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
+    codes, scale, zp = w.codes, w.scale.float().contiguous(), w.zero_point.int().contiguous()
+    x_q = torch.zeros(2, 64, dtype=torch.int8)
+    ok = cpu._C.w4a8_gemm(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)  # 15 * 32 * 2^20 < 2^30
+    assert ok.shape == (2, 8)
+    with pytest.raises(RuntimeError, match="x_zp"):
+        cpu._C.w4a8_gemm(x_q, torch.tensor([3, 2**22], dtype=torch.int32), codes, scale, zp, 32)
 
 
 def test_w4a8_qta8o_is_the_written_reference():

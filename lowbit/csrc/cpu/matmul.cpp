@@ -245,16 +245,15 @@ template <> struct Vec<16> {
   // acc + u1.x1 + u2.x2, four u8 x s8 products per int32 lane
   static I dot2(I acc, I u1, I x1, I u2, I x2) { return _mm_dpbusd_epi32(_mm_dpbusd_epi32(acc, u1, x1), u2, x2); }
 #else
-  // int16 lanes u1.x1 + u2.x2 (pairs of u8 x s8 products), and the int16 arithmetic after it
-  static I pairs(I u1, I x1, I u2, I x2) { return _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2)); }
-  static I words(int16_t v) { return _mm_set1_epi16(v); }
-  static I sub_mul16(I a, I b, I c) { return _mm_sub_epi16(a, _mm_mullo_epi16(b, c)); }  // a - b c
-  static I add_widened(I acc, I t) { return _mm_add_epi32(acc, _mm_madd_epi16(t, _mm_set1_epi16(1))); }
-  static I dwords(int32_t v) { return _mm_set1_epi32(v); }
-  static I add_widened_sub_mul(I acc, I a, I b, I c) {  // acc + widen(a) - widen(b) c, in int32
-    const I one = _mm_set1_epi16(1);
-    return _mm_add_epi32(acc, _mm_sub_epi32(_mm_madd_epi16(a, one), _mm_mullo_epi32(_mm_madd_epi16(b, one), c)));
+  // acc + u1.x1 + u2.x2 in int32 lanes: pairs of u8 x s8 products in int16 (the low and the
+  // high nibbles' together at most 2 * 2 * 15 * 128 = 7680), widened by vpmaddwd
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    const I pairs = _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2));
+    return _mm_add_epi32(acc, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
   }
+  // acc + the sums of u1 + u2 over each 8 bytes, in the low dword of each 64-bit lane (vpsadbw)
+  static I add_sums(I acc, I u1, I u2) { return _mm_add_epi64(acc, _mm_sad_epu8(_mm_add_epi8(u1, u2), zero())); }
+  static I sub_mul(I a, I b, int32_t c) { return _mm_sub_epi32(a, _mm_mullo_epi32(b, _mm_set1_epi32(c))); }  // a - b c
 #endif
   static F fzero() { return _mm_setzero_ps(); }
   static F fma(I acc, float s, F t) { return _mm_fmadd_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(s), t); }
@@ -277,18 +276,14 @@ template <> struct Vec<32> {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, u1, x1), u2, x2);
   }
 #else
-  static I pairs(I u1, I x1, I u2, I x2) {
-    return _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
+  static I dot2(I acc, I u1, I x1, I u2, I x2) {
+    const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  static I words(int16_t v) { return _mm256_set1_epi16(v); }
-  static I sub_mul16(I a, I b, I c) { return _mm256_sub_epi16(a, _mm256_mullo_epi16(b, c)); }
-  static I add_widened(I acc, I t) { return _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(1))); }
-  static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
-  static I add_widened_sub_mul(I acc, I a, I b, I c) {
-    const I one = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(acc, _mm256_sub_epi32(_mm256_madd_epi16(a, one),
-                                                  _mm256_mullo_epi32(_mm256_madd_epi16(b, one), c)));
+  static I add_sums(I acc, I u1, I u2) {
+    return _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_add_epi8(u1, u2), zero()));
   }
+  static I sub_mul(I a, I b, int32_t c) { return _mm256_sub_epi32(a, _mm256_mullo_epi32(b, _mm256_set1_epi32(c))); }
 #endif
   static F fzero() { return _mm256_setzero_ps(); }
   static F fma(I acc, float s, F t) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), t); }
@@ -352,47 +347,43 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
   for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
 }
 #else
-// R activation rows x one weight row without VNNI.  Per step of 2 * BYTES values, in int16
-// lanes: u.x (the low and the high nibbles' pairs, at most 2 * 2 * 15 * 128 = 7680) minus
-// xz times the same pairs' sum of u (at most 4 * 15 * 256 = 15360 for |xz| <= 256), which
-// is (x - xz).u exactly (|.| <= 23040 < 2^15); then vpmaddwd into int32 lanes.  The lanes
-// are scaled by s[g] at the end of each group and summed once per row at the end (no
-// horizontal sum per group); the rest of the group's integer, -z sum (x - xz) = -z xg[g],
-// is one exact product per row and group.  The same integers per group as the VNNI kernel.
-// A zero point beyond +-256 (not one of int8 codes, but the op takes any) would leave
-// int16: WIDE rows subtract xz u in int32 lanes instead (vpmulld, slower).
-template <int R, int BYTES, bool WIDE>
+// R activation rows x one weight row without VNNI.  Per step of 2 * BYTES values: u.x in
+// int32 lanes (dot2), and the sums of u, shared by the R rows, in the low dwords of 64-bit
+// lanes (vpsadbw of lo + hi: at most 8 * 30 a step).  At the end of a group every lane
+// takes xz times its sum of u away: the lanes then add up to the group's sum (x - xz).u,
+// exactly (int32, while |xz| 15 |g| < 2^31: w4a8_gemm checks it).  The lanes are
+// scaled by s[g] and summed once per row at the end (no horizontal sum per group); the
+// rest of the group's integer, -z sum (x - xz) = -z xg[g], is one exact product per row
+// and group.  The same integers per group as the VNNI kernel.  SIGNED codes are flipped to
+// u = q + 8 (zero point 8); unsigned ones are used as they are.
+template <int R, int BYTES, bool SIGNED>
 void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
-               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
+               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool,
                float* y, int64_t ldy) {
   using V = Vec<BYTES>;
   typename V::F total[R];
-  typename V::I xz[R];
   float corr[R];
   for (int r = 0; r < R; ++r) {
     total[r] = V::fzero();
-    xz[r] = WIDE ? V::dwords(xzp[r]) : V::words(static_cast<int16_t>(xzp[r]));
     corr[r] = 0.f;
   }
-  const auto mask = V::bytes(0x0F), flip = V::bytes(is_signed ? 0x08 : 0x00), ones = V::bytes(1);
-  const int64_t blocks = group / (2 * BYTES);
+  const auto mask = V::bytes(0x0F), flip = V::bytes(SIGNED ? 0x08 : 0x00);
+  const int64_t group_bytes = group / 2;  // == values of the group in xe (and in xo)
   for (int64_t g = 0; g < G; ++g) {
-    typename V::I acc[R];
+    typename V::I acc[R], usum = V::zero();
     for (int r = 0; r < R; ++r) acc[r] = V::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = (g * group + b * 2 * BYTES) / 2;
-      const auto bytes = V::load(w + off);
-      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);
-      const auto usum = V::pairs(lo, ones, hi, ones);  // shared by the R rows
-      for (int r = 0; r < R; ++r) {
-        const auto ux = V::pairs(lo, V::load(xe + r * (K / 2) + off), hi, V::load(xo + r * (K / 2) + off));
-        acc[r] = WIDE ? V::add_widened_sub_mul(acc[r], ux, usum, xz[r])
-                      : V::add_widened(acc[r], V::sub_mul16(ux, usum, xz[r]));
-      }
+    const uint8_t* wg = w + g * group_bytes;
+    const int8_t *xeg = xe + g * group_bytes, *xog = xo + g * group_bytes;
+    for (int64_t off = 0; off < group_bytes; off += BYTES) {
+      const auto bytes = V::load(wg + off);
+      const auto lo = V::lo(bytes, mask, flip), hi = V::hi(bytes, mask, flip);  // (a constant 0 flip folds away)
+      usum = V::add_sums(usum, lo, hi);
+      for (int r = 0; r < R; ++r)
+        acc[r] = V::dot2(acc[r], lo, V::load(xeg + r * (K / 2) + off), hi, V::load(xog + r * (K / 2) + off));
     }
-    const int32_t zg = is_signed ? 8 : (z ? z[g] : 0);
+    const int32_t zg = SIGNED ? 8 : z[g];
     for (int r = 0; r < R; ++r) {
-      total[r] = V::fma(acc[r], s[g], total[r]);
+      total[r] = V::fma(V::sub_mul(acc[r], usum, xzp[r]), s[g], total[r]);
       corr[r] += s[g] * static_cast<float>(zg * xg[r * G + g]);
     }
   }
@@ -529,6 +520,10 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
               "lowbit._C.w4a8_gemm: contiguous inputs expected");
   TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
+  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  // the kernels' int32 zero-point terms (xz sum u, |g| xz z, z sum (x - xz)) stay exact
+  TORCH_CHECK(std::all_of(pz, pz + M, [&](int32_t v) { return std::abs(static_cast<int64_t>(v)) * 15 * group < (int64_t(1) << 30); }),
+              "lowbit._C.w4a8_gemm: |x_zp| * 15 * group must stay below 2^30");
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_W4A8
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
@@ -537,7 +532,6 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   // not ATen ops, at decode sizes
   std::vector<int32_t> xsum(M * G);
   const int8_t* pq = x_q.data_ptr<int8_t>();
-  const int32_t* pz = x_zp.data_ptr<int32_t>();
   for (int64_t i = 0; i < M * G; ++i) {
     int32_t t = 0;
     for (int64_t k = 0; k < group; ++k) t += pq[i * group + k];
@@ -555,10 +549,6 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   const int32_t* ps = xsum.data();
   const float* s = w_scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
-#ifndef LOWBIT_W4A8_VNNI
-  // (x - xz).u in int16 lanes while |xz| <= 256 (|.| <= 7680 + 60 * 256 < 2^15)
-  const bool wide = std::any_of(pz, pz + M, [](int32_t v) { return v < -256 || v > 256; });
-#endif
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
@@ -572,7 +562,7 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
     else if (width == 32) call(w4a8_rows<R, 32>);
     else call(w4a8_rows<R, 16>);
 #else
-    if (wide) {
+    if (is_signed) {
       if (width == 32) call(w4a8_rows<R, 32, true>);
       else call(w4a8_rows<R, 16, true>);
     } else {
