@@ -292,7 +292,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if _has_w4a8_rows() and group % 32 == 0:
         if m <= W4A8_AVX2_ROWS_MAX_M:
             return Plan("w4a8_rows", f"up to {W4A8_AVX2_ROWS_MAX_M} rows: packed u4 codes, vpmaddubsw / vpmaddwd "
-                                     "dot products per group (no AVX-512 VNNI)")
+                                     "dot products and vpsadbw code sums per group (no AVX-512 VNNI)")
         return Plan("w4a8_panels", f"over {W4A8_AVX2_ROWS_MAX_M} rows without AVX-512 VNNI: u4 codes unpacked "
                                    "once into u8 panels, vpmaddubsw register tiles, exact integers per group")
     return Plan("w4a8_int_mm", "torch._int_mm per weight group, float scaling per group")
