@@ -435,8 +435,8 @@ def test_cpu_w4a8_kernel_refuses_zero_points_its_int32_terms_cannot_hold():
     w = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
     codes, scale, zp = w.codes, w.scale.float().contiguous(), w.zero_point.int().contiguous()
     x_q = torch.zeros(2, 64, dtype=torch.int8)
-    ok = cpu._C.w4a8_gemm(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)  # 15 * 32 * 2^20 < 2^30
-    assert ok.shape == (2, 8)
+    ok = cpu._C.w4a8_gemm(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)
+    assert ok.shape == (2, 8)  # 15 * 32 * 2^20 < 2^30; 15 * 32 * 2^22 is not
     with pytest.raises(RuntimeError, match="x_zp"):
         cpu._C.w4a8_gemm(x_q, torch.tensor([3, 2**22], dtype=torch.int32), codes, scale, zp, 32)
 

@@ -351,14 +351,14 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 // int32 lanes (dot2), and the sums of u, shared by the R rows, in the low dwords of 64-bit
 // lanes (vpsadbw of lo + hi: at most 8 * 30 a step).  At the end of a group every lane
 // takes xz times its sum of u away: the lanes then add up to the group's sum (x - xz).u,
-// exactly (int32, while |xz| 15 |g| < 2^31: w4a8_gemm checks it).  The lanes are
+// exactly (int32: w4a8_gemm keeps |xz| 15 |g| below 2^30).  The lanes are
 // scaled by s[g] and summed once per row at the end (no horizontal sum per group); the
 // rest of the group's integer, -z sum (x - xz) = -z xg[g], is one exact product per row
 // and group.  The same integers per group as the VNNI kernel.  SIGNED codes are flipped to
 // u = q + 8 (zero point 8); unsigned ones are used as they are.
 template <int R, int BYTES, bool SIGNED>
 void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
-               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool,
+               int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool /*is_signed*/,
                float* y, int64_t ldy) {
   using V = Vec<BYTES>;
   typename V::F total[R];
@@ -522,8 +522,8 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
   const int32_t* pz = x_zp.data_ptr<int32_t>();
   // the kernels' int32 zero-point terms (xz sum u, |g| xz z, z sum (x - xz)) stay exact
-  TORCH_CHECK(std::all_of(pz, pz + M, [&](int32_t v) { return std::abs(static_cast<int64_t>(v)) * 15 * group < (int64_t(1) << 30); }),
-              "lowbit._C.w4a8_gemm: |x_zp| * 15 * group must stay below 2^30");
+  const auto fits = [&](int32_t v) { return std::abs(static_cast<int64_t>(v)) * 15 * group < (int64_t(1) << 30); };
+  TORCH_CHECK(std::all_of(pz, pz + M, fits), "lowbit._C.w4a8_gemm: |x_zp| * 15 * group must stay below 2^30");
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_W4A8
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
