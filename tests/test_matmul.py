@@ -435,10 +435,13 @@ def test_cpu_w4a8_kernel_refuses_zero_points_its_int32_terms_cannot_hold():
     w = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
     codes, scale, zp = w.codes, w.scale.float().contiguous(), w.zero_point.int().contiguous()
     x_q = torch.zeros(2, 64, dtype=torch.int8)
-    ok = cpu._C.w4a8_gemm(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)
-    assert ok.shape == (2, 8)  # 15 * 32 * 2^20 < 2^30; 15 * 32 * 2^22 is not
-    with pytest.raises(RuntimeError, match="x_zp"):
-        cpu._C.w4a8_gemm(x_q, torch.tensor([3, 2**22], dtype=torch.int32), codes, scale, zp, 32)
+    for kernel in (cpu._C.w4a8_gemm, cpu._C.w4a8_gemm_panels):  # the rows and the many-row entry
+        ok = kernel(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)
+        assert ok.shape == (2, 8)  # 15 * 32 * 2^20 < 2^30; 15 * 32 * 2^22 is not
+        with pytest.raises(RuntimeError, match="x_zp"):
+            kernel(x_q, torch.tensor([3, 2**22], dtype=torch.int32), codes, scale, zp, 32)
+        with pytest.raises(RuntimeError, match="x_zp must be contiguous int32"):
+            kernel(x_q, torch.tensor([3], dtype=torch.int32), codes, scale, zp, 32)
 
 
 def test_w4a8_qta8o_is_the_written_reference():

@@ -355,6 +355,7 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
   TORCH_CHECK(group % 32 == 0 && x_q.size(1) % group == 0,
               "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
+  check_w4a8_zero_points("lowbit._C.w4a8_gemm_panels", x_q, x_zp, group);
 #ifdef LOWBIT_HAVE_INT8_GEMM
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));

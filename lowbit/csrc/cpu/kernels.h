@@ -61,6 +61,9 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, int64_t kernel,
                         const at::Tensor& outliers, const at::Tensor& high_codes, const at::Tensor& high_scale,
                         const c10::optional<at::Tensor>& high_zero_point, int64_t high_group);
+// x_zp of x_q [M, K] as the W4A8 kernels take it (int32 [M]) and small enough that their
+// int32 zero-point terms are exact; errors name `who`.
+void check_w4a8_zero_points(const char* who, const at::Tensor& x_q, const at::Tensor& x_zp, int64_t group);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemv_a8.cpp

@@ -513,17 +513,24 @@ at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const 
 
 // x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8]; w_scale float32 [N, G]; w_zp int32 [N, G] or none
 // (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g  (x_scale and bias applied by the caller).
+void check_w4a8_zero_points(const char* who, const at::Tensor& x_q, const at::Tensor& x_zp, int64_t group) {
+  TORCH_CHECK(x_zp.scalar_type() == at::kInt && x_zp.dim() == 1 && x_zp.size(0) == x_q.size(0) && x_zp.is_contiguous(),
+              who, ": x_zp must be contiguous int32 [M], one zero point per row of x_q");
+  // the kernels' int32 zero-point terms (xz sum u, |g| xz z, z sum (x - xz)) stay exact
+  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  const auto fits = [&](int32_t v) { return std::abs(static_cast<int64_t>(v)) * 15 * group < (int64_t(1) << 30); };
+  TORCH_CHECK(std::all_of(pz, pz + x_zp.numel(), fits), who, ": |x_zp| * 15 * group must stay below 2^30");
+}
+
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
   TORCH_CHECK(has_w4a8_rows(), "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
   TORCH_CHECK(x_q.is_contiguous() && codes.is_contiguous() && w_scale.is_contiguous() && x_zp.is_contiguous(),
               "lowbit._C.w4a8_gemm: contiguous inputs expected");
   TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
+  check_w4a8_zero_points("lowbit._C.w4a8_gemm", x_q, x_zp, group);
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
   const int32_t* pz = x_zp.data_ptr<int32_t>();
-  // the kernels' int32 zero-point terms (xz sum u, |g| xz z, z sum (x - xz)) stay exact
-  const auto fits = [&](int32_t v) { return std::abs(static_cast<int64_t>(v)) * 15 * group < (int64_t(1) << 30); };
-  TORCH_CHECK(std::all_of(pz, pz + M, fits), "lowbit._C.w4a8_gemm: |x_zp| * 15 * group must stay below 2^30");
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_W4A8
   at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
