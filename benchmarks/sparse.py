@@ -218,7 +218,7 @@ def speed(args) -> None:
                 "f32": (lambda i: F.linear(x2, ws[i % len(ws)]), len(ws)),
                 "dense": (lambda i: lowbit.quantized_matmul(x2, *ds[i % len(ds)][:2], ds[i % len(ds)][2], bits=4,
                                                             group_size=32, backend="cpu"), len(ds)),
-                "kernel": (lambda i: cpu._C.weight_only_matmul(x2, *ds[i % len(ds)], 4, 32, index), len(ds)),
+                "kernel": (lambda i: cpu._C.weight_only_matmul(x2, *ds[i % len(ds)], 4, 32, index, False), len(ds)),
                 "sparse": (lambda i: ext.sparse24_gemv_w4(x, *ss[i % len(ss)]), len(ss)),
             }
             calls = max(20, min(2000, int(2e8 / (n * k))))

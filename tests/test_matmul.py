@@ -14,7 +14,8 @@ UNIT = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 WEIGHT_SCHEMES = ["int8-sym", "int8-sym-g64", "int8-asym-g32", "int4-sym-g32", "int4-sym-g128",
                   "int4-asym-g64", "int4-asym-channel", "int4-asym-g32-zpfloat-f16", "int4-sym-g64-bf16",
-                  "int4-asym-g64-u8", "int2-asym-g64", "int4-sym-tensor"]
+                  "int4-asym-g64-u8", "int2-asym-g64", "int4-sym-tensor", "int4-asym-g32-zpmin-f16",
+                  "int8-asym-g32-zpmin", "int4-asym-channel-zpmin-bf16"]
 
 
 def gamma(k: int, u: float = U32) -> float:
@@ -25,12 +26,16 @@ def gamma(k: int, u: float = U32) -> float:
 def abs_products(x: torch.Tensor, qt, offset: float = 0.0) -> torch.Tensor:
     """|x| @ (scale * (|q| + |z| + offset)).T in float64: bounds every partial sum either
     backend forms, whichever of (q - z) * s * x or s * ((q + offset).x - (z + offset) * sum x)
-    it evaluates."""
+    it evaluates; in the "min" domain (q * s + m) |x| @ (|s| (|q| + offset) + |m|).T, which
+    bounds s * (q + offset).x + m * sum x."""
     s = qt.scheme
     q = (reference.unpack(qt.codes, s.bits, s.packing, s.symmetric) if s.is_packed else qt.codes).double()
     z = qt.zero_point.double().abs() if qt.zero_point is not None else torch.zeros_like(qt.scale.double())
-    wq = reference.to_blocks(q.abs(), s) + z.reshape(-1, 1) + offset
-    w = (wq * qt.scale.double().reshape(-1, 1).abs()).reshape(qt.shape)
+    scale = qt.scale.double().reshape(-1, 1).abs()
+    if s.zero_point_domain == "min":
+        w = ((reference.to_blocks(q.abs(), s) + offset) * scale + z.reshape(-1, 1)).reshape(qt.shape)
+    else:
+        w = ((reference.to_blocks(q.abs(), s) + z.reshape(-1, 1) + offset) * scale).reshape(qt.shape)
     return x.double().abs().reshape(-1, x.shape[-1]) @ w.T
 
 

@@ -319,7 +319,7 @@ def _decode_step_covers(model, dtype) -> bool:
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
 @pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16", "w8a8", "w4a8-g128", "w8a8-asym", "q4_0-a8",
-                                    "q8_0-a8", "w4a8-g128-head8"])
+                                    "q8_0-a8", "w4a8-g128-head8", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16, prompt_ids, recipe, dtype,
                                                                  monkeypatch):

@@ -97,8 +97,10 @@ class Backend:
         return ref.requantize_per_token(y, out_scale, out_zero_point)
 
     # -- matmuls ----------------------------------------------------------------------------------
-    def weight_only_matmul(self, x, codes, scale, zero_point, bits: int, group_size: int):
-        return ref.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+    def weight_only_matmul(self, x, codes, scale, zero_point, bits: int, group_size: int,
+                           zero_point_min: bool = False):
+        """x @ W.T, W = (q - zero_point) * scale, or q * scale + zero_point with ``zero_point_min``."""
+        return ref.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
 
     def split_matmul(self, x, codes, scale, zero_point, bits: int, group_size: int, outliers, high_codes,
                      high_scale, high_zero_point, high_bits: int, high_group_size: int):

@@ -206,19 +206,24 @@ def dequantize_accumulator_rowcol(
 
 
 # -- matmuls -------------------------------------------------------------------------
-def dequantize_weight(codes, scale, zero_point, bits, group_size, k, out_dtype=torch.float32):
+def dequantize_weight(codes, scale, zero_point, bits, group_size, k, out_dtype=torch.float32,
+                      zero_point_min=False):
     """Float [N, K] weight from codes [N, K] (8 bit) or packed int32 [N, K*bits/32],
-    scale/zero_point [N, K // group_size]; signed codes iff zero_point is None."""
+    scale/zero_point [N, K // group_size]; signed codes iff zero_point is None.  W = (q - z) * s,
+    or q * s + z with ``zero_point_min`` (the "min" zero-point domain)."""
     q = codes if bits == 8 else unpack(codes, bits, "u32", zero_point is None)
     q = q.reshape(-1, k).to(compute_dtype(out_dtype))
+    by_group = lambda t: t.to(q.dtype).repeat_interleave(group_size, dim=1)  # noqa: E731
+    if zero_point_min:
+        return (q * by_group(scale) + by_group(zero_point)).to(out_dtype)
     if zero_point is not None:
-        q = q - zero_point.to(q.dtype).repeat_interleave(group_size, dim=1)
-    return (q * scale.to(q.dtype).repeat_interleave(group_size, dim=1)).to(out_dtype)
+        q = q - by_group(zero_point)
+    return (q * by_group(scale)).to(out_dtype)
 
 
-def weight_only_matmul(x, codes, scale, zero_point, bits, group_size):
+def weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
     """x [..., K] @ dequantize(W).T in float32, rounded once to x's dtype."""
-    w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1])
+    w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1], zero_point_min=zero_point_min)
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 

@@ -210,18 +210,22 @@ def dequantize_accumulator(backend, acc, scale, group_size, row_scale, col_scale
 
 # -- matmuls -------------------------------------------------------------------------------
 @_define("weight_only_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, "
-         "int group_size) -> Tensor",
-         lambda x, codes, scale, zero_point, bits, group_size: x.new_empty([*x.shape[:-1], codes.shape[0]]))
-def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size):
+         "int group_size, bool zero_point_min=False) -> Tensor",
+         lambda x, codes, scale, zero_point, bits, group_size, zero_point_min=False:
+         x.new_empty([*x.shape[:-1], codes.shape[0]]))
+def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
+    # zero_point_min: W = q * scale + zero_point (the scheme's "min" domain, unsigned codes),
+    # not (q - zero_point) * scale
     if x.shape[-1] == 0:  # an empty sum: zeros, as torch.matmul gives (no backend's kernel takes K = 0)
         return x.new_zeros((*x.shape[:-1], codes.shape[0]))
-    return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+    return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
 
 
 def _weight_only_matmul_setup(ctx, inputs, output):
-    x, codes, scale, zero_point, bits, group_size = inputs
+    x, codes, scale, zero_point, bits, group_size, *min_form = inputs
     ctx.save_for_backward(codes, scale, zero_point)
     ctx.bits, ctx.group_size, ctx.k, ctx.x_dtype = bits, group_size, x.shape[-1], x.dtype
+    ctx.zero_point_min = bool(min_form and min_form[0])
 
 
 def _weight_only_matmul_backward(ctx, grad):
@@ -229,8 +233,9 @@ def _weight_only_matmul_backward(ctx, grad):
     # x's dtype); the codes, scale and zero point get no gradient (a frozen quantized weight:
     # LoRA adapters and quantization-aware training on top of it).
     codes, scale, zero_point = ctx.saved_tensors
-    w = ref.dequantize_weight(codes, scale, zero_point, ctx.bits, ctx.group_size, ctx.k)
-    return (grad.to(torch.float32) @ w).to(ctx.x_dtype), None, None, None, None, None
+    w = ref.dequantize_weight(codes, scale, zero_point, ctx.bits, ctx.group_size, ctx.k,
+                              zero_point_min=ctx.zero_point_min)
+    return (grad.to(torch.float32) @ w).to(ctx.x_dtype), None, None, None, None, None, None
 
 
 torch.library.register_autograd("lowbit::weight_only_matmul", _weight_only_matmul_backward,

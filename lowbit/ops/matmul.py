@@ -147,11 +147,18 @@ def _build_weight_parts(qweight: QTensor):
     return codes, scale.contiguous(), None if zp is None else zp.contiguous(), s.bits, group
 
 
+def _codes_fit(scheme: QuantScheme, k: int) -> bool:
+    """8-bit codes, or 4-bit codes filling whole u32 words: the codes the matmul ops take."""
+    return scheme.bits == 8 or (scheme.bits == 4 and k % 8 == 0)
+
+
 def matmul_form(scheme: QuantScheme, k: int) -> bool:
     """Whether the matmul ops take a weight of ``scheme`` with K = ``k`` as it is: 8-bit
     codes, or 4-bit codes filling whole u32 words, with (q - z) * s arithmetic.  The others
     are dequantized first: 2/3-bit codes, 4-bit codes of a K that fills no whole u32 word
-    (u8 packing), a "min" zero point (q * s + m).
+    (u8 packing).  A "min" zero point (q * s + m) is not this form: ``lowbit.linear`` runs
+    it through ``weight_only_matmul(..., zero_point_min=True)``; the graph passes
+    dequantize it.
 
     Example::
 
@@ -160,7 +167,7 @@ def matmul_form(scheme: QuantScheme, k: int) -> bool:
         >>> matmul_form(QuantScheme.parse("int4-asym-g32"), 64), matmul_form(QuantScheme.parse("int3-asym-g32"), 64)
         (True, False)
     """
-    return (scheme.bits == 8 or (scheme.bits == 4 and k % 8 == 0)) and scheme.zero_point_domain != "min"
+    return _codes_fit(scheme, k) and scheme.zero_point_domain != "min"
 
 
 def as_act_scheme(act_scheme) -> QuantScheme:
@@ -240,9 +247,12 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
             raise ValueError("act_scale / act_zero_point need an act_scheme")
         if k == 0:
             y = x.new_zeros((*x.shape[:-1], n))
-        elif matmul_form(w, k):
+        elif _codes_fit(w, k):
             codes, scales, zps, bits, group = weight_parts(qweight)
-            y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group)
+            # q * s + m (the "min" domain) says so; the other weights' nodes keep the six arguments
+            min_form = (True,) if w.zero_point_domain == "min" else ()
+            y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group,
+                             *min_form)
         else:
             y = torch.nn.functional.linear(x, dequantize(qweight, x.dtype, backend=backend))
         return y if bias is None else y + bias.to(y.dtype)

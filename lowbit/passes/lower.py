@@ -3,6 +3,8 @@ written into the node's metadata (the backend's own kernel plan, one source of t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 from torch.export import ExportedProgram
@@ -26,12 +28,13 @@ def _schemes(node: fx.Node) -> tuple[QuantScheme, QuantScheme | None, int] | Non
     a = node.args
     k = a[0].meta["val"].shape[-1]
 
-    def weight(bits, group, scale, zero_point):
-        return parts_scheme(bits, group, k, scale.meta["val"].dtype,
-                            None if zero_point is None else zero_point.meta["val"].dtype)
+    def weight(bits, group, scale, zero_point, zero_point_min=False):
+        s = parts_scheme(bits, group, k, scale.meta["val"].dtype,
+                         None if zero_point is None else zero_point.meta["val"].dtype)
+        return dataclasses.replace(s, zero_point_domain="min") if zero_point_min else s
 
-    if node.target == lowbit.weight_only_matmul.default:  # x, codes, scale, zp, bits, group
-        return weight(a[4], a[5], a[2], a[3]), None, k
+    if node.target == lowbit.weight_only_matmul.default:  # x, codes, scale, zp, bits, group[, zero_point_min]
+        return weight(a[4], a[5], a[2], a[3], len(a) > 6 and a[6]), None, k
     if node.target == lowbit.linear_a8_blocks.default:  # ... act_block
         return weight(a[4], a[5], a[2], a[3]), QuantScheme.parse(f"int8-sym-g{a[6]}"), k
     if node.target == lowbit.int8_linear.default:  # a, a_zp, b, row_scale, col_scale, bias, dtype

@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "unpack-and-dequantize rows of codes");
   m.def("dequantize_into", &dequantize_into, "dequantize into a caller's contiguous buffer [R, K] (its dtype)");
   m.def("dequantize_min", &dequantize_min, "unpack-and-dequantize rows of codes in the 'min' zero-point domain");
+  m.def("dequantize_min_into", &dequantize_min_into, "dequantize_min into a caller's contiguous buffer [R, K]");
   m.def("dequantize_rowcol", &dequantize_rowcol, "int32 accumulators * row scale * column scale");
   m.def("quantize_per_token", &quantize_per_token, "per-row dynamic quantization, bit-exact with the reference");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");

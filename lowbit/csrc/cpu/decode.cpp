@@ -306,7 +306,8 @@ namespace {
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, else at::linear,
 // as lowbit.kernels.cpu.dense_linear decides for one row), a weight-only quantized one
 // (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group, and the
-// weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; bias added after),
+// weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; zero_point_min:
+// the "min" domain's q * s + m; bias added after),
 // one with 8-bit activations in blocks of 32 (act 3: linear_a8_blocks, the weight as for
 // weight-only, float32 zero points), or one with 8-bit per-token activations (act 1:
 // symmetric, 2: asymmetric): W8A8 (int8
@@ -319,12 +320,13 @@ struct Proj {
   at::Tensor weight, codes, scale;
   c10::optional<at::Tensor> zero_point, bias;
   int64_t bits = 0, group = 0, act = 0, kernel = 0;
+  bool zero_point_min = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (!codes.defined()) return kernel == 1 ? dense_rows(x, weight, bias) : at::linear(x, weight, bias);
     at::Tensor y = act == 3 ? int8_blocks(x)
                    : act   ? int8_activations(x)
-                           : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel);
+                           : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel, zero_point_min);
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
 
@@ -414,7 +416,7 @@ at::Tensor Proj::int8_blocks(const at::Tensor& x) const { return run_int8_blocks
 bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 0 || p->kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvF32) ||
-        p->bits != ps[0]->bits || p->group != ps[0]->group ||
+        p->bits != ps[0]->bits || p->group != ps[0]->group || p->zero_point_min != ps[0]->zero_point_min ||
         p->zero_point.has_value() != ps[0]->zero_point.has_value() || p->scale.scalar_type() != at::kFloat ||
         (p->zero_point.has_value() && p->zero_point->scalar_type() != at::kFloat))
       return false;
@@ -425,7 +427,8 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
 std::vector<at::Tensor> run_gemv_f32(const std::vector<const Proj*>& ps, const at::Tensor& x) {
   const at::Tensor x2 = as_float(x);
   const Parts w(ps);
-  std::vector<at::Tensor> ys = weight_only_gemv_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group);
+  std::vector<at::Tensor> ys =
+      weight_only_gemv_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group, ps[0]->zero_point_min);
   if (x.scalar_type() != at::kFloat)
     for (at::Tensor& y : ys) y = y.to(x.scalar_type());
   return ys;
@@ -541,7 +544,8 @@ void bind_decode(pybind11::module& m) {
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,
-                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group, int64_t act, int64_t kernel) {
+                       c10::optional<at::Tensor> bias, int64_t bits, int64_t group, int64_t act, int64_t kernel,
+                       bool zero_point_min) {
              Proj p;
              if (weight) p.weight = *weight;
              if (codes) p.codes = *codes;
@@ -552,10 +556,12 @@ void bind_decode(pybind11::module& m) {
              p.group = group;
              p.act = act;
              p.kernel = kernel;
+             p.zero_point_min = zero_point_min;
              return p;
            }),
            py::arg("weight"), py::arg("codes"), py::arg("scale"), py::arg("zero_point"), py::arg("bias"),
-           py::arg("bits"), py::arg("group"), py::arg("act") = 0, py::arg("kernel") = 0);
+           py::arg("bits"), py::arg("group"), py::arg("act") = 0, py::arg("kernel") = 0,
+           py::arg("zero_point_min") = false);
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)

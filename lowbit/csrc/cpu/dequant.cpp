@@ -167,11 +167,21 @@ int64_t code_rows(const at::Tensor& codes, int64_t bits, int64_t K) {
 // for the shapes; scale and min already in the compute dtype).
 at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                           int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype) {
+  at::Tensor out = at::empty({code_rows(codes, bits, K), K}, codes.options().dtype(out_dtype));
+  dequantize_min_into(out, codes, scale, mn, bits, K, group, rows_per_scale);
+  return out;
+}
+
+// dequantize_min into a caller's buffer, as dequantize_into below.
+void dequantize_min_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
+                         int64_t bits, int64_t K, int64_t group, int64_t rows_per_scale) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && mn.is_contiguous(),
               "lowbit._C.dequantize_min: contiguous inputs expected");
   const int64_t R = code_rows(codes, bits, K);
-  at::Tensor out = at::empty({R, K}, codes.options().dtype(out_dtype));
-  if (R == 0 || K == 0) return out;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == R * K,
+              "lowbit._C.dequantize_min_into: out must be a contiguous tensor of ", R, " x ", K, " elements, got ",
+              out.sizes());
+  if (R == 0 || K == 0) return;
   const auto t = codes.scalar_type();
   if (bits == 8 && t == at::kByte) dispatch_min<uint8_t, 8>(codes, scale, mn, out, R, K, group, rows_per_scale);
   else if (bits == 4 && t == at::kInt) dispatch_min<int32_t, 4>(codes, scale, mn, out, R, K, group, rows_per_scale);
@@ -179,7 +189,6 @@ at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, cons
   else if (bits == 2 && t == at::kInt) dispatch_min<int32_t, 2>(codes, scale, mn, out, R, K, group, rows_per_scale);
   else if (bits == 2 && t == at::kByte) dispatch_min<uint8_t, 2>(codes, scale, mn, out, R, K, group, rows_per_scale);
   else TORCH_CHECK(false, "lowbit._C.dequantize_min: no kernel for bits=", bits, " codes ", t);
-  return out;
 }
 
 // codes: [R, K * bits / word_bits] (packed) or [R, K]; scale, zero_point: flat, already in the

@@ -17,6 +17,8 @@ void dequantize_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor&
                      int64_t group, int64_t rows_per_scale);
 at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                           int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype);
+void dequantize_min_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
+                         int64_t bits, int64_t K, int64_t group, int64_t rows_per_scale);
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
                              at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
@@ -44,19 +46,21 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
 bool has_avx512();
 bool has_gemv_f32();
 bool has_w4a8_rows();
+// zero_point_min: the weights are q * s + zero_point (the "min" domain), else (q - zero_point) * s.
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                            bool zero_point_min);
 std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                               const std::vector<at::Tensor>& scales,
                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                              int64_t bits, int64_t group);
+                                              int64_t bits, int64_t group, bool zero_point_min);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
 // which lowbit.kernels.cpu's plan returns).
 enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3 };
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t kernel);
+                              int64_t kernel, bool zero_point_min);
 at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, int64_t kernel,
                         const at::Tensor& outliers, const at::Tensor& high_codes, const at::Tensor& high_scale,

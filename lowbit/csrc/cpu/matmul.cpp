@@ -393,9 +393,21 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int3
 #endif
 
 #ifdef LOWBIT_GEMV_F32
+// y[m, n] += sum_g mn[g] xs[m, g] for M rows n apart: the "min" domain's offsets times the
+// group sums of x, in order of g.
+inline void add_mins(const float* mn, const float* xs, int64_t M, int64_t G, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    float t = 0.f;
+    for (int64_t g = 0; g < G; ++g) t += mn[g] * xs[m * G + g];
+    y[m * ldy] += t;
+  }
+}
+
 // x (prepared once: xa/xb even/odd halves for 4-bit codes, xs group sums) times every
 // weight, in one parallel region over all their rows (q/k/v or gate/up of a decode step).
-template <bool SIGNED, bool HAS_ZP>
+// MIN: the weights are q * s + m (unsigned codes, wt.z holds m): the kernels run the codes
+// as unsigned without a zero point, then add_mins.
+template <bool SIGNED, bool HAS_ZP, bool MIN = false>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
             int64_t bits, const std::vector<PackedWeight>& weights) {
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
@@ -424,6 +436,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
         else
           w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
       }
+      if constexpr (MIN) add_mins(wt.z + n * G, xs, M, G, y + n, N);
     }
   });
 }
@@ -466,7 +479,7 @@ bool has_gemv_f32() {
 std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                               const std::vector<at::Tensor>& scales,
                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                              int64_t bits, int64_t group) {
+                                              int64_t bits, int64_t group, bool zero_point_min) {
 #ifndef LOWBIT_GEMV_F32
   TORCH_CHECK(false, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL) or AVX2 and FMA");
 #endif
@@ -479,12 +492,13 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.weight_only_gemv", x, codes, scales, zero_points, bits, group, ys);
   const bool has_zp = zero_points[0].has_value();
+  TORCH_CHECK(has_zp || !zero_point_min, "lowbit._C.weight_only_gemv: zero_point_min needs the mins (zero_point)");
 #ifdef LOWBIT_GEMV_F32
   // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
   // the work (the group sums of x, the even/odd split).
   const float* px = x.data_ptr<float>();
-  std::vector<float> xs(M * G), xa, xb;  // read by the AVX-512 kernels only (with zero points)
-  if (has_zp && LOWBIT_GEMV_F32 == 512)  // group sums of x for the z * sum(x) term
+  std::vector<float> xs(M * G), xa, xb;  // read by the AVX-512 kernels with zero points and by add_mins
+  if ((has_zp && LOWBIT_GEMV_F32 == 512) || zero_point_min)  // group sums of x for the z (or m) * sum(x) term
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
       for (int64_t k = 0; k < group; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(px + i * group + k));
@@ -498,7 +512,9 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
     pa = xa.data();
     pb = xb.data();
   }
-  if (!has_zp)  // signed codes
+  if (zero_point_min)  // unsigned codes, q * s + m
+    wo_all<false, false, true>(pa, pb, xs.data(), M, K, G, group, bits, weights);
+  else if (!has_zp)  // signed codes
     wo_all<true, false>(pa, pb, xs.data(), M, K, G, group, bits, weights);
   else
     wo_all<false, true>(pa, pb, xs.data(), M, K, G, group, bits, weights);
@@ -507,8 +523,9 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 }
 
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  return weight_only_gemv_many(x, {codes}, {scale}, {zero_point}, bits, group)[0];
+                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                            bool zero_point_min) {
+  return weight_only_gemv_many(x, {codes}, {scale}, {zero_point}, bits, group, zero_point_min)[0];
 }
 
 // x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8]; w_scale float32 [N, G]; w_zp int32 [N, G] or none
@@ -643,7 +660,9 @@ namespace {
 // kernels (gemv_*), x's dtype from gemm_bf16.
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                            int64_t kernel) {
+                            int64_t kernel, bool zero_point_min) {
+  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32,
+              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) run the gemv_f32 kernel only");
   const at::Tensor c = codes.contiguous();
   const at::Tensor s = as_float(scale);
   c10::optional<at::Tensor> z;
@@ -651,7 +670,7 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
   at::Tensor y;
   switch (static_cast<WeightOnlyKernel>(kernel)) {
     case WeightOnlyKernel::kGemvF32:
-      y = weight_only_gemv(as_float(x2), c, s, z, bits, group);
+      y = weight_only_gemv(as_float(x2), c, s, z, bits, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemvBf16:
     case WeightOnlyKernel::kGemvBf16Split:
@@ -671,11 +690,11 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
 
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
-                              int64_t kernel) {
+                              int64_t kernel, bool zero_point_min) {
   const int64_t K = x.size(-1), N = codes.size(0);
   const int64_t M = K ? x.numel() / K : 0;
   const at::Tensor x2 = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({M, K}).contiguous();
-  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel);
+  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel, zero_point_min);
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   if (x.dim() == 2) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -700,7 +719,7 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t K = x.size(-1), N = codes.size(0), J = outliers.size(0);
   const int64_t M = K ? x.numel() / K : 0, G = J / high_group;
   const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel).contiguous();
+  at::Tensor y = weight_only_rows(x2, codes, scale, zero_point, bits, group, kernel, false).contiguous();
   const at::Tensor xh = x2.index_select(1, outliers).contiguous();
   const at::Tensor hs = high_scale.to(at::kFloat).contiguous();
   const at::Tensor hc = high_codes.contiguous();

@@ -208,12 +208,12 @@ def _has_a8_blocks() -> bool:
     return _C is not None and _C.has_a8_blocks()
 
 
-def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype) -> Plan:
-    return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision())
+def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype, zero_point_min: bool = False) -> Plan:
+    return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision(), zero_point_min)
 
 
 @lru_cache(maxsize=4096)  # a decode step asks for the same few plans over and over
-def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
+def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=False) -> Plan:
     if bits not in (4, 8):
         return Plan("reference", f"no CPU kernel for {bits}-bit codes")
     if dtype == torch.float64:
@@ -221,14 +221,17 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision) -> Plan:
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
     rows = _gemv_max_m(bits, dtype, exact)
+    # q * s + m weights (the "min" domain) run the float32 kernels: the bf16 ones compute (q - z) * s
+    bf16 = not zero_point_min
     if fused and m <= rows:
         split = dtype != torch.bfloat16
-        if bits == 4 and _C.gemv_bf16_supported(k, group) and (not split or m <= (0 if exact else SPLIT_MAX_M)):
+        if (bf16 and bits == 4 and _C.gemv_bf16_supported(k, group)
+                and (not split or m <= (0 if exact else SPLIT_MAX_M))):
             if split:
                 return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
             return Plan("gemv_bf16", f"up to {rows} rows: packed weight, bf16 dot products")
         return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
-    if not exact and _C is not None and _C.gemm_bf16_supported(k, group):
+    if bf16 and not exact and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
@@ -309,7 +312,7 @@ class CpuBackend(Backend):
             return _a8_blocks_plan(weight.bits, weight.group_size or k, act.group_size, m, k)
         if act is not None:
             return _act8_plan(weight.bits, weight.group_size or k, m, k)
-        return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype)
+        return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype, weight.zero_point_domain == "min")
 
     def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
         if scheme.bits == 3:  # 3-bit codes straddle words
@@ -356,7 +359,7 @@ class CpuBackend(Backend):
                                     col_scale.to(torch.float32).contiguous(), out_dtype)
 
     # -- matmuls -------------------------------------------------------------------------
-    def weight_only_matmul(self, x, codes, scale, zero_point, bits, group_size):
+    def weight_only_matmul(self, x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
         """x @ dequantize(W).T with the kernel ``plan`` picks.  The decode kernels
         (``gemv_*``, up to ``gemv_max_m`` rows) read the packed weight and accumulate in
         float32: 4-bit through bf16 dot products on the codes (gemv_bf16.cpp; non-bf16 x
@@ -367,16 +370,23 @@ class CpuBackend(Backend):
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
         (float32 at the float32 matmul precision "highest", and on machines without
-        AVX-512) through torch.mm.  No float copy of W larger than x is made."""
+        AVX-512) through torch.mm.  No float copy of W larger than x is made.
+
+        A weight in the "min" domain (``zero_point_min``: W = q * s + m) runs the float32
+        kernels: ``gemv_f32`` takes its codes as unsigned without a zero point and adds
+        m times the group sums of x per group, sum_g (s_g sum q x + m_g sum x), within
+        the same gamma bound of sum (|q s| + |m|) |x| (tests/test_matmul.py); the tiles
+        dequantize q * s + m, the reference's weight."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        kernel = _weight_only_plan(bits, group_size, m, k, x.dtype).kernel
+        kernel = _weight_only_plan(bits, group_size, m, k, x.dtype, zero_point_min).kernel
         if kernel == "reference":
-            return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+            return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
         if kernel.startswith("tiles"):
             cdt = torch.float32 if kernel == "tiles_f32" else torch.bfloat16
-            return _tiles(x, codes, scale, zero_point, bits, group_size, cdt)
-        return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel))
+            return _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min)
+        return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel),
+                                     zero_point_min)
 
     def split_matmul(self, x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
                      high_zero_point, high_bits, high_group_size):
@@ -538,17 +548,22 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
     return buf[:n].view(rows, cols)
 
 
-def _dequantized(codes, s, zp, bits, signed, k, group_size, cdt, reuse: bool):
+def _dequantized(codes, s, zp, bits, signed, k, group_size, cdt, reuse: bool, zero_point_min=False):
     """The float [rows, k] tile of packed ``codes``, in this thread's scratch buffer when
     ``reuse`` (not when autograd may keep it for a backward pass)."""
     if not reuse:
+        if zero_point_min:
+            return _C.dequantize_min(codes, s, zp, bits, k, group_size, 1, cdt)
         return _C.dequantize(codes, s, zp, bits, signed, k, group_size, 1, cdt)
     w = _scratch("tile", codes.shape[0], k, cdt)
-    _C.dequantize_into(w, codes, s, zp, bits, signed, k, group_size, 1)
+    if zero_point_min:
+        _C.dequantize_min_into(w, codes, s, zp, bits, k, group_size, 1)
+    else:
+        _C.dequantize_into(w, codes, s, zp, bits, signed, k, group_size, 1)
     return w
 
 
-def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
+def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=False):
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
     zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
@@ -562,7 +577,8 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
     reuse = not (torch.is_grad_enabled() and xc.requires_grad)
     tile = max(16, TILE_BYTES // max(k * xc.element_size(), 1), m)
     if tile >= n or n * k <= m * (k + n):
-        w = _dequantized(codes.contiguous(), s, zp, bits, zero_point is None, k, group_size, cdt, reuse)
+        w = _dequantized(codes.contiguous(), s, zp, bits, zero_point is None, k, group_size, cdt, reuse,
+                         zero_point_min)
         return torch.mm(xc, w.T).to(x.dtype).reshape(*x.shape[:-1], n)
     # Each tile's GEMM into its columns of y: 512 x 1536 x 576 at 3 tiles took 1.5x the
     # float32 GEMM computing y.T tile by tile and transposing it (Zen 3); this, 1.05x.
@@ -570,7 +586,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt):
     for n0 in range(0, n, tile):
         n1 = min(n, n0 + tile)
         w = _dequantized(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
-                         bits, zero_point is None, k, group_size, cdt, reuse)
+                         bits, zero_point is None, k, group_size, cdt, reuse, zero_point_min)
         out[:, n0:n1] = torch.mm(xc, w.T)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -654,9 +670,8 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
                      dtype: torch.dtype):
     """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
     weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
-    plan's kernel is not one decode.cpp runs, the activations are per tensor (static scales),
-    or the weight is in the "min" domain (decode.cpp computes (q - z) * s, not q * s + m)."""
-    if (act is not None and act.granularity == "tensor") or weight.zero_point_domain == "min":
+    plan's kernel is not one decode.cpp runs or the activations are per tensor (static scales)."""
+    if act is not None and act.granularity == "tensor":
         return None
     kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
@@ -668,7 +683,7 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
     if act is None:
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
-                             weight_only_kernel_index(kernel))
+                             weight_only_kernel_index(kernel), weight.zero_point_domain == "min")
     mode = 1 if act.symmetric else 2
     if weight.bits == 8:  # kernel 1: int8_mm_rows, else torch._int_mm
         return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode, int(kernel == "int8_rows"))

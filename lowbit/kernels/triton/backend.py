@@ -11,7 +11,9 @@ from ..interface import Backend, Plan
 from . import elementwise, int8, weight_only
 
 
-def _weight_only_plan(bits, group, m, k, dtype) -> Plan:
+def _weight_only_plan(bits, group, m, k, dtype, zero_point_min=False) -> Plan:
+    if zero_point_min:
+        return Plan("reference", "no Triton kernel for q * s + m weights (the \"min\" zero-point domain)")
     if dtype == torch.float64 or not weight_only.supported(bits, group, k, m):
         return Plan("reference", "no Triton tile covers these bits, group size and K (or float64)")
     if m == 1:
@@ -26,7 +28,7 @@ class TritonBackend(Backend):
     def plan(self, weight, act, m, k, dtype):
         group = weight.group_size or k
         if act is None:
-            return _weight_only_plan(weight.bits, group, m, k, dtype)
+            return _weight_only_plan(weight.bits, group, m, k, dtype, weight.zero_point_domain == "min")
         if act.granularity == "group":
             return Plan("reference", "no triton kernel for activations in int8 blocks")
         if weight.bits == 8:
@@ -60,11 +62,11 @@ class TritonBackend(Backend):
     def dequantize_accumulator_rowcol(self, acc, row_scale, col_scale, out_dtype):
         return elementwise.dequantize_accumulator_rowcol(acc, row_scale, col_scale, out_dtype)
 
-    def weight_only_matmul(self, x, codes, scale, zero_point, bits, group_size):
+    def weight_only_matmul(self, x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        if _weight_only_plan(bits, group_size, m, k, x.dtype).kernel == "reference":
-            return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
+        if _weight_only_plan(bits, group_size, m, k, x.dtype, zero_point_min).kernel == "reference":
+            return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
         return weight_only.weight_only_matmul(x, codes, scale, zero_point, bits, group_size)
 
     def int8_mm(self, a, b):
