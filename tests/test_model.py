@@ -130,7 +130,13 @@ def test_presets_run_and_their_error_follows_their_precision(smol, prompt_ids):
 
     two_bit = lowbit.Recipe(weight="int2-asym-g64")
     k = {r: kl(r) for r in ["w8a16", "w4a16-g64", "w8a8", "w4a8-g128", "q4_1"]} | {"int2": kl(two_bit)}
-    assert k.pop("q4_1") == 0  # the bundled weights are Q4_1: their own grid, exactly
+    # The bundled weights are Q4_1: q4_1 lands on their own grid, exactly (the same weights);
+    # its logits differ only by float32 summation order (|d logit| < 1e-4, as the int4 twin
+    # above), so the KL is rounding noise, far below 4-bit error (w4a16-g64: ~0.5).
+    assert abs(k.pop("q4_1")) < 1e-5
+    q = lowbit.quantize_model(model, "q4_1", inplace=False)
+    assert torch.equal(lowbit.dequantize(q.model.layers[0].mlp.down_proj.qweight),
+                       model.model.layers[0].mlp.down_proj.weight)
     assert all(v > 0 for v in k.values()), k
     # fewer bits, more error: 8 < 4 < 2 bits of weight; 8-bit activations add to it
     assert k["w8a16"] < k["w4a16-g64"] < k["int2"], k
