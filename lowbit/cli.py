@@ -844,7 +844,7 @@ def info_cmd(path: str) -> dict:
     return meta
 
 
-KERNEL_PLAN_RECIPES = ("w8a16", "w4a16-g128", "q8_0", "q4_0", "q8_0-a8", "q4_0-a8", "w8a8", "w4a8-g128")
+KERNEL_PLAN_RECIPES = ("w8a16", "w4a16-g128", "q8_0", "q4_0", "q4_1", "q8_0-a8", "q4_0-a8", "w8a8", "w4a8-g128")
 KERNEL_PLAN_ROWS = (1, 4, 16, 64, 512)
 
 
@@ -908,7 +908,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
     print(f"{dtype} activations, torch float32 matmul precision '{torch.get_float32_matmul_precision()}'")
     backend = get_backend("cpu")
     rows, reasons = [], {}
-    head = f"{'weight':<22}{'activations':<16}{'K':>6}  " + "".join(f"{'M=' + str(m):<14}" for m in KERNEL_PLAN_ROWS)
+    head = f"{'weight':<25}{'activations':<16}{'K':>6}  " + "".join(f"{'M=' + str(m):<14}" for m in KERNEL_PLAN_ROWS)
     print(head)
     print("-" * len(head))
     for w, a, k in combos:
@@ -917,7 +917,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
         for p in plans:
             reasons.setdefault(p.kernel, set()).add(p.why)
         rows.append({"weight": w, "activation": a, "k": k, "kernels": [p.kernel for p in plans]})
-        print(f"{w:<22}{a or '-':<16}{k:>6}  " + "".join(f"{p.kernel:<14}" for p in plans))
+        print(f"{w:<25}{a or '-':<16}{k:>6}  " + "".join(f"{p.kernel:<14}" for p in plans))
     print("why:")
     for kernel, whys in reasons.items():
         for why in sorted(whys):
