@@ -73,6 +73,28 @@ def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
         assert_weight_only_close(qt, x.to(dtype), backend)
 
 
+def test_a_quant_linear_differentiates_exports_and_lowers_to_the_row_kernel():
+    """The op's seventh argument (zero_point_min) reaches the backward pass (the
+    dequantized q * s + m weight), the exported graph and the lowering pass's plan."""
+    from lowbit.nn import QuantLinear
+    from lowbit.passes import lower
+
+    ql = QuantLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "int4-asym-g32-zpmin-f16")
+    x = torch.randn(3, 64, requires_grad=True)
+    ql(x).sum().backward()
+    assert torch.allclose(x.grad, torch.ones(3, 32) @ lowbit.dequantize(ql.qweight), rtol=0, atol=1e-5)
+    ep = torch.export.export(torch.nn.Sequential(ql).requires_grad_(False), (torch.randn(2, 64),))
+    node = next(n for n in ep.graph.nodes if n.target == torch.ops.lowbit.weight_only_matmul.default)
+    assert node.args[6] is True
+    from lowbit.kernels import cpu
+
+    if cpu.available() and cpu._has_gemv_f32():  # the cpu plan of a q * s + m weight: never a bf16 kernel
+        record = next(n for n in lower(ep, "cpu").graph.nodes if n.name == node.name).meta["custom"]
+        assert record["lowbit_kernels"]["M=1"].startswith("gemv_f32"), record
+    x2 = torch.randn(2, 64)
+    assert torch.equal(ep.module()(x2), ql(x2))
+
+
 @pytest.mark.parametrize("scheme", ["int4-asym-g32-zpmin-f16", "int2-asym-g64-zpmin-f16", "int3-asym-g32-zpmin-f16"])
 def test_gguf_q4_1_holds_it_exactly(scheme):
     qt = lowbit.quantize(torch.randn(16, 256), scheme)
