@@ -392,12 +392,10 @@ def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None =
 
 def _check_block_act_weight(w: QuantScheme, a: QuantScheme, in_features: int | None) -> None:
     """Activations in blocks run with any 4- or 8-bit weight whose groups are whole blocks
-    (the float scales multiply integer dot products of one block)."""
+    (the float scales multiply integer dot products of one block), "min" domain included
+    (q * s + m: llama.cpp's Q4_1 x Q8_1)."""
     if w.bits not in (4, 8):
         raise ValueError(f"activations in blocks ('{a}') need an 8-bit or a 4-bit weight, got '{w}'")
-    if w.zero_point_domain == "min":
-        raise ValueError(f"activations in blocks ('{a}') need a weight of (q - z) * s, got the 'min' domain "
-                         f"(q * s + m) of '{w}'")
     group = w.group_size if w.granularity == "group" else in_features
     if group is not None and group % a.group_size:
         raise ValueError(f"weight groups of {group} ('{w}') are not whole activation blocks of {a.group_size} "

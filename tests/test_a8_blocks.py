@@ -15,7 +15,8 @@ from .test_matmul import UNIT, abs_products, gamma
 
 ACT = "int8-sym-g32"
 SCHEMES = ["int4-sym-g32-f16", "int4-asym-g64", "int4-asym-g32-zpfloat-f16", "int4-sym-g128-bf16",
-           "int4-asym-channel", "int8-sym", "int8-sym-g32-f16", "int8-asym-g64"]
+           "int4-asym-channel", "int8-sym", "int8-sym-g32-f16", "int8-asym-g64", "int4-asym-g32-zpmin-f16",
+           "int8-asym-g64-zpmin"]
 
 
 def fake_quantized(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,6 @@ def test_non_finite_activations_are_refused_naming_x(backend, m, bad):
 
 @pytest.mark.parametrize("weight, act, k, message", [
     ("int2-asym-g64", ACT, 64, "need an 8-bit or a 4-bit weight"),
-    ("int4-asym-g32-zpmin-f16", ACT, 64, "'min' domain"),
     ("int8-sym-g16", ACT, 64, "weight groups of 16"),
     ("int4-sym-channel", ACT, 48, "weight groups of 48"),
     ("int4-sym-g32", "int8-asym-g32", 64, "symmetric with float32 scales"),
@@ -139,7 +139,8 @@ def _needs_gemm():
 
 @pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
                                        ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
-                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288)])
+                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
+                                       ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9, 70])
 @pytest.mark.parametrize("n", [1, 15, 16, 40])
 def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
@@ -171,7 +172,8 @@ def _gemms(bits):
             else (cpu._C.gemm_a8_blocks8_many, cpu._C.gemm_a8_blocks8))
 
 
-@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64"])
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64",
+                                    "int4-asym-g32-zpmin-f16", "int8-asym-g64-zpmin"])
 def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts
@@ -181,10 +183,11 @@ def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(schem
     parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
     args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
     many, one = _gemms(parts[0][3])
-    ys, ok = many(x, *map(list, zip(*args)), parts[0][4])
+    min_form = "zpmin" in scheme
+    ys, ok = many(x, *map(list, zip(*args)), parts[0][4], min_form)
     assert ok and len(ys) == 3
     for y, (c, s, z) in zip(ys, args):
-        y1, ok1 = one(x, c, s, z, parts[0][4])
+        y1, ok1 = one(x, c, s, z, parts[0][4], min_form)
         assert ok1 and torch.equal(y, y1)
 
 
@@ -198,20 +201,23 @@ def test_cpu_panel_gemm_reports_non_finite_x_and_checks_its_arguments(scheme):
     gemm = _gemms(bits)[1]
     x = torch.randn(5, 64)
     x[3, 7] = float("nan")
-    assert gemm(x, c, s, None, group)[1] is False
+    assert gemm(x, c, s, None, group, False)[1] is False
     x[3, 7] = float("inf")
-    assert gemm(x, c, s, None, group)[1] is False
+    assert gemm(x, c, s, None, group, False)[1] is False
     with pytest.raises(RuntimeError, match="contiguous float32 x"):
-        gemm(x.double(), c, s, None, group)
+        gemm(x.double(), c, s, None, group, False)
     with pytest.raises(RuntimeError, match="multiple of 32 that divides K"):
-        gemm(torch.randn(2, 64), c, s, None, 48)
+        gemm(torch.randn(2, 64), c, s, None, 48, False)
     with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
-        gemm(torch.randn(2, 64), c, s[:8], None, group)
-    y, ok = gemm(torch.randn(0, 64), c, s, None, group)
+        gemm(torch.randn(2, 64), c, s[:8], None, group, False)
+    with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
+        gemm(torch.randn(2, 64), c, s, None, group, True)
+    y, ok = gemm(torch.randn(0, 64), c, s, None, group, False)
     assert ok and y.shape == (0, 16)
 
 
-@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym", "int8-asym-g32"])
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym", "int8-asym-g32",
+                                    "int4-asym-g32-zpmin-f16", "int8-asym-g32-zpmin"])
 @pytest.mark.parametrize("m", [1, 6])
 def test_cpu_several_weights_in_one_call_give_the_bits_of_one_call_each(scheme, m):
     # the decode step's q/k/v and gate/up: one pass over x, one parallel region; row counts
@@ -225,16 +231,18 @@ def test_cpu_several_weights_in_one_call_give_the_bits_of_one_call_each(scheme, 
     parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 13)]
     args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
     bits, group = parts[0][3], parts[0][4]
-    ys, ok = cpu._C.linear_a8_blocks_many(x, *map(list, zip(*args)), bits, group)
+    min_form = "zpmin" in scheme
+    ys, ok = cpu._C.linear_a8_blocks_many(x, *map(list, zip(*args)), bits, group, min_form)
     assert ok and len(ys) == 3
     for y, (c, s, z) in zip(ys, args):
-        one, ok1 = cpu._C.linear_a8_blocks(x, c, s, z, bits, group)
+        one, ok1 = cpu._C.linear_a8_blocks(x, c, s, z, bits, group, min_form)
         assert ok1 and torch.equal(y, one)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 32), ("int4-asym-g32", 96), ("int4-sym-channel", 160),
                                        ("int4-asym-g96", 288), ("int4-sym-g96", 96), ("int8-asym-g96", 288),
+                                       ("int4-asym-g96-zpmin", 288),
                                        ("int8-sym-channel", 160)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_odd_block_counts_and_groups_across_block_pairs(backend, scheme, k, m):
@@ -256,7 +264,7 @@ def test_lm_head_activation_is_checked_and_saved():
     with pytest.raises(ValueError, match="per-tensor scheme needs calibrated scales"):
         lowbit.Recipe(**base, lm_head="int8-sym", lm_head_activation="int8-sym-tensor")
     with pytest.raises(ValueError, match="lm_head/lm_head_activation"):
-        lowbit.Recipe(**base, lm_head="int4-asym-g32-zpmin-f16", lm_head_activation=ACT)
+        lowbit.Recipe(**base, lm_head="int2-asym-g64", lm_head_activation=ACT)
     r = lowbit.Recipe(**base, lm_head="int8-sym-g32-f16", lm_head_activation=ACT)
     assert r.scheme_for("lm_head") == ("int8-sym-g32-f16", ACT)
     assert lowbit.Recipe.from_dict(r.to_dict()) == r

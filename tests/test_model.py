@@ -268,11 +268,17 @@ def test_evaluate_adds_an_int8_activation_row_after_each_weight_only_model(smol)
 
     model, tok = smol
     models = {r: lowbit.quantize_model(model, r, inplace=False) for r in ["q4_1", "w4a16-g64", "w8a8"]}
-    with pytest.warns(UserWarning, match="no 'q4_1 act int8' row: .*min"):  # q * s + m weights cannot
+    models["int3"] = lowbit.quantize_model(model, lowbit.Recipe(weight="int3-asym-g64"), inplace=False)
+    with pytest.warns(UserWarning, match="no 'int3 act int8' row: .*need an 8-bit or a 4-bit weight"):
         rows = evaluate(models, tok, reference=model, ctx=64, max_windows=1, greedy_tokens=4, speed=False,
                         act_compute="int8")
     by = {r["model"]: r for r in rows}
-    assert list(by) == ["float", "q4_1", "w4a16-g64", "w4a16-g64 act int8", "w8a8"]  # w8a8: int8 already
+    # w8a8: int8 already; int3: no integer kernel for 3-bit codes
+    assert list(by) == ["float", "q4_1", "q4_1 act int8", "w4a16-g64", "w4a16-g64 act int8", "w8a8", "int3"]
+    # q4_1 is the bundled weights' own grid (KL 0); its int8 twin (llama.cpp's Q4_1 x Q8_1) adds
+    # only the activations' rounding, small next to a second 4-bit rounding of the weights (g64)
+    assert by["q4_1"]["kl_divergence"] == 0 < by["q4_1 act int8"]["kl_divergence"]
+    assert by["q4_1 act int8"]["kl_divergence"] < 0.2 * by["w4a16-g64"]["kl_divergence"]
     assert by["w4a16-g64 act int8"]["act_compute"] == "int8" and by["w4a16-g64"]["act_compute"] is None
     # another arithmetic, close to the weight-only one: the activations' rounding is small next
     # to the weights' (int4 g64, the bundled model's weights rounded a second time)
@@ -325,13 +331,15 @@ def _decode_step_covers(model, dtype) -> bool:
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
 @pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "w8a16", "w8a8", "w4a8-g128", "w8a8-asym", "q4_0-a8",
-                                    "q8_0-a8", "w4a8-g128-head8", "q4_1"])
+                                    "q8_0-a8", "w4a8-g128-head8", "q4_1", "q4_1-a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16, prompt_ids, recipe, dtype,
                                                                  monkeypatch):
     m = smol[0] if dtype == torch.float32 else smol_bf16
     if recipe == "w8a8-asym":  # asymmetric activations: the zero-point correction of W8A8
         recipe = lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")
+    if recipe == "q4_1-a8":  # q * s + m weights with activations in int8 blocks (llama.cpp's Q4_1 x Q8_1)
+        recipe = lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
     native = Runner(m)

@@ -120,13 +120,14 @@ class Backend:
     def int8_mm(self, a, b):
         return ref.int8_mm(a, b)
 
-    def linear_a8_blocks(self, x, codes, scale, zero_point, bits: int, group_size: int, act_block: int):
+    def linear_a8_blocks(self, x, codes, scale, zero_point, bits: int, group_size: int, act_block: int,
+                         zero_point_min: bool = False):
         """(y, ok): x [..., K] quantized to int8 in symmetric blocks of ``act_block`` along K,
         times the weight; ok is False (and y unwritten) when x held NaN/Inf: the op then
         says where."""
         if not bool(torch.isfinite(x).all()):
             return x.new_empty((*x.shape[:-1], codes.shape[0])), False
-        return ref.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block), True
+        return ref.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min), True
 
     def linear_qta8a_qga4w(self, x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size: int, bias):
         return ref.linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias)

@@ -254,9 +254,10 @@ def int8_blocks(x, act_block):
     return dequantize(quantize(x32, xs, None, s), xs, None, s, torch.float32)
 
 
-def linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block):
+def linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min=False):
     """``int8_blocks`` of x, then the weight-only matmul in float32, rounded once to x's dtype."""
-    return weight_only_matmul(int8_blocks(x, act_block), codes, scale, zero_point, bits, group_size).to(x.dtype)
+    return weight_only_matmul(int8_blocks(x, act_block), codes, scale, zero_point, bits, group_size,
+                              zero_point_min).to(x.dtype)
 
 
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

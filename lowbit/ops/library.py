@@ -318,12 +318,14 @@ def int8_linear(backend, a, a_zero_point, b, row_scale, col_scale, bias, out_dty
 
 
 @_define("linear_a8_blocks(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, int group_size, "
-         "int act_block) -> Tensor",
-         lambda x, codes, scale, zero_point, bits, group_size, act_block: x.new_empty([*x.shape[:-1], codes.shape[0]]))
-def linear_a8_blocks(backend, x, codes, scale, zero_point, bits, group_size, act_block):
+         "int act_block, bool zero_point_min=False) -> Tensor",
+         lambda x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min=False:
+         x.new_empty([*x.shape[:-1], codes.shape[0]]))
+def linear_a8_blocks(backend, x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min=False):
     """x quantized to int8 in symmetric blocks of ``act_block`` values along K (float32
-    scales, chosen on the fly), times the weight-only weight: ``Backend.linear_a8_blocks``."""
-    y, ok = backend.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
+    scales, chosen on the fly), times the weight-only weight (q * s + zero_point with
+    ``zero_point_min``): ``Backend.linear_a8_blocks``."""
+    y, ok = backend.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
     if not ok:  # the backend checked (the CPU kernel while it quantized, no extra pass); name what was wrong
         _validate.finite("x", x)
         raise ValueError("x holds values past the largest float32 (the blocks are quantized in float32)")

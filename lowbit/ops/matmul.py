@@ -269,8 +269,9 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         if act_scale is not None or act_zero_point is not None:
             raise ValueError(f"act_scheme='{s}' chooses a scale per block of x on the fly; act_scale / "
                              "act_zero_point are for per-tensor schemes")
+        min_form = (True,) if w.zero_point_domain == "min" else ()  # as weight-only, above
         y = library.call(library.linear_a8_blocks, backend, x.device, x, codes, scales, zps, bits, group,
-                         s.group_size)
+                         s.group_size, *min_form)
         return y if bias is None else y + bias.to(y.dtype)
     x2 = x.reshape(-1, k)
     xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)

@@ -35,8 +35,8 @@ def _schemes(node: fx.Node) -> tuple[QuantScheme, QuantScheme | None, int] | Non
 
     if node.target == lowbit.weight_only_matmul.default:  # x, codes, scale, zp, bits, group[, zero_point_min]
         return weight(a[4], a[5], a[2], a[3], len(a) > 6 and a[6]), None, k
-    if node.target == lowbit.linear_a8_blocks.default:  # ... act_block
-        return weight(a[4], a[5], a[2], a[3]), QuantScheme.parse(f"int8-sym-g{a[6]}"), k
+    if node.target == lowbit.linear_a8_blocks.default:  # ... act_block[, zero_point_min]
+        return weight(a[4], a[5], a[2], a[3], len(a) > 7 and a[7]), QuantScheme.parse(f"int8-sym-g{a[6]}"), k
     if node.target == lowbit.int8_linear.default:  # a, a_zp, b, row_scale, col_scale, bias, dtype
         return weight(8, k, a[4], None), QuantScheme.parse(f"int8-{'sym' if a[1] is None else 'asym'}-token"), k
     # linear_qta8a_qga4w: x_q, x_scale, x_zp, codes, scale, zp, group

@@ -126,7 +126,8 @@ struct Rows {
 // The loop of the many-row kernels (gemm_a8.cpp, gemm_i16.cpp): x [M, K] in blocks
 // (Rows<Q>), then every weight in panels of COLS of its rows (each_panel), each thread
 // with its own panel of K x COLS codes of type P that pack_codes(weight, n0, panel) lays
-// out, and per group and column the panel's s and s * z (s again for signed codes);
+// out, and per group and column the panel's s and s * z (s again for signed codes, -m for
+// the "min" domain's q * s + m: the term subtracted is then -m times the group sums);
 // tile(rows, xq, d, xs, panel, s, sz, y, ldy, cols) for each tile, with x's codes, block
 // scales and group sums at the tile's first row.  False (nothing written) if x held NaN or Inf.
 template <typename Q, typename P, int COLS, int ROWS, typename PackCodes, typename Tile>
@@ -149,7 +150,7 @@ bool blocks_by_panels(const float* x, int64_t M, int64_t K, int64_t group, const
         pack_codes(wt, n0, t.panel.data());
         pack_groups<COLS>(wt.N, G, n0, t.s.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
         pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
-          return wt.z ? wt.s[n * G + g] * wt.z[n * G + g] : wt.s[n * G + g];
+          return !wt.z ? wt.s[n * G + g] : wt.min ? -wt.z[n * G + g] : wt.s[n * G + g] * wt.z[n * G + g];
         });
       },
       [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {

@@ -374,7 +374,7 @@ struct Proj {
 bool share_blocks(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 3 || p->bits != ps[0]->bits || p->group != ps[0]->group ||
-        p->zero_point.has_value() != ps[0]->zero_point.has_value())
+        p->zero_point.has_value() != ps[0]->zero_point.has_value() || p->zero_point_min != ps[0]->zero_point_min)
       return false;
   return true;
 }
@@ -397,7 +397,8 @@ std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, cons
   const bool plain = x.dim() == 2 && x.scalar_type() == at::kFloat;  // outputs need no op either
   const at::Tensor x2 = as_float(x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}));
   const Parts w(ps);
-  auto [ys, finite] = linear_a8_blocks_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group);
+  auto [ys, finite] =
+      linear_a8_blocks_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group, ps[0]->zero_point_min);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
   if (plain) return ys;
   for (size_t i = 0; i < ps.size(); ++i) {

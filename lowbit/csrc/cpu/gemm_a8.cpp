@@ -194,13 +194,13 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                                               const std::vector<at::Tensor>& scales,
                                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                                              int64_t group) {
+                                                              int64_t group, bool zero_point_min) {
   TORCH_CHECK(has_a8_blocks(), "lowbit._C.gemm_a8_blocks needs AVX2 and FMA");
   a8::check_x("lowbit._C.gemm_a8_blocks", x, group);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights("lowbit._C.gemm_a8_blocks", x, codes, scales, zero_points, 4, group, ys);
+      packed_weights("lowbit._C.gemm_a8_blocks", x, codes, scales, zero_points, 4, group, ys, zero_point_min);
   bool finite = true;
 #ifdef LOWBIT_A8_BLOCKS
   if (M > 0)
@@ -211,8 +211,9 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& 
 }
 
 std::tuple<at::Tensor, bool> gemm_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                            const c10::optional<at::Tensor>& zero_point, int64_t group) {
-  auto [ys, finite] = gemm_a8_blocks_many(x, {codes}, {scale}, {zero_point}, group);
+                                            const c10::optional<at::Tensor>& zero_point, int64_t group,
+                                            bool zero_point_min) {
+  auto [ys, finite] = gemm_a8_blocks_many(x, {codes}, {scale}, {zero_point}, group, zero_point_min);
   return {ys[0], finite};
 }
 

@@ -8,7 +8,9 @@
 //   x[m, k] ~ d[m, b] * xq[m, k]   for k in block b (32 values), xq in [-128, 127]
 //   y[m, n] = sum_g s[n, g] * ( sum_{b in g} d[m, b] * sum_{k in b} xq[m, k] q[n, k]
 //                               - z[n, g] * sum_{b in g} d[m, b] * sum_{k in b} xq[m, k] )
-// which is the reference (x dequantized per block, then the weight-only matmul) regrouped.
+// which is the reference (x dequantized per block, then the weight-only matmul) regrouped;
+// a weight in the "min" domain (W = q * s + m, unsigned codes) has + m[n, g] * (the same
+// sum of x) in place of - s z (llama.cpp's Q4_1 x Q8_1 arithmetic).
 //
 // 4-bit codes: u32x8 words read as bytes (byte i of a row: element 2i in its low nibble,
 // 2i + 1 in its high one); a block's 16 bytes give 16 low and 16 high nibbles, and the
@@ -48,18 +50,21 @@ constexpr int MB = 4;  // activation rows computed together
 // 0-3 hold block b0's partial sums, 4-7 block b1's, scaled by [d0 s0 x4 | d1 s1 x4].  R * NR
 // independent accumulators (one alone would wait on its own FMA latency every step); each
 // weight step unpacked once for the R rows, each activation step loaded once for NR rows.
-// sum_g s[g] z[g] xs[g] (z = 8 for signed codes), 8 groups at a time.
+// sum_g s[g] z[g] xs[g] (z = 8 for signed codes; -m[g] in place of s z for the "min"
+// domain: z holds m), 8 groups at a time.
 template <bool SIGNED, bool HAS_ZP>
-inline float zero_point_term(const float* s, const float* z, const float* xs, int64_t G) {
+inline float zero_point_term(const float* s, const float* z, const float* xs, int64_t G, bool min) {
   if constexpr (!SIGNED && !HAS_ZP) return 0.f;
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
-    const __m256 sz = SIGNED ? _mm256_loadu_ps(s + g) : _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g));
+    const __m256 sz = SIGNED ? _mm256_loadu_ps(s + g)
+                      : min  ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(z + g))
+                             : _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g));
     acc = _mm256_fmadd_ps(sz, _mm256_loadu_ps(xs + g), acc);
   }
   float tail = 0.f;
-  for (; g < G; ++g) tail += s[g] * (SIGNED ? 1.f : z[g]) * xs[g];
+  for (; g < G; ++g) tail += (SIGNED ? s[g] : min ? -z[g] : s[g] * z[g]) * xs[g];
   return (fsum8(acc) + tail) * (SIGNED ? 8.f : 1.f);
 }
 
@@ -68,7 +73,7 @@ inline float zero_point_term(const float* s, const float* z, const float* xs, in
 // from DRAM: 1.45x on SmolLM2's 49152 x 576 Q8_0 head, 1.7x on 576 x 1536 Q4_0).
 template <int R, int NR, bool SIGNED, bool HAS_ZP>
 void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs, int64_t K, int64_t G,
-             int64_t group, const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+             int64_t group, const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2, per_group = group / BLOCK;
   const bool pow2 = (per_group & (per_group - 1)) == 0;
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(per_group));
@@ -127,14 +132,14 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j)  // sum_g s z sum_{b in g} d sum xq: signed codes are u - 8
-      y[r * ldy + j] = fsum8(acc[r][j]) - zero_point_term<SIGNED, HAS_ZP>(s + j * G, z + j * G, xs + r * G, G);
+      y[r * ldy + j] = fsum8(acc[r][j]) - zero_point_term<SIGNED, HAS_ZP>(s + j * G, z + j * G, xs + r * G, G, min);
 }
 
 // R activation rows x NR weight rows of 8-bit codes, one block per step: two vpmaddwd per
 // block and row pair, the block's scale d[r, b] * s[n, g] one float32 product.
 template <int R, int NR, bool SIGNED, bool HAS_ZP>
 void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+             const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, per_group = group / BLOCK;
   __m256 acc[R][NR];
   float corr[R][NR];
@@ -161,7 +166,7 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
     }
     if constexpr (HAS_ZP)
       for (int j = 0; j < NR; ++j)
-        for (int r = 0; r < R; ++r) corr[r][j] += sg[j] * z[j * G + g] * xs[r * G + g];
+        for (int r = 0; r < R; ++r) corr[r][j] += (min ? -z[j * G + g] : sg[j] * z[j * G + g]) * xs[r * G + g];
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) y[r * ldy + j] = fsum8(acc[r][j]) - corr[r][j];
@@ -198,10 +203,10 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
     const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
     if constexpr (four)
       w4_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, dp.data() + m * np * 8, xs.data() + m * G,
-                                     K, G, group, wn, wt.s + n * G, zn, wt.y + m * wt.N + n, wt.N);
+                                     K, G, group, wn, wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
     else
       w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
-                                     wt.s + n * G, zn, wt.y + m * wt.N + n, wt.N);
+                                     wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
   };
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;
@@ -244,14 +249,14 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
                                                                 const std::vector<at::Tensor>& codes,
                                                                 const std::vector<at::Tensor>& scales,
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                                                int64_t bits, int64_t group) {
+                                                                int64_t bits, int64_t group, bool zero_point_min) {
   TORCH_CHECK(has_a8_blocks(), "lowbit._C.linear_a8_blocks needs AVX2 and FMA");
   a8::check_x("lowbit._C.linear_a8_blocks", x, group);
   TORCH_CHECK(bits == 4 || bits == 8, "lowbit._C.linear_a8_blocks: bits must be 4 or 8");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights("lowbit._C.linear_a8_blocks", x, codes, scales, zero_points, bits, group, ys);
+      packed_weights("lowbit._C.linear_a8_blocks", x, codes, scales, zero_points, bits, group, ys, zero_point_min);
   const bool has_zp = zero_points[0].has_value();
   bool finite = true;
 #ifdef LOWBIT_A8_BLOCKS
@@ -267,8 +272,8 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
 
 std::tuple<at::Tensor, bool> linear_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                               const c10::optional<at::Tensor>& zero_point, int64_t bits,
-                                              int64_t group) {
-  auto [ys, finite] = linear_a8_blocks_many(x, {codes}, {scale}, {zero_point}, bits, group);
+                                              int64_t group, bool zero_point_min) {
+  auto [ys, finite] = linear_a8_blocks_many(x, {codes}, {scale}, {zero_point}, bits, group, zero_point_min);
   return {ys[0], finite};
 }
 

@@ -28,13 +28,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
 at::Tensor as_float(const at::Tensor& t);
 // One packed weight of a call over several weights of one kind (weight_only_gemv_many,
 // linear_a8_blocks_many): codes [N, row bytes], float32 scales and zero points [N, G], and
-// its float32 output y [M, N].
+// its float32 output y [M, N]; min: z holds the "min" domain's m (W = q * s + m, unsigned
+// codes), not a zero point ((q - z) * s).
 struct PackedWeight {
   const uint8_t* w;
   const float* s;
   const float* z;
   int64_t N;
   float* y;
+  bool min = false;
 };
 // Checks each weight against x [M, K] (codes [N, K] bytes or [N, K/8] int32 words, scale
 // float32 [N, K / group], float32 zero points of scale's shape on all or none; errors
@@ -42,7 +44,7 @@ struct PackedWeight {
 std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                          const std::vector<at::Tensor>& scales,
                                          const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,
-                                         int64_t group, std::vector<at::Tensor>& ys);
+                                         int64_t group, std::vector<at::Tensor>& ys, bool zero_point_min = false);
 bool has_avx512();
 bool has_gemv_f32();
 bool has_w4a8_rows();
@@ -72,22 +74,24 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemv_a8.cpp
 bool has_a8_blocks();
+// zero_point_min (here and in gemm_a8_blocks*): W = q * s + zero_point, the "min" domain.
 std::tuple<at::Tensor, bool> linear_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                               const c10::optional<at::Tensor>& zero_point, int64_t bits,
-                                              int64_t group);
+                                              int64_t group, bool zero_point_min);
 std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor& x,
                                                                 const std::vector<at::Tensor>& codes,
                                                                 const std::vector<at::Tensor>& scales,
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                                                int64_t bits, int64_t group);
+                                                                int64_t bits, int64_t group, bool zero_point_min);
 std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
 // gemm_a8.cpp
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                                               const std::vector<at::Tensor>& scales,
                                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                                              int64_t group);
+                                                              int64_t group, bool zero_point_min);
 std::tuple<at::Tensor, bool> gemm_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                            const c10::optional<at::Tensor>& zero_point, int64_t group);
+                                            const c10::optional<at::Tensor>& zero_point, int64_t group,
+                                            bool zero_point_min);
 at::Tensor w4a8_gemm_panels_avx2(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                                  const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gemm_i16.cpp
@@ -95,9 +99,10 @@ at::Tensor int8_mm_panels(const at::Tensor& a, const at::Tensor& b);
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                                                const std::vector<at::Tensor>& scales,
                                                                const std::vector<c10::optional<at::Tensor>>& zero_points,
-                                                               int64_t group);
+                                                               int64_t group, bool zero_point_min);
 std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                             const c10::optional<at::Tensor>& zero_point, int64_t group);
+                                             const c10::optional<at::Tensor>& zero_point, int64_t group,
+                                             bool zero_point_min);
 // dense.cpp
 bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

@@ -490,9 +490,8 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
               "lowbit._C.weight_only_gemv: group must be a multiple of ", bits == 4 ? 32 : 16, " that divides K");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights("lowbit._C.weight_only_gemv", x, codes, scales, zero_points, bits, group, ys);
+      packed_weights("lowbit._C.weight_only_gemv", x, codes, scales, zero_points, bits, group, ys, zero_point_min);
   const bool has_zp = zero_points[0].has_value();
-  TORCH_CHECK(has_zp || !zero_point_min, "lowbit._C.weight_only_gemv: zero_point_min needs the mins (zero_point)");
 #ifdef LOWBIT_GEMV_F32
   // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
   // the work (the group sums of x, the even/odd split).
@@ -627,11 +626,12 @@ at::Tensor as_float(const at::Tensor& t) {
 std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                          const std::vector<at::Tensor>& scales,
                                          const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,
-                                         int64_t group, std::vector<at::Tensor>& ys) {
+                                         int64_t group, std::vector<at::Tensor>& ys, bool zero_point_min) {
   TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && zero_points.size() == codes.size(), who,
               ": one scale and zero point per weight");
   const int64_t M = x.size(0), K = x.size(1);
   const bool has_zp = zero_points[0].has_value();
+  TORCH_CHECK(has_zp || !zero_point_min, who, ": zero_point_min needs the mins (zero_point)");
   std::vector<PackedWeight> weights;
   for (size_t i = 0; i < codes.size(); ++i) {
     const at::Tensor &c = codes[i], &s = scales[i];
@@ -650,7 +650,7 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
     ys.push_back(at::empty({M, N}, x.options().dtype(at::kFloat)));
     weights.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), s.data_ptr<float>(),
                                    has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N,
-                                   ys.back().data_ptr<float>()});
+                                   ys.back().data_ptr<float>(), zero_point_min});
   }
   return weights;
 }

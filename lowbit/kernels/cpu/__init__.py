@@ -403,7 +403,7 @@ class CpuBackend(Backend):
         return super().split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
                                     high_zero_point, high_bits, high_group_size)
 
-    def linear_a8_blocks(self, x, codes, scale, zero_point, bits, group_size, act_block):
+    def linear_a8_blocks(self, x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min=False):
         """Up to ``a8_rows_max_m`` rows, gemv_a8.cpp: each row of x quantized to int8 blocks
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
         (exact), each scaled by its block's float32 scale, per-group sums scaled by the
@@ -413,25 +413,28 @@ class CpuBackend(Backend):
         tiles (``_tiles``).  The codes and scales are the
         reference's; the float32 roundings differ (order of the sums, one product of the
         two scales per block, the zero-point term apart), within the bound derived in
-        tests/test_a8_blocks.py."""
+        tests/test_a8_blocks.py.  A weight in the "min" domain (``zero_point_min``: q * s + m,
+        llama.cpp's Q4_1 x Q8_1) adds m times the group sums of x where the others take
+        s z times them away."""
         k, n = x.shape[-1], codes.shape[0]
         m = x.numel() // k
         kernel = _a8_blocks_plan(bits, group_size, act_block, m, k).kernel
         if kernel == "reference":
-            return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block)
+            return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
         x2 = _float32(x.reshape(m, k))
         if kernel == "a8_tiles":
             xd, ok = _C.fake_quantize_a8_blocks(x2)
             if not ok:
                 return x.new_empty((*x.shape[:-1], n)), False
-            y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32)
+            y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32, zero_point_min)
         else:
             zp = None if zero_point is None else _float32(zero_point)
             if kernel == "a8_gemm":
                 gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
-                y, ok = gemm(x2, codes.contiguous(), _float32(scale), zp, group_size)
+                y, ok = gemm(x2, codes.contiguous(), _float32(scale), zp, group_size, zero_point_min)
             else:
-                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size)
+                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size,
+                                            zero_point_min)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
 
@@ -679,7 +682,8 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
     s = scale.to(torch.float32).contiguous()
     if kernel == "a8_blocks":
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 3)
+        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 3, 0,
+                             weight.zero_point_domain == "min")
     if act is None:
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
