@@ -12,6 +12,7 @@ decode speed, each recipe next to its int8-block twin, in one run:
     python benchmarks/act_blocks.py                 # accuracy and speed, about 8 minutes
     python benchmarks/act_blocks.py --only speed
     python benchmarks/act_blocks.py --quick         # a smoke test
+    python benchmarks/act_blocks.py --recipes q4_1  # one recipe and its twin
 
 Accuracy: perplexity, KL and top-1 against the float model on the same windows
 (``lowbit.evaluate``).  Speed: ``Runner.generate`` decode tokens/s after a 512-token
@@ -33,7 +34,7 @@ from lowbit.recipe import Recipe
 from lowbit.runtime import Runner
 
 BLOCKS = "int8-sym-g32"
-RECIPES = ["w8a16-head8", "w4a16-g64", "w4a16-g128-head8", "q8_0", "q4_0"]
+RECIPES = ["w8a16-head8", "w4a16-g64", "w4a16-g128-head8", "q8_0", "q4_0", "q4_1"]
 
 
 def with_blocks(name: str) -> Recipe:
@@ -88,8 +89,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--recipes", nargs="+", choices=RECIPES, help="only these recipes (default: all)")
     args = ap.parse_args()
-    names = RECIPES[-2:] if args.quick else RECIPES
+    names = args.recipes or (RECIPES[-2:] if args.quick else RECIPES)
     if args.quick:
         args.windows, args.rounds, args.decode = 2, 1, 16
     print(f"lowbit {lowbit.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "

@@ -49,7 +49,8 @@ from lowbit.evaluation import _prompt_ids, default_corpus
 from lowbit.formats.compressed_tensors import export_compressed_tensors
 from lowbit.runtime import Runner
 
-# name, model dtype, recipe (None: float), llama.cpp type it is compared with, Runner's act_compute
+# name, model dtype, recipe (None: float; "native": the bundled GGUF loaded natively), llama.cpp type it is
+# compared with, Runner's act_compute
 ROWS = [
     ("float32", torch.float32, None, "F32", None),
     ("bfloat16", torch.bfloat16, None, None, None),
@@ -69,6 +70,10 @@ ROWS = [
     # the same arithmetic on weight-only checkpoints: Runner(act_compute="int8")
     ("w8a16-head8 act int8", torch.bfloat16, "w8a16-head8", "Q8_0", "int8"),
     ("w4a16-g128-head8 act int8", torch.bfloat16, "w4a16-g128-head8", "Q4_0", "int8"),
+    ("q4_1 act int8", torch.bfloat16, "q4_1", "Q4_1", "int8"),  # llama.cpp's Q4_1 x Q8_1 (the head stays float)
+    # the bundled GGUF file itself, as llama.cpp runs it: its own Q4_1 linears and Q8_0 tied embedding / head
+    ("gguf native", torch.bfloat16, "native", "Q4_1", None),
+    ("gguf native act int8", torch.bfloat16, "native", "Q4_1", "int8"),
 ]
 
 
@@ -190,8 +195,11 @@ def main() -> None:
         if args.rows and name not in args.rows:
             continue
         m = models[dt if recipe is None else qdt][0]
-        runners[name] = Runner(m if recipe is None else lowbit.quantize_model(m, recipe, inplace=False),
-                               act_compute=act)
+        if recipe == "native":  # load_model(gguf="native"): the file's own tensors, no float copy
+            q = lowbit.load_model(gguf="native", dtype=qdt, progress=False)[0]
+        else:
+            q = m if recipe is None else lowbit.quantize_model(m, recipe, inplace=False)
+        runners[name] = Runner(q, act_compute=act)
         runners[name].generate(prompt[:16], 4)  # warm-up
     hf = {} if args.no_transformers else {"transformers float32": models[torch.float32][0],
                                           "transformers bfloat16": models[torch.bfloat16][0]}
