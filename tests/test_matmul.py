@@ -144,7 +144,8 @@ def test_reference_weight_only_is_the_float_linear_of_the_dequantized_weight(bac
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scheme", ["int8-sym-g32", "int4-asym-g64", "int4-sym-channel", "int4-asym-g32-zpfloat"])
+@pytest.mark.parametrize("scheme", ["int8-sym-g32", "int4-asym-g64", "int4-sym-channel", "int4-asym-g32-zpfloat",
+                                    "int4-asym-g32-zpmin-f16"])
 def test_quantized_matmul_raw_api_equals_linear_and_writes_out(backend, scheme):
     qt = lowbit.quantize(torch.randn(24, 128), scheme)
     x = torch.randn(3, 128)
@@ -152,12 +153,26 @@ def test_quantized_matmul_raw_api_equals_linear_and_writes_out(backend, scheme):
     group = s.group_size or 128
     scales = qt.scale.reshape(24, -1)
     zps = None if qt.zero_point is None else qt.zero_point.reshape(24, -1)
-    y = quantized_matmul(x, qt.codes, scales, zps, bits=s.bits, group_size=group, backend=backend)
+    codes = qt.codes
+    kw = dict(bits=s.bits, group_size=group, zero_point_min=s.zero_point_domain == "min", backend=backend)
+    y = quantized_matmul(x, codes, scales, zps, **kw)
     assert torch.equal(y, linear(x, qt, backend=backend))
     out = torch.empty(3, 24)
-    assert quantized_matmul(x, qt.codes, scales, zps, bits=s.bits, group_size=group, out=out,
-                            backend=backend) is out
+    assert quantized_matmul(x, codes, scales, zps, out=out, **kw) is out
     assert torch.equal(out, y)
+
+
+def test_quantized_matmul_refuses_a_min_form_without_float_mins():
+    qt = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="zero_point_min=True needs zero_point: the float mins m .* got None"):
+        quantized_matmul(x, qt.codes, qt.scale.reshape(8, 2), bits=4, group_size=32, zero_point_min=True)
+    with pytest.raises(ValueError, match="got torch.uint8"):
+        quantized_matmul(x, qt.codes, qt.scale.reshape(8, 2), qt.zero_point.reshape(8, 2), bits=4, group_size=32,
+                         zero_point_min=True)
+    with pytest.raises(TypeError, match="zero_point_min must be a bool, got int"):
+        quantized_matmul(x, qt.codes, qt.scale.reshape(8, 2), qt.zero_point.reshape(8, 2), bits=4, group_size=32,
+                         zero_point_min=1)
 
 
 # -- W8A8 ------------------------------------------------------------------------------------

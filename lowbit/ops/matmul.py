@@ -54,7 +54,8 @@ def _check_weight(k: int, codes, scale, zero_point, bits, group_size,
 
 def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                      zero_point: torch.Tensor | None = None, *, bits: int, group_size: int,
-                     out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+                     zero_point_min: bool = False, out: torch.Tensor | None = None,
+                     backend: str | None = None) -> torch.Tensor:
     """``input @ dequantize(W).T`` in input's dtype, without a float copy of the weight W.
 
     Args:
@@ -64,6 +65,8 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
         scale: [N, K / group_size] (group_size = K: per channel), float32/float16/bfloat16.
         zero_point: None (symmetric, signed codes), integer (unsigned codes) or float
             (the scheme's "float" zero-point domain), same shape as scale.
+        zero_point_min: W = q * scale + zero_point (the "min" domain: GGUF Q4_1's
+            d * q + m, unsigned codes, a float zero_point), not (q - zero_point) * scale.
         out: optional [..., N] tensor of input's dtype to write the result into.
 
     Example::
@@ -76,15 +79,25 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
         >>> y = lowbit.quantized_matmul(x, qt.codes, qt.scale, bits=4, group_size=32)
         >>> torch.allclose(y, x @ lowbit.dequantize(qt).T, rtol=1e-4, atol=1e-4)
         True
+        >>> q41 = lowbit.quantize(w, "int4-asym-g32-zpmin-f16")  # GGUF Q4_1's d * q + m
+        >>> y = lowbit.quantized_matmul(x, q41.codes, q41.scale, q41.zero_point, bits=4, group_size=32,
+        ...                             zero_point_min=True)
+        >>> torch.allclose(y, x @ lowbit.dequantize(q41).T, rtol=1e-4, atol=1e-4)
+        True
     """
     _validate.tensor("input", input, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
     n = _check_weight(input.shape[-1], codes, scale, zero_point, bits, group_size)
+    if not isinstance(zero_point_min, bool):
+        raise TypeError(f"zero_point_min must be a bool, got {type(zero_point_min).__name__}")
+    if zero_point_min and (zero_point is None or not zero_point.is_floating_point()):
+        raise ValueError("zero_point_min=True needs zero_point: the float mins m of W = q * scale + m, "
+                         f"got {'None' if zero_point is None else zero_point.dtype}")
     _validate.same_device("input", input, codes=codes, out=out)
     if out is not None:
         _validate.tensor("out", out, dtypes=[input.dtype])
         _validate.shape("out", out, (*input.shape[:-1], n), "[..., N]")
     y = library.call(library.weight_only_matmul, backend, input.device, input, codes, scale, zero_point, bits,
-                     group_size)
+                     group_size, *((True,) if zero_point_min else ()))
     return y if out is None else out.copy_(y)
 
 
