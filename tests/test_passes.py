@@ -158,10 +158,30 @@ def test_fused_program_is_the_eager_quantized_model(model, program, recipe):
 
 
 def test_fuse_leaves_schemes_the_matmul_ops_do_not_take(program):
-    q = quantize_weights(program, "q4_1")  # "min" zero points: lowbit.dequantize, then linear
+    q = quantize_weights(program, lowbit.Recipe(weight="int3-asym-g64"))  # 3-bit codes: lowbit.dequantize, linear
     f = fuse(q)
     assert op_counts(f)["lowbit.dequantize"] == 14 and op_counts(f)["lowbit.weight_only_matmul"] == 0
     assert f.graph_module.code == q.graph_module.code
+
+
+@pytest.mark.parametrize("recipe", ["q4_1", "q4_1-a8"])
+def test_fuse_runs_min_weights_on_their_packed_codes(model, program, recipe):
+    # quantize_weights dequantizes q * s + m with lowbit.dequantize; fuse gives the linear the
+    # op an eager QuantLinear runs (zero_point_min=True): the same arguments, the same bits
+    r = "q4_1" if recipe == "q4_1" else lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")
+    q = quantize_weights(program, r)
+    if recipe != "q4_1":
+        q = quantize_activations(q, r)
+    f = fuse(q)
+    op = "lowbit.weight_only_matmul" if recipe == "q4_1" else "lowbit.linear_a8_blocks"
+    counts = op_counts(f)
+    assert counts[op] == 14 and counts["lowbit.dequantize"] == 0 and counts["aten.linear"] == 1  # lm_head float
+    node = next(n for n in f.graph.nodes if n.op == "call_function" and str(n.target).startswith(op))
+    assert node.args[-1] is True  # zero_point_min
+    eager = lowbit.quantize_model(model, r, inplace=False)
+    for n in (1, 7):
+        assert torch.equal(logits(f.module(), ids(n)), logits(eager, ids(n)))
+    assert fuse(f).graph_module.code == f.graph_module.code  # idempotent
 
 
 def _unfused_layer0(program):

@@ -169,9 +169,7 @@ def matmul_form(scheme: QuantScheme, k: int) -> bool:
     """Whether the matmul ops take a weight of ``scheme`` with K = ``k`` as it is: 8-bit
     codes, or 4-bit codes filling whole u32 words, with (q - z) * s arithmetic.  The others
     are dequantized first: 2/3-bit codes, 4-bit codes of a K that fills no whole u32 word
-    (u8 packing).  A "min" zero point (q * s + m) is not this form: ``lowbit.linear`` runs
-    it through ``weight_only_matmul(..., zero_point_min=True)``; the graph passes
-    dequantize it.
+    (u8 packing).  A "min" zero point (q * s + m) is not this form but ``min_form``.
 
     Example::
 
@@ -181,6 +179,21 @@ def matmul_form(scheme: QuantScheme, k: int) -> bool:
         (True, False)
     """
     return _codes_fit(scheme, k) and scheme.zero_point_domain != "min"
+
+
+def min_form(scheme: QuantScheme, k: int) -> bool:
+    """Whether ``lowbit.linear`` runs a "min" zero-point weight (q * s + m) of ``scheme``
+    with K = ``k`` on its packed codes (``weight_only_matmul(..., zero_point_min=True)``):
+    the codes of ``matmul_form``, in the "min" domain.
+
+    Example::
+
+        >>> from lowbit.ops.matmul import min_form
+        >>> from lowbit.scheme import QuantScheme
+        >>> min_form(QuantScheme.parse("int4-asym-g32-zpmin-f16"), 64), min_form(QuantScheme.parse("int4-asym-g32"), 64)
+        (True, False)
+    """
+    return _codes_fit(scheme, k) and scheme.zero_point_domain == "min"
 
 
 def as_act_scheme(act_scheme) -> QuantScheme:
@@ -260,12 +273,12 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
             raise ValueError("act_scale / act_zero_point need an act_scheme")
         if k == 0:
             y = x.new_zeros((*x.shape[:-1], n))
-        elif _codes_fit(w, k):
+        elif matmul_form(w, k) or min_form(w, k):
             codes, scales, zps, bits, group = weight_parts(qweight)
             # q * s + m (the "min" domain) says so; the other weights' nodes keep the six arguments
-            min_form = (True,) if w.zero_point_domain == "min" else ()
+            flag = (True,) if w.zero_point_domain == "min" else ()
             y = library.call(library.weight_only_matmul, backend, x.device, x, codes, scales, zps, bits, group,
-                             *min_form)
+                             *flag)
         else:
             y = torch.nn.functional.linear(x, dequantize(qweight, x.dtype, backend=backend))
         return y if bias is None else y + bias.to(y.dtype)
@@ -282,9 +295,9 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         if act_scale is not None or act_zero_point is not None:
             raise ValueError(f"act_scheme='{s}' chooses a scale per block of x on the fly; act_scale / "
                              "act_zero_point are for per-tensor schemes")
-        min_form = (True,) if w.zero_point_domain == "min" else ()  # as weight-only, above
+        flag = (True,) if w.zero_point_domain == "min" else ()  # as weight-only, above
         y = library.call(library.linear_a8_blocks, backend, x.device, x, codes, scales, zps, bits, group,
-                         s.group_size, *min_form)
+                         s.group_size, *flag)
         return y if bias is None else y + bias.to(y.dtype)
     x2 = x.reshape(-1, k)
     xq, xs, xz = _quantize_activations(x2, s, act_scale, act_zero_point, backend)

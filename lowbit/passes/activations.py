@@ -122,7 +122,7 @@ def _act_linears(edit: Edit, recipe: Recipe):
         chosen = None if name is None else recipe.scheme_for(name)
         if chosen is None or chosen[1] is None:
             continue
-        if dequant.match(node.args[1], lambda n: edit.state(n) is not None) is None:
+        if dequant.quantized_parts(node.args[1], lambda n: edit.state(n) is not None) is None:
             continue  # a float weight: lowbit quantizes the activations of quantized linears only
         yield node, name, QuantScheme.parse(chosen[1])
 
@@ -218,10 +218,10 @@ def quantize_activations(ep: ExportedProgram, recipe: Recipe | str | dict) -> Ex
         x = node.args[0]
         if match_qdq(x, str(s), is_state) is not None:
             continue
-        form = dequant.match(node.args[1], is_state)
+        w, _ = dequant.quantized_parts(node.args[1], is_state)
         k = x.meta["val"].shape[-1]
         try:
-            check_act_weight(form.scheme(), s, k)
+            check_act_weight(w, s, k)
         except ValueError as e:
             raise ValueError(f"cannot quantize the activations of module '{name}': {e}") from None
         inputs = [x]

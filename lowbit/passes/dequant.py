@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..ops.matmul import min_form
 from ..scheme import QuantScheme
 
 aten = torch.ops.aten
@@ -188,3 +189,21 @@ def match(weight: fx.Node, is_state) -> DequantForm | None:
             parts = {t.name: a for t, a in mapping.items()}
             return DequantForm(parts["codes"], parts["scale"], parts.get("zero_point"), bits, group)
     return None
+
+
+def quantized_parts(weight: fx.Node, is_state) -> tuple[QuantScheme, list[fx.Node]] | None:
+    """(scheme, [codes, scale(, zero_point)]) of a weight that is the dequantization of the
+    program's tensors, as ``quantize_weights`` writes it: ``match``'s aten form (matmul
+    parts), or a ``lowbit.dequantize`` of a "min"-domain scheme whose codes the matmul ops
+    take (``lowbit.ops.matmul.min_form``: the QTensor's own parts); else None (a float
+    weight, or 2/3-bit codes)."""
+    form = match(weight, is_state)
+    if form is not None:
+        return form.scheme(), [form.codes, form.scale] + ([form.zero_point] if form.zero_point is not None else [])
+    if weight.op != "call_function" or weight.target != torch.ops.lowbit.dequantize.default:
+        return None
+    codes, scale, zero_point, scheme, shape = weight.args[:5]
+    w = QuantScheme.parse(scheme)
+    if len(shape) != 2 or not min_form(w, shape[1]) or not all(is_state(p) for p in (codes, scale, zero_point)):
+        return None
+    return w, [codes, scale, zero_point]

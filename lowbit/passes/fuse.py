@@ -59,11 +59,13 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
     ``lowbit.linear`` runs on those parts: ``lowbit.weight_only_matmul``, or, when its
     input is a quantize -> dequantize pair as ``quantize_activations`` writes it and the
     weight takes those activations, the integer matmul (``lowbit.int8_linear``,
-    ``linear_qta8a_qga4w``, ``linear_a8_blocks``) on the pair's input.  No float copy of
-    the weight is made.  The replaced ops go when nothing else reads them.  Anything
-    else stays as it is: a weight computed any other way, a dequantized weight that feeds
-    another op, a ``lowbit.dequantize`` of a scheme the matmul ops do not take.
-    Idempotent.
+    ``linear_qta8a_qga4w``, ``linear_a8_blocks``) on the pair's input.  A weight that
+    ``quantize_weights`` dequantizes with ``lowbit.dequantize`` because it is in the "min"
+    domain (q * s + m, ``lowbit.ops.matmul.min_form``) goes the same way, its parts as the
+    QTensor holds them.  No float copy of the weight is made.  The replaced ops go when
+    nothing else reads them.  Anything else stays as it is: a weight computed any other
+    way, a dequantized weight that feeds another op, a ``lowbit.dequantize`` of a scheme
+    the matmul ops do not take (2/3-bit codes).  Idempotent.
 
     Example::
 
@@ -84,10 +86,10 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
     old = []
     for node in edit.call_functions(aten.linear.default):
         x, weight, bias = (list(node.args) + [None])[:3]
-        form = dequant.match(weight, is_state)
-        if form is None:
+        found = dequant.quantized_parts(weight, is_state)
+        if found is None:
             continue
-        w = form.scheme()
+        w, parts = found
         n, k = weight.meta["val"].shape
         act, act_inputs, static = None, [], None
         hint = node.meta.get("custom", {}).get("lowbit_activation")
@@ -103,8 +105,7 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
             act = s
             static = tuple(a.meta["val"].dtype for a in act_inputs) or None
             break
-        parts = [form.codes, form.scale] + ([form.zero_point] if form.zero_point is not None else [])
-        if (form.zero_point is not None and form.zero_point.meta["val"].dtype != w.zero_point_dtype):
+        if len(parts) == 3 and parts[2].meta["val"].dtype != w.zero_point_dtype:
             continue  # an int8/int32 zero point: the matmul ops take it, a QTensor does not
         graph = _linear_graph(str(w), n, k, value_key(x.meta["val"]), act,
                               None if bias is None else bias.meta["val"].dtype, static)
@@ -120,3 +121,4 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
         edit.graph.erase_node(node)
     edit.erase_unused(old)
     return edit.program()
+

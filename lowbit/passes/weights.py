@@ -53,7 +53,9 @@ def quantize_weights(ep: ExportedProgram, recipe: Recipe | str,
     it); the buffers ``<module>.weight.codes``, ``.scale`` and ``.zero_point`` (the
     matmul form, ``lowbit.ops.matmul.weight_parts``) take its place, and plain aten ops
     dequantize them before the linear (``lowbit.passes.dequant``).  A weight the matmul
-    ops cannot take (2/3-bit, "min" zero points) is dequantized by ``lowbit.dequantize``.
+    ops cannot take as matmul parts (2/3-bit, "min" zero points) is dequantized by
+    ``lowbit.dequantize`` from the QTensor's own parts (``fuse`` turns the "min" ones into
+    the packed matmul ops).
     The recipe's activation scheme is checked against each weight here and applied by
     ``quantize_activations``.  Idempotent: a second run finds every selected linear
     quantized and returns the program as it is.
