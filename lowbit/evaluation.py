@@ -273,7 +273,7 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
             if n in models and _has_weight_only(m):
                 try:
                     r = Runner(m, act_compute=act_compute)
-                except ValueError as e:  # weights it cannot take (GGUF Q4_1's q * s + m): no row, said
+                except ValueError as e:  # weights it cannot take (2/3-bit codes): no row, said
                     warnings.warn(f"no '{n} act {act_compute}' row: {e}", stacklevel=3)
                     continue
                 rows_in_order[f"{n} act {act_compute}"] = m

@@ -354,7 +354,7 @@ def check_act_weight(weight: "QuantScheme | str", act, in_features: int | None =
     symmetric per-channel weight, and for W4A8 a 4-bit weight with integer zero points,
     groups of at most ``W4A8_MAX_GROUP`` and in_features a positive multiple of 8 (whole
     u32 words); 8-bit activations in blocks (``"int8-sym-g32"``) need a 4- or 8-bit weight
-    whose groups are whole blocks, not in the "min" domain.  The one statement of these
+    whose groups are whole blocks ("min" domain included).  The one statement of these
     rules: ``linear``, recipes and the runtime call it.
 
     Example::

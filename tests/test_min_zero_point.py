@@ -60,8 +60,8 @@ def test_every_backend_dequantizes_q_times_s_plus_m(scheme, backend):
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
     """The reference is the matmul of the dequantized weight; the fast backends run the codes
-    as they are (q * s + m: the float32 kernels, never the bf16 ones, which compute
-    (q - z) * s), within tests/test_matmul.py's derived bound."""
+    as they are (q * s + m: never the bf16 dot-product kernels, which compute (q - z) * s;
+    bf16 tiles of the dequantized weight may run), within tests/test_matmul.py's derived bound."""
     qt = lowbit.quantize(torch.randn(48, 128), "int4-asym-g32-zpmin-f16")
     x = torch.randn(m, 128)
     if backend == "reference":
@@ -69,8 +69,23 @@ def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
         return
     for dtype in (torch.float32, torch.bfloat16):
         kernel = get_backend(backend).plan(qt.scheme, None, m, 128, dtype).kernel
-        assert "bf16" not in kernel and (backend != "triton" or kernel == "reference"), kernel
+        assert kernel not in ("gemv_bf16", "gemv_bf16_split", "gemm_bf16"), kernel
+        assert backend != "triton" or kernel == "reference", kernel
         assert_weight_only_close(qt, x.to(dtype), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 40])
+def test_the_ops_refuse_a_min_form_without_float_mins(backend, m):
+    """Called directly, before any kernel: the same error on every backend and path."""
+    qt = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
+    x, scale = torch.randn(m, 64), qt.scale.reshape(8, 2).float()
+    with lowbit.kernels.use_backend(backend):
+        for zp in (None, qt.zero_point.reshape(8, 2)):
+            with pytest.raises(ValueError, match="zero_point_min=True needs zero_point: the float mins"):
+                torch.ops.lowbit.weight_only_matmul(x, qt.codes, scale, zp, 4, 32, True)
+            with pytest.raises(ValueError, match="zero_point_min=True needs zero_point: the float mins"):
+                torch.ops.lowbit.linear_a8_blocks(x, qt.codes, scale, zp, 4, 32, 32, True)
 
 
 def test_a_quant_linear_differentiates_exports_and_lowers_to_the_row_kernel():

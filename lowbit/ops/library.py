@@ -209,6 +209,13 @@ def dequantize_accumulator(backend, acc, scale, group_size, row_scale, col_scale
 
 
 # -- matmuls -------------------------------------------------------------------------------
+def _check_min(zero_point: Tensor | None, zero_point_min: bool) -> None:
+    """A "min"-domain weight (q * scale + m) needs its float mins in zero_point."""
+    if zero_point_min and (zero_point is None or not zero_point.is_floating_point()):
+        raise ValueError("zero_point_min=True needs zero_point: the float mins m of W = q * scale + m, "
+                         f"got {'None' if zero_point is None else zero_point.dtype}")
+
+
 @_define("weight_only_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero_point, int bits, "
          "int group_size, bool zero_point_min=False) -> Tensor",
          lambda x, codes, scale, zero_point, bits, group_size, zero_point_min=False:
@@ -216,6 +223,7 @@ def dequantize_accumulator(backend, acc, scale, group_size, row_scale, col_scale
 def weight_only_matmul(backend, x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
     # zero_point_min: W = q * scale + zero_point (the scheme's "min" domain, unsigned codes),
     # not (q - zero_point) * scale
+    _check_min(zero_point, zero_point_min)
     if x.shape[-1] == 0:  # an empty sum: zeros, as torch.matmul gives (no backend's kernel takes K = 0)
         return x.new_zeros((*x.shape[:-1], codes.shape[0]))
     return backend.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
@@ -325,6 +333,7 @@ def linear_a8_blocks(backend, x, codes, scale, zero_point, bits, group_size, act
     """x quantized to int8 in symmetric blocks of ``act_block`` values along K (float32
     scales, chosen on the fly), times the weight-only weight (q * s + zero_point with
     ``zero_point_min``): ``Backend.linear_a8_blocks``."""
+    _check_min(zero_point, zero_point_min)
     y, ok = backend.linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
     if not ok:  # the backend checked (the CPU kernel while it quantized, no extra pass); name what was wrong
         _validate.finite("x", x)

@@ -89,9 +89,7 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     n = _check_weight(input.shape[-1], codes, scale, zero_point, bits, group_size)
     if not isinstance(zero_point_min, bool):
         raise TypeError(f"zero_point_min must be a bool, got {type(zero_point_min).__name__}")
-    if zero_point_min and (zero_point is None or not zero_point.is_floating_point()):
-        raise ValueError("zero_point_min=True needs zero_point: the float mins m of W = q * scale + m, "
-                         f"got {'None' if zero_point is None else zero_point.dtype}")
+    library._check_min(zero_point, zero_point_min)
     _validate.same_device("input", input, codes=codes, out=out)
     if out is not None:
         _validate.tensor("out", out, dtypes=[input.dtype])

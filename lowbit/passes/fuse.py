@@ -121,4 +121,3 @@ def fuse(ep: ExportedProgram) -> ExportedProgram:
         edit.graph.erase_node(node)
     edit.erase_unused(old)
     return edit.program()
-
