@@ -41,9 +41,10 @@ _LEAF_DTYPES = {
 
 
 def parts_scheme(bits: int, group_size: int, k: int, scale_dtype: torch.dtype,
-                 zero_point_dtype: torch.dtype | None) -> QuantScheme:
+                 zero_point_dtype: torch.dtype | None, zero_point_min: bool = False) -> QuantScheme:
     """The weight scheme of matmul parts (``weight_parts``' form): per channel when one
-    group spans K, a float zero point in the "float" domain, none: symmetric.
+    group spans K, a float zero point in the "float" domain (the "min" one with
+    ``zero_point_min``, the matmul ops' flag), none: symmetric.
 
     Example::
 
@@ -55,8 +56,8 @@ def parts_scheme(bits: int, group_size: int, k: int, scale_dtype: torch.dtype,
     return QuantScheme(bits=bits, symmetric=zero_point_dtype is None,
                        granularity="channel" if group_size == k else "group",
                        group_size=None if group_size == k else group_size, scale_dtype=scale_dtype,
-                       zero_point_domain="float" if zero_point_dtype is not None and zero_point_dtype.is_floating_point
-                       else "int")
+                       zero_point_domain="min" if zero_point_min else "float"
+                       if zero_point_dtype is not None and zero_point_dtype.is_floating_point else "int")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,6 @@ written into the node's metadata (the backend's own kernel plan, one source of t
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import fx
 from torch.export import ExportedProgram
@@ -29,9 +27,8 @@ def _schemes(node: fx.Node) -> tuple[QuantScheme, QuantScheme | None, int] | Non
     k = a[0].meta["val"].shape[-1]
 
     def weight(bits, group, scale, zero_point, zero_point_min=False):
-        s = parts_scheme(bits, group, k, scale.meta["val"].dtype,
-                         None if zero_point is None else zero_point.meta["val"].dtype)
-        return dataclasses.replace(s, zero_point_domain="min") if zero_point_min else s
+        return parts_scheme(bits, group, k, scale.meta["val"].dtype,
+                            None if zero_point is None else zero_point.meta["val"].dtype, zero_point_min)
 
     if node.target == lowbit.weight_only_matmul.default:  # x, codes, scale, zp, bits, group[, zero_point_min]
         return weight(a[4], a[5], a[2], a[3], len(a) > 6 and a[6]), None, k

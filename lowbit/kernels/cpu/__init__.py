@@ -554,11 +554,7 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
 def _dequantized(codes, s, zp, bits, signed, k, group_size, cdt, reuse: bool, zero_point_min=False):
     """The float [rows, k] tile of packed ``codes``, in this thread's scratch buffer when
     ``reuse`` (not when autograd may keep it for a backward pass)."""
-    if not reuse:
-        if zero_point_min:
-            return _C.dequantize_min(codes, s, zp, bits, k, group_size, 1, cdt)
-        return _C.dequantize(codes, s, zp, bits, signed, k, group_size, 1, cdt)
-    w = _scratch("tile", codes.shape[0], k, cdt)
+    w = _scratch("tile", codes.shape[0], k, cdt) if reuse else torch.empty(codes.shape[0], k, dtype=cdt)
     if zero_point_min:
         _C.dequantize_min_into(w, codes, s, zp, bits, k, group_size, 1)
     else:
