@@ -70,8 +70,12 @@ inline float zero_point_term(const float* s, const float* z, const float* xs, in
 
 // Weight rows of the next tile (NR rows on) are prefetched as each step reads its own: a tile
 // reads NR rows in parallel, which the hardware prefetcher follows poorly (Zen 3, weights
-// from DRAM: 1.45x on SmolLM2's 49152 x 576 Q8_0 head, 1.7x on 576 x 1536 Q4_0).
-template <int R, int NR, bool SIGNED, bool HAS_ZP>
+// from DRAM: 1.7x on 576 x 1536 Q4_0).
+// PAIRS says where a step's two blocks fall: 1, in two groups (groups of 32); 2, in one group
+// (an even number of blocks a group); 0, either (decided each step).  Known at compile time,
+// the choice leaves the inner loop, whose accumulators then stay in registers (GCC 12 kept
+// them on the stack around the branch: 3072 x 576 Q4_0 in cache, one thread, 1.07x slower).
+template <int R, int NR, bool SIGNED, bool HAS_ZP, int PAIRS>
 void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs, int64_t K, int64_t G,
              int64_t group, const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2, per_group = group / BLOCK;
@@ -97,7 +101,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
       const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), flip);
       const float* sj = s + j * G;
       // [s(g0) x4 | s(g1) x4]: one broadcast, or two adjacent floats spread over the halves
-      const __m256 sv = g0 == g1 ? _mm256_broadcast_ss(sj + g0)
+      const __m256 sv = PAIRS == 2 || (PAIRS == 0 && g0 == g1) ? _mm256_broadcast_ss(sj + g0)
                                  : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
                                                                 _mm_load_sd(reinterpret_cast<const double*>(sj + g0)))),
                                                             halves);
@@ -141,6 +145,11 @@ template <int R, int NR, bool SIGNED, bool HAS_ZP>
 void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
              const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, per_group = group / BLOCK;
+  // Rows prefetched ahead.  One activation row takes 8-bit weight rows one at a time (run):
+  // SmolLM2's 49152 x 576 head from DRAM, 2 threads on Zen 3, took 1117 us so (28.5 GB/s,
+  // a plain read of its codes 1014 us) against 1503 us as 4-row tiles; weights in L2 it is
+  // the other way, 40 against 33 us for 3072 rows, but a decode step reads them from DRAM.
+  constexpr int AHEAD = R == 1 && NR == 1 ? 8 : NR;
   __m256 acc[R][NR];
   float corr[R][NR];
   for (int r = 0; r < R; ++r)
@@ -150,7 +159,7 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
     for (int j = 0; j < NR; ++j) sg[j] = s[j * G + g];
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       for (int j = 0; j < NR; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + b * BLOCK), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + AHEAD) * K + b * BLOCK), _MM_HINT_T0);
         const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + b * BLOCK));
         const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + b * BLOCK + 16));
         const __m256i w0 = SIGNED ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
@@ -201,10 +210,20 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
     constexpr int R = decltype(r_const)::value, NR = decltype(nr_const)::value;
     const uint8_t* wn = wt.w + n * row_bytes;
     const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
-    if constexpr (four)
-      w4_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, dp.data() + m * np * 8, xs.data() + m * G,
-                                     K, G, group, wn, wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
-    else
+    if constexpr (four) {
+      auto w4 = [&](auto pairs) {
+        w4_tile<R, NR, SIGNED, HAS_ZP, decltype(pairs)::value>(xq.data() + m * K, d.data() + m * nb,
+                                                               dp.data() + m * np * 8, xs.data() + m * G, K, G, group,
+                                                               wn, wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+      };
+      const int64_t per_group = group / BLOCK;
+      if (per_group == 1)
+        w4(std::integral_constant<int, 1>{});
+      else if (per_group % 2 == 0)
+        w4(std::integral_constant<int, 2>{});
+      else
+        w4(std::integral_constant<int, 0>{});
+    } else
       w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
                                      wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
   };
@@ -221,7 +240,11 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
       int64_t m = 0;
       for (; m + MB <= M; m += MB)
         for (int64_t j = 0; j < 4; ++j) tile(Four{}, One{}, wt, m, n + j);
-      for (; m < M; ++m) tile(One{}, Four{}, wt, m, n);
+      for (; m < M; ++m)
+        if constexpr (four)
+          tile(One{}, Four{}, wt, m, n);
+        else  // 8-bit codes a weight row at a time, prefetched 8 rows ahead: one stream
+          for (int64_t j = 0; j < 4; ++j) tile(One{}, One{}, wt, m, n + j);
     }
   });
   for (const PackedWeight& wt : weights)
