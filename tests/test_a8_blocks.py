@@ -279,3 +279,51 @@ def test_compressed_tensors_refuses_block_activations_before_quantizing():
             check_recipe(lowbit.Recipe.get(name))
     with pytest.raises(CompressedTensorsError, match="no compressed-tensors form"):
         check_recipe(lowbit.Recipe(weight="int8-sym", lm_head="int8-sym", lm_head_activation=ACT))
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym-g32-f16", "int4-asym-g64-f16", "int4-asym-g96-f16", "int8-sym-g32-f16",
+                                    "int8-asym-g64-f16", "int4-asym-g32-zpmin-f16", "int8-asym-g32-zpmin-f16"])
+@pytest.mark.parametrize("m", [1, 6, 9])
+def test_cpu_float16_scales_give_the_bits_of_float32_ones(scheme, m):
+    # the packed kernels read an f16 scheme's scales (and 8-bit or f16 zero points) as stored,
+    # converted exactly: the same results as float32 copies, weight by weight in one call
+    if not cpu.available() or not cpu._has_a8_blocks():
+        pytest.skip("no AVX2 build of lowbit._C")
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(m)
+    x = torch.randn(m, 192)
+    parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 13)]
+    bits, group, min_form = parts[0][3], parts[0][4], "zpmin" in scheme
+    half = [cpu._C.packed_scales(s, z) for _, s, z, _, _ in parts]
+    assert all(s.dtype == torch.float16 and (z is None or z.dtype == torch.float16) for s, z in half)
+    full = [(s.float(), None if z is None else z.float()) for s, z in half]
+    codes = [c for c, *_ in parts]
+    # one weight's scales in float16, the other's in float32, in one call
+    mixed = [half[0], full[1]]
+    ys, ok = cpu._C.linear_a8_blocks_many(x, codes, *map(list, zip(*mixed)), bits, group, min_form)
+    assert ok
+    for y, c, (s, z) in zip(ys, codes, full):
+        assert torch.equal(y, cpu._C.linear_a8_blocks(x, c, s, z, bits, group, min_form)[0])
+    for c, (s, z), (s16, z16) in zip(codes, full, half):
+        assert torch.equal(cpu._C.weight_only_matmul(x, c, s16, z16, bits, group, 0, min_form),
+                           cpu._C.weight_only_matmul(x, c, s, z, bits, group, 0, min_form))
+        if cpu._C.has_a8_blocks() and group % 32 == 0:
+            gemm = _gemms(bits)[1]
+            assert torch.equal(gemm(x, c, s16, z16, group, min_form)[0], gemm(x, c, s, z, group, min_form)[0])
+
+
+def test_packed_scales_keep_float16_only_where_it_is_exact():
+    s16 = torch.rand(4, 2).half()
+    s, z = cpu._C.packed_scales(s16, torch.randint(0, 255, (4, 2), dtype=torch.uint8))
+    assert s.dtype == z.dtype == torch.float16 and torch.equal(s, s16)
+    s, z = cpu._C.packed_scales(s16, None)
+    assert s.dtype == torch.float16 and z is None
+    for other in (torch.rand(4, 2), torch.randint(0, 9, (4, 2), dtype=torch.int32)):  # float32 or int32 zero points
+        s, z = cpu._C.packed_scales(s16, other)
+        assert s.dtype == z.dtype == torch.float32 and torch.equal(z, other.float())
+    s, z = cpu._C.packed_scales(s16.bfloat16(), None)
+    assert s.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="zero_point must be contiguous, of scale's shape and dtype"):
+        cpu._C.linear_a8_blocks(torch.randn(1, 64), torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, 2).half(),
+                                torch.ones(2, 2), 4, 32, False)

@@ -17,7 +17,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LOWBIT_A8_BLOCKS 1
 #endif
 
@@ -148,9 +148,9 @@ bool blocks_by_panels(const float* x, int64_t M, int64_t K, int64_t group, const
       [&](size_t j, int64_t n0, Scratch& t) {
         const PackedWeight& wt = weights[j];
         pack_codes(wt, n0, t.panel.data());
-        pack_groups<COLS>(wt.N, G, n0, t.s.data(), [&](int64_t n, int64_t g) { return wt.s[n * G + g]; });
+        pack_groups<COLS>(wt.N, G, n0, t.s.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
         pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
-          return !wt.z ? wt.s[n * G + g] : wt.min ? -wt.z[n * G + g] : wt.s[n * G + g] * wt.z[n * G + g];
+          return !wt.z ? wt.scale(n * G + g) : wt.min ? -wt.zero(n * G + g) : wt.scale(n * G + g) * wt.zero(n * G + g);
         });
       },
       [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {

@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512, "whether the AVX-512 (VNNI) kernels were compiled in");
   m.def("has_gemv_f32", &has_gemv_f32, "whether the float32-FMA decode kernels (AVX-512 or AVX2) were compiled in");
   m.def("has_w4a8_rows", &has_w4a8_rows, "whether the W4A8 integer rows kernels (AVX-512 VNNI or AVX2) were compiled in");
+  m.def("packed_scales", &packed_scales,
+        "scale and zero point as the packed kernels read them: both float16 where that is exact, else float32");
   m.def("has_a8_blocks", &has_a8_blocks, "whether linear_a8_blocks (AVX2 integer dot products) was compiled in");
   m.def("linear_a8_blocks", &linear_a8_blocks,
         "weight-only weights x activations quantized to int8 in blocks of 32, integer dot products per block");

@@ -305,11 +305,11 @@ namespace {
 
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, else at::linear,
 // as lowbit.kernels.cpu.dense_linear decides for one row), a weight-only quantized one
-// (lowbit.linear's parts: codes, scales [N, G], zero points, bits, group, and the
-// weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one row; zero_point_min:
-// the "min" domain's q * s + m; bias added after),
+// (lowbit.linear's parts: codes, scales [N, G] and zero points as packed_scales gives them,
+// bits, group, and the weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one
+// row; zero_point_min: the "min" domain's q * s + m; bias added after),
 // one with 8-bit activations in blocks of 32 (act 3: linear_a8_blocks, the weight as for
-// weight-only, float32 zero points), or one with 8-bit per-token activations (act 1:
+// weight-only), or one with 8-bit per-token activations (act 1:
 // symmetric, 2: asymmetric): W8A8 (int8
 // codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
 // points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
@@ -418,8 +418,9 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 0 || p->kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvF32) ||
         p->bits != ps[0]->bits || p->group != ps[0]->group || p->zero_point_min != ps[0]->zero_point_min ||
-        p->zero_point.has_value() != ps[0]->zero_point.has_value() || p->scale.scalar_type() != at::kFloat ||
-        (p->zero_point.has_value() && p->zero_point->scalar_type() != at::kFloat))
+        p->zero_point.has_value() != ps[0]->zero_point.has_value() ||
+        (p->scale.scalar_type() != at::kFloat && p->scale.scalar_type() != at::kHalf) ||
+        (p->zero_point.has_value() && p->zero_point->scalar_type() != p->scale.scalar_type()))
       return false;
   return true;
 }

@@ -56,18 +56,19 @@ constexpr int MB = 4;  // activation rows computed together
 // output row made a 3072 x 576 Q4_0 call 1.09x slower, one thread, weights in cache).
 // Zero points: sum_g s[g] z[g] xs[g] (-m[g] in place of s z for the "min" domain: z holds
 // m), 8 groups at a time.
-template <bool HAS_ZP>
-inline float zero_point_term(const float* s, const float* z, const float* xs, int64_t G, bool min) {
+template <bool HAS_ZP, typename S>
+inline float zero_point_term(const S* s, const S* z, const float* xs, int64_t G, bool min) {
   if constexpr (!HAS_ZP) return 0.f;
   __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
-    const __m256 sz = min ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(z + g))
-                          : _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g));
+    const __m256 sz =
+        min ? _mm256_sub_ps(_mm256_setzero_ps(), scale8(z + g)) : _mm256_mul_ps(scale8(s + g), scale8(z + g));
     acc = _mm256_fmadd_ps(sz, _mm256_loadu_ps(xs + g), acc);
   }
+  // explicit FMAs: the same roundings whatever the compiler contracts, float16 scales or not
   float tail = 0.f;
-  for (; g < G; ++g) tail += (min ? -z[g] : s[g] * z[g]) * xs[g];
+  for (; g < G; ++g) tail = std::fma(min ? -scale1(z + g) : scale1(s + g) * scale1(z + g), xs[g], tail);
   return fsum8(acc) + tail;
 }
 
@@ -78,9 +79,9 @@ inline float zero_point_term(const float* s, const float* z, const float* xs, in
 // (an even number of blocks a group); 0, either (decided each step).  Known at compile time,
 // the choice leaves the inner loop, whose accumulators then stay in registers (GCC 12 kept
 // them on the stack around the branch: 3072 x 576 Q4_0 in cache, one thread, 1.07x slower).
-template <int R, int NR, bool SIGNED, bool HAS_ZP, int PAIRS>
+template <int R, int NR, bool SIGNED, bool HAS_ZP, int PAIRS, typename S>
 void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs, int64_t K, int64_t G,
-             int64_t group, const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
+             int64_t group, const uint8_t* w, const S* s, const S* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2, per_group = group / BLOCK;
   const bool pow2 = (per_group & (per_group - 1)) == 0;
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(per_group));
@@ -102,12 +103,11 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + b * (BLOCK / 2)));
       const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, low), flip);
       const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), flip);
-      const float* sj = s + j * G;
-      // [s(g0) x4 | s(g1) x4]: one broadcast, or two adjacent floats spread over the halves
-      const __m256 sv = PAIRS == 2 || (PAIRS == 0 && g0 == g1) ? _mm256_broadcast_ss(sj + g0)
-                                 : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(
-                                                                _mm_load_sd(reinterpret_cast<const double*>(sj + g0)))),
-                                                            halves);
+      const S* sj = s + j * G;
+      // [s(g0) x4 | s(g1) x4]: one broadcast, or two adjacent scales spread over the halves
+      const __m256 sv = PAIRS == 2 || (PAIRS == 0 && g0 == g1)
+                            ? _mm256_set1_ps(scale1(sj + g0))
+                            : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scale2(sj + g0)), halves);
       for (int r = 0; r < R; ++r) {
         const int8_t* xp = xq + r * K + b * BLOCK;
         const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
@@ -138,7 +138,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
           p16 = _mm_sub_epi16(p16, _mm_add_epi16(_mm_maddubs_epi16(_mm_set1_epi8(8), xe),
                                                   _mm_maddubs_epi16(_mm_set1_epi8(8), xo)));
         const __m128 p = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(p16, ones4)),
-                                    _mm_set1_ps(d[r * nb + b] * s[j * G + g]));
+                                    _mm_set1_ps(d[r * nb + b] * scale1(s + j * G + g)));
         acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_zextps128_ps256(p));
       }
     }
@@ -150,9 +150,9 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
 
 // R activation rows x NR weight rows of 8-bit codes, one block per step: two vpmaddwd per
 // block and row pair, the block's scale d[r, b] * s[n, g] one float32 product.
-template <int R, int NR, bool SIGNED, bool HAS_ZP>
+template <int R, int NR, bool SIGNED, bool HAS_ZP, typename S>
 void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const float* s, const float* z, bool min, float* y, int64_t ldy) {
+             const uint8_t* w, const S* s, const S* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, per_group = group / BLOCK;
   // Rows prefetched ahead.  One activation row takes 8-bit weight rows one at a time (run):
   // SmolLM2's 49152 x 576 head from DRAM, 2 threads on Zen 3, took 1117 us so (28.5 GB/s,
@@ -165,7 +165,7 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
     for (int j = 0; j < NR; ++j) { acc[r][j] = _mm256_setzero_ps(); corr[r][j] = 0.f; }
   for (int64_t g = 0; g < G; ++g) {
     float sg[NR];
-    for (int j = 0; j < NR; ++j) sg[j] = s[j * G + g];
+    for (int j = 0; j < NR; ++j) sg[j] = scale1(s + j * G + g);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       for (int j = 0; j < NR; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (j + AHEAD) * K + b * BLOCK), _MM_HINT_T0);
@@ -184,7 +184,10 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
     }
     if constexpr (HAS_ZP)
       for (int j = 0; j < NR; ++j)
-        for (int r = 0; r < R; ++r) corr[r][j] += (min ? -z[j * G + g] : sg[j] * z[j * G + g]) * xs[r * G + g];
+        for (int r = 0; r < R; ++r) {
+          const float zg = scale1(z + j * G + g);
+          corr[r][j] = std::fma(min ? -zg : sg[j] * zg, xs[r * G + g], corr[r][j]);
+        }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) y[r * ldy + j] = fsum8(acc[r][j]) - corr[r][j];
@@ -215,15 +218,16 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   const int64_t row_bytes = four ? K / 2 : K;
   // One row of x: 4 weight rows at a time; 4 rows of x: one (4 accumulators either way, so
   // that they, the unpacked codes and the scales fit the 16 vector registers).
-  auto tile = [&](auto r_const, auto nr_const, const PackedWeight& wt, int64_t m, int64_t n) {
+  // s, z: the weight's scales and zero points as float32 or float16 bits (wt.half)
+  auto tile_of = [&](auto r_const, auto nr_const, const PackedWeight& wt, auto s, auto z, int64_t m, int64_t n) {
     constexpr int R = decltype(r_const)::value, NR = decltype(nr_const)::value;
     const uint8_t* wn = wt.w + n * row_bytes;
-    const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
+    const auto zn = HAS_ZP ? z + n * G : nullptr;
     if constexpr (four) {
       auto w4 = [&](auto pairs) {
         w4_tile<R, NR, SIGNED, HAS_ZP, decltype(pairs)::value>(xq.data() + m * K, d.data() + m * nb,
                                                                dp.data() + m * np * 8, xs.data() + m * G, K, G, group,
-                                                               wn, wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+                                                               wn, s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
       };
       const int64_t per_group = group / BLOCK;
       if (per_group == 1)
@@ -234,7 +238,13 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
         w4(std::integral_constant<int, 0>{});
     } else
       w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
-                                     wt.s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+                                     s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+  };
+  auto tile = [&](auto r_const, auto nr_const, const PackedWeight& wt, int64_t m, int64_t n) {
+    if (wt.half)
+      tile_of(r_const, nr_const, wt, static_cast<const uint16_t*>(wt.s), static_cast<const uint16_t*>(wt.z), m, n);
+    else
+      tile_of(r_const, nr_const, wt, static_cast<const float*>(wt.s), static_cast<const float*>(wt.z), m, n);
   };
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;

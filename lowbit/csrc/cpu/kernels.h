@@ -27,20 +27,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
 // t as contiguous float32, without an op when it already is (a no-op .to() still costs a dispatch).
 at::Tensor as_float(const at::Tensor& t);
 // One packed weight of a call over several weights of one kind (weight_only_gemv_many,
-// linear_a8_blocks_many): codes [N, row bytes], float32 scales and zero points [N, G], and
-// its float32 output y [M, N]; min: z holds the "min" domain's m (W = q * s + m, unsigned
-// codes), not a zero point ((q - z) * s).
+// linear_a8_blocks_many): codes [N, row bytes], scales and zero points [N, G], and its
+// float32 output y [M, N]; min: z holds the "min" domain's m (W = q * s + m, unsigned
+// codes), not a zero point ((q - z) * s).  Scales and zero points are float32, or float16
+// where `half` (packed_scales: an f16 scheme's own storage, which a decode step then reads
+// at 2 bytes a group instead of 4; converted to float32 exactly, so the same results).
 struct PackedWeight {
   const uint8_t* w;
-  const float* s;
-  const float* z;
+  const void* s;
+  const void* z;
   int64_t N;
   float* y;
   bool min = false;
+  bool half = false;
+  float scale(int64_t i) const { return value(s, i); }
+  float zero(int64_t i) const { return value(z, i); }
+
+ private:
+  float value(const void* p, int64_t i) const {
+    return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
 };
+// Scale and zero point as the packed kernels take them: both float16 where the scale is
+// float16 and the zero point, if any, float16 or 8-bit integer (exact in float16), else
+// both float32; contiguous.
+std::tuple<at::Tensor, c10::optional<at::Tensor>> packed_scales(const at::Tensor& scale,
+                                                                const c10::optional<at::Tensor>& zero_point);
 // Checks each weight against x [M, K] (codes [N, K] bytes or [N, K/8] int32 words, scale
-// float32 [N, K / group], float32 zero points of scale's shape on all or none; errors
-// start with `who`), allocates ys (float32 [M, N] each) and returns the weights' pointers.
+// float32 or float16 [N, K / group], zero points of scale's shape and dtype on all or none;
+// errors start with `who`), allocates ys (float32 [M, N] each) and returns the weights' pointers.
 std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                          const std::vector<at::Tensor>& scales,
                                          const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,

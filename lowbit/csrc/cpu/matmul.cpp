@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -39,9 +40,11 @@ constexpr bool kHaveAvx512 = false;
 #endif
 // The weight-only decode kernels exist in two widths: 16 float lanes (AVX-512) and 8
 // (AVX2 + FMA, most x86-64 CPUs since 2013-2015: the portable path, e.g. an AVX2-only Zen 3).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// (F16C too, for float16 scales: every CPU with AVX2 has it.)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    defined(__F16C__)
 #define LOWBIT_GEMV_F32 512
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LOWBIT_GEMV_F32 256
 #endif
 
@@ -53,9 +56,9 @@ constexpr int MB = 4;  // activation rows computed together (each unpacked weigh
 // xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G] group sums of x.
 // (A 16-entry vpermps table of (code - z) * s per group measured 1.9x slower on Zen 5:
 // cross-lane permutes of zmm registers are expensive there.)
-template <int R, bool SIGNED, bool HAS_ZP>
+template <int R, bool SIGNED, bool HAS_ZP, typename S>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+             const uint8_t* w, const S* s, const S* z, float* y, int64_t ldy) {
   __m512 total[R];
   float corr[R];
   for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
@@ -80,18 +83,18 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
         dot[r] = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xo + r * (K / 2) + off), dot[r]);
       }
     }
-    const __m512 sg = _mm512_set1_ps(s[g]);
+    const __m512 sg = _mm512_set1_ps(scale1(s + g));
     for (int r = 0; r < R; ++r) {
       total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+      if constexpr (HAS_ZP) corr[r] = std::fma(scale1(s + g) * scale1(z + g), xs[r * G + g], corr[r]);
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
 }
 
-template <int R, bool SIGNED, bool HAS_ZP>
+template <int R, bool SIGNED, bool HAS_ZP, typename S>
 void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
-             const float* s, const float* z, float* y, int64_t ldy) {
+             const S* s, const S* z, float* y, int64_t ldy) {
   __m512 total[R];
   float corr[R];
   for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
@@ -105,10 +108,10 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
       const __m512 q = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
       for (int r = 0; r < R; ++r) dot[r] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + r * K + off), dot[r]);
     }
-    const __m512 sg = _mm512_set1_ps(s[g]);
+    const __m512 sg = _mm512_set1_ps(scale1(s + g));
     for (int r = 0; r < R; ++r) {
       total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] += s[g] * z[g] * xs[r * G + g];
+      if constexpr (HAS_ZP) corr[r] = std::fma(scale1(s + g) * scale1(z + g), xs[r * G + g], corr[r]);
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
@@ -137,9 +140,9 @@ inline __m256 sum_of(const __m256* d) {
   else return _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
 }
 
-template <int R, bool SIGNED, bool HAS_ZP>
+template <int R, bool SIGNED, bool HAS_ZP, typename S>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const float* s, const float* z, float* y, int64_t ldy) {
+             const uint8_t* w, const S* s, const S* z, float* y, int64_t ldy) {
   constexpr int A = kChains<R>;
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
@@ -148,7 +151,7 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
     __m256 dot[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
-    const __m256 zg = _mm256_set1_ps(HAS_ZP ? z[g] : 0.f);
+    const __m256 zg = _mm256_set1_ps(HAS_ZP ? scale1(z + g) : 0.f);
     for (int64_t b = 0; b < blocks; ++b) {
       for (int half = 0; half < 2; ++half) {  // lo and hi into chains 2 half and 2 half + 1
         const int a = A == 1 ? 0 : 2 * half;
@@ -174,15 +177,15 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
         }
       }
     }
-    const __m256 sg = _mm256_set1_ps(s[g]);
+    const __m256 sg = _mm256_set1_ps(scale1(s + g));
     for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]);
 }
 
-template <int R, bool SIGNED, bool HAS_ZP>
+template <int R, bool SIGNED, bool HAS_ZP, typename S>
 void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
-             const float* s, const float* z, float* y, int64_t ldy) {
+             const S* s, const S* z, float* y, int64_t ldy) {
   constexpr int A = kChains<R>;
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
@@ -191,7 +194,7 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
     __m256 dot[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
-    const __m256 zg = _mm256_set1_ps(HAS_ZP ? z[g] : 0.f);
+    const __m256 zg = _mm256_set1_ps(HAS_ZP ? scale1(z + g) : 0.f);
     for (int64_t b = 0; b < blocks; b += A)
       for (int a = 0; a < A; ++a) {  // block b + a into chain a (a constant: the chains stay in registers)
         if (b + a >= blocks) break;
@@ -201,7 +204,7 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
         if constexpr (HAS_ZP) q = _mm256_sub_ps(q, zg);
         for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
       }
-    const __m256 sg = _mm256_set1_ps(s[g]);
+    const __m256 sg = _mm256_set1_ps(scale1(s + g));
     for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]);
@@ -395,10 +398,11 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int3
 #ifdef LOWBIT_GEMV_F32
 // y[m, n] += sum_g mn[g] xs[m, g] for M rows n apart: the "min" domain's offsets times the
 // group sums of x, in order of g.
-inline void add_mins(const float* mn, const float* xs, int64_t M, int64_t G, float* y, int64_t ldy) {
+template <typename S>
+inline void add_mins(const S* mn, const float* xs, int64_t M, int64_t G, float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
     float t = 0.f;
-    for (int64_t g = 0; g < G; ++g) t += mn[g] * xs[m * G + g];
+    for (int64_t g = 0; g < G; ++g) t = std::fma(scale1(mn + g), xs[m * G + g], t);  // explicit FMAs: gemv_a8.cpp
     y[m * ldy] += t;
   }
 }
@@ -406,7 +410,7 @@ inline void add_mins(const float* mn, const float* xs, int64_t M, int64_t G, flo
 // x (prepared once: xa/xb even/odd halves for 4-bit codes, xs group sums) times every
 // weight, in one parallel region over all their rows (q/k/v or gate/up of a decode step).
 // MIN: the weights are q * s + m (unsigned codes, wt.z holds m): the kernels run the codes
-// as unsigned without a zero point, then add_mins.
+// as unsigned without a zero point, then add_mins.  Scales float32 or float16 (wt.half).
 template <bool SIGNED, bool HAS_ZP, bool MIN = false>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
             int64_t bits, const std::vector<PackedWeight>& weights) {
@@ -420,23 +424,31 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
       const PackedWeight& wt = weights[i];
       const int64_t n = r - first[i], N = wt.N;
       const uint8_t* wn = wt.w + n * row_bytes;
-      const float* sn = wt.s + n * G;
-      const float* zn = HAS_ZP ? wt.z + n * G : nullptr;
       float* y = wt.y;
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB) {
-        if (bits == 4)
-          w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-        else
-          w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-      }
-      for (; m < M; ++m) {
-        if (bits == 4)
-          w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-        else
-          w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
-      }
-      if constexpr (MIN) add_mins(wt.z + n * G, xs, M, G, y + n, N);
+      auto row = [&](auto s, auto z) {  // s, z: float32 or float16 bits
+        const auto sn = s + n * G;
+        const auto zn = HAS_ZP ? z + n * G : nullptr;
+        int64_t m = 0;
+        for (; m + MB <= M; m += MB) {
+          if (bits == 4)
+            w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn,
+                                        y + m * N + n, N);
+          else
+            w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        }
+        for (; m < M; ++m) {
+          if (bits == 4)
+            w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn,
+                                       y + m * N + n, N);
+          else
+            w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        }
+        if constexpr (MIN) add_mins(z + n * G, xs, M, G, y + n, N);
+      };
+      if (wt.half)
+        row(static_cast<const uint16_t*>(wt.s), static_cast<const uint16_t*>(wt.z));
+      else
+        row(static_cast<const float*>(wt.s), static_cast<const float*>(wt.z));
     }
   });
 }
@@ -623,6 +635,18 @@ at::Tensor as_float(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
+std::tuple<at::Tensor, c10::optional<at::Tensor>> packed_scales(const at::Tensor& scale,
+                                                                const c10::optional<at::Tensor>& zero_point) {
+  const auto exact_in_half = [](at::ScalarType t) { return t == at::kHalf || t == at::kByte || t == at::kChar; };
+  const bool half = scale.scalar_type() == at::kHalf && (!zero_point || exact_in_half(zero_point->scalar_type()));
+  const auto as = [&](const at::Tensor& t) {
+    return half ? (t.scalar_type() == at::kHalf && t.is_contiguous() ? t : t.to(at::kHalf).contiguous()) : as_float(t);
+  };
+  c10::optional<at::Tensor> z;
+  if (zero_point) z = as(*zero_point);
+  return {as(scale), z};
+}
+
 std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                          const std::vector<at::Tensor>& scales,
                                          const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits,
@@ -639,18 +663,19 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
     TORCH_CHECK(c.is_contiguous() && c.dim() == 2 && c.size(1) * (bits == 4 ? 8 : 1) == K &&
                     c.element_size() == (bits == 4 ? 4 : 1),
                 who, ": codes must be contiguous [N, K] bytes or [N, K/8] int32 words");
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+    const bool half = s.scalar_type() == at::kHalf;
+    TORCH_CHECK((half || s.scalar_type() == at::kFloat) && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
                     s.size(1) == K / group,
-                who, ": scale must be contiguous float32 [N, K / group]");
+                who, ": scale must be contiguous float32 or float16 [N, K / group]");
     TORCH_CHECK(zero_points[i].has_value() == has_zp, who, ": zero points on all or none");
     if (has_zp)
-      TORCH_CHECK(zero_points[i]->scalar_type() == at::kFloat && zero_points[i]->is_contiguous() &&
+      TORCH_CHECK(zero_points[i]->scalar_type() == s.scalar_type() && zero_points[i]->is_contiguous() &&
                       zero_points[i]->sizes() == s.sizes(),
-                  who, ": zero_point must be float32 of scale's shape");
+                  who, ": zero_point must be contiguous, of scale's shape and dtype");
     ys.push_back(at::empty({M, N}, x.options().dtype(at::kFloat)));
-    weights.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), s.data_ptr<float>(),
-                                   has_zp ? zero_points[i]->data_ptr<float>() : nullptr, N,
-                                   ys.back().data_ptr<float>(), zero_point_min});
+    weights.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(c.data_ptr()), s.data_ptr(),
+                                   has_zp ? zero_points[i]->data_ptr() : nullptr, N, ys.back().data_ptr<float>(),
+                                   zero_point_min, half});
   }
   return weights;
 }
@@ -664,14 +689,15 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
   TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32,
               "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) run the gemv_f32 kernel only");
   const at::Tensor c = codes.contiguous();
+  if (static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32) {
+    const auto [s, z] = packed_scales(scale, zero_point);
+    return weight_only_gemv(as_float(x2), c, s, z, bits, group, zero_point_min);
+  }
   const at::Tensor s = as_float(scale);
   c10::optional<at::Tensor> z;
   if (zero_point.has_value()) z = as_float(*zero_point);
   at::Tensor y;
   switch (static_cast<WeightOnlyKernel>(kernel)) {
-    case WeightOnlyKernel::kGemvF32:
-      y = weight_only_gemv(as_float(x2), c, s, z, bits, group, zero_point_min);
-      break;
     case WeightOnlyKernel::kGemvBf16:
     case WeightOnlyKernel::kGemvBf16Split:
       TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");

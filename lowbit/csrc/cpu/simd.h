@@ -3,6 +3,25 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+
+// Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
+// PackedWeight::half) converted to float32, exactly, with F16C: one value, two (the low half
+// of a __m128), or eight.
+#if defined(__F16C__)
+inline float scale1(const float* p) { return *p; }
+inline float scale1(const uint16_t* p) { return _cvtsh_ss(*p); }
+inline __m128 scale2(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
+inline __m128 scale2(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+inline __m256 scale8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 scale8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The sum of the 8 float lanes of v.

@@ -428,13 +428,12 @@ class CpuBackend(Backend):
                 return x.new_empty((*x.shape[:-1], n)), False
             y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32, zero_point_min)
         else:
-            zp = None if zero_point is None else _float32(zero_point)
+            s, zp = _C.packed_scales(scale, zero_point)
             if kernel == "a8_gemm":
                 gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
-                y, ok = gemm(x2, codes.contiguous(), _float32(scale), zp, group_size, zero_point_min)
+                y, ok = gemm(x2, codes.contiguous(), s, zp, group_size, zero_point_min)
             else:
-                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), _float32(scale), zp, bits, group_size,
-                                            zero_point_min)
+                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
 
@@ -675,11 +674,12 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
     kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
         return None
-    s = scale.to(torch.float32).contiguous()
-    if kernel == "a8_blocks":
-        zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
-        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 3, 0,
+    if kernel in ("a8_blocks", "gemv_f32"):  # the packed kernels, which read float16 scales as stored
+        s, zp = _C.packed_scales(scale, zero_point)
+        mode, index = (3, 0) if kernel == "a8_blocks" else (0, weight_only_kernel_index(kernel))
+        return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], mode, index,
                              weight.zero_point_domain == "min")
+    s = scale.to(torch.float32).contiguous()
     if act is None:
         zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
