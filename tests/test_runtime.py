@@ -16,7 +16,8 @@ def gamma(k: int, u: float = 2.0**-24) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, n", [(9, 3, 1), (9, 3, 37), (8, 8, 600), (4, 1, 129)])
+@pytest.mark.parametrize("heads, kv_heads, n", [(9, 3, 1), (9, 3, 37), (9, 3, 64), (9, 3, 65), (8, 8, 600),
+                                                  (4, 1, 129)])
 def test_decode_attention_matches_float64_softmax_attention(dtype, heads, kv_heads, n):
     hd, cap = 64, 640
     q = torch.randn(heads, hd).to(dtype)
@@ -39,6 +40,20 @@ def test_decode_attention_matches_float64_softmax_attention(dtype, heads, kv_hea
     unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     err = (out.double() - want).abs()
     assert bool((err <= tol + unit * want.abs()).all()), float(err.max())
+
+
+def test_decode_attention_gives_the_same_bits_on_any_number_of_threads():
+    # work items of 64 positions of a kv head, merged per head in order after the parallel loop
+    q, k, v = torch.randn(9, 64), torch.randn(3, 400, 64), torch.randn(3, 400, 64)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu._C.decode_attention(q, k, v, 333, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_decode_attention_refuses_bad_sizes():

@@ -89,11 +89,13 @@ inline __m256 sums8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// One head, hd a multiple of 8: scores 8 positions at a time (8 accumulators, one vector
-// reduction), the softmax weights with exp8, then p . V with hd / 8 accumulators per pass of
-// at most 64 values.  p: scratch of n floats.
+// One head over n positions (a chunk), hd a multiple of 8: scores 8 positions at a time (8
+// accumulators, one vector reduction), the softmax weights with exp8, then p . V with hd / 8
+// accumulators per pass of at most 64 values.  Writes the chunk's max score m, its sum of
+// weights l and acc = sum of weight * V row (not divided by l).  p: scratch of n floats.
 template <typename T>
-void attend_head(const float* qf, const T* kh, const T* vh, T* out, int64_t n, int64_t hd, float* p) {
+void partial_head(const float* qf, const T* kh, const T* vh, int64_t n, int64_t hd, float* p, float& m_out,
+                  float& l_out, float* out) {
   int64_t s = 0;
   __m256 mx = _mm256_set1_ps(-INFINITY);
   for (; s + 8 <= n; s += 8) {
@@ -126,7 +128,8 @@ void attend_head(const float* qf, const T* kh, const T* vh, T* out, int64_t n, i
   }
   float sum = fsum8(total);
   for (; s < n; ++s) sum += (p[s] = std::exp(p[s] - m));
-  const float inv = 1.0f / sum;
+  m_out = m;
+  l_out = sum;
   for (int64_t d0 = 0; d0 < hd; d0 += 64) {
     const int64_t w = std::min<int64_t>(64, hd - d0) / 8;
     __m256 acc[8];
@@ -136,48 +139,80 @@ void attend_head(const float* qf, const T* kh, const T* vh, T* out, int64_t n, i
       const T* vt = vh + t * hd + d0;
       for (int c = 0; c < w; ++c) acc[c] = _mm256_fmadd_ps(pt, load8(vt + 8 * c), acc[c]);
     }
-    for (int c = 0; c < w; ++c) {
-      alignas(32) float o[8];
-      _mm256_store_ps(o, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
-      for (int i = 0; i < 8; ++i) out[d0 + 8 * c + i] = static_cast<T>(o[i]);
-    }
+    for (int c = 0; c < w; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
   }
 }
 #endif
 
+// partial_head without AVX2 (or hd not a multiple of 8).
+template <typename T>
+void partial_scalar(const float* qf, const T* kh, const T* vh, int64_t n, int64_t hd, float* p, float& m_out,
+                    float& l_out, float* out) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < n; ++s) {
+    p[s] = dot(qf, kh + s * hd, hd);
+    mx = std::max(mx, p[s]);
+  }
+  float sum = 0.0f;
+  for (int64_t s = 0; s < n; ++s) sum += (p[s] = std::exp(p[s] - mx));
+  for (int64_t d = 0; d < hd; ++d) out[d] = 0.0f;
+  for (int64_t s = 0; s < n; ++s) {
+    const float w = p[s];
+    const T* vs = vh + s * hd;
+    for (int64_t d = 0; d < hd; ++d) out[d] += w * to_f(vs[d]);
+  }
+  m_out = mx;
+  l_out = sum;
+}
+
+// Positions a work item of attend covers: a kv head's group of query heads over one chunk.
+constexpr int64_t kChunk = 64;
+
 // Attention of one new token over n cached positions, float32 arithmetic: for head h
-// (kv head h / (H / KV)), p = softmax(scale * q_h . K[0:n]) and out_h = p . V[0:n].
+// (kv head h / (H / KV)), p = softmax(scale * q_h . K[0:n]) and out_h = p . V[0:n].  Work
+// items of kChunk positions of one kv head, all of its query heads (the chunk of K and V is
+// read from memory once, and the items spread over the threads evenly whatever the number
+// of heads); then each head's chunks merged in order, weights exp(m_c - max m): the same
+// bits on any number of threads (one chunk: acc / l as before chunks).
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, int64_t cap, int64_t n,
             int64_t hd, float scale) {
-  const int64_t group = H / KV;
+  const int64_t group = H / KV, chunks = (n + kChunk - 1) / kChunk;
+  std::vector<float> qf(H * hd), m(H * chunks), l(H * chunks), acc(H * chunks * hd);
+  for (int64_t i = 0; i < H * hd; ++i) qf[i] = to_f(q[i]) * scale;
 #pragma omp parallel for schedule(static) if (n * H * hd > 16384)
-  for (int64_t h = 0; h < H; ++h) {
-    const T* kh = k + (h / group) * cap * hd;
-    const T* vh = v + (h / group) * cap * hd;
-    std::vector<float> qf(hd), p(n), acc(hd, 0.0f);
-    for (int64_t d = 0; d < hd; ++d) qf[d] = to_f(q[h * hd + d]) * scale;
+  for (int64_t item = 0; item < KV * chunks; ++item) {
+    const int64_t j = item / chunks, c = item % chunks, s0 = c * kChunk, len = std::min(kChunk, n - s0);
+    const T* kc = k + (j * cap + s0) * hd;
+    const T* vc = v + (j * cap + s0) * hd;
+    float p[kChunk];
+    for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+      const int64_t at = h * chunks + c;
 #ifdef LOWBIT_ATTEND_AVX2
-    if constexpr (kLoad8<T>) {
-      if (hd % 8 == 0) {
-        attend_head<T>(qf.data(), kh, vh, out + h * hd, n, hd, p.data());
-        continue;
+      if constexpr (kLoad8<T>) {
+        if (hd % 8 == 0) {
+          partial_head<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.data() + at * hd);
+          continue;
+        }
       }
-    }
 #endif
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < n; ++s) {
-      p[s] = dot(qf.data(), kh + s * hd, hd);
-      mx = std::max(mx, p[s]);
+      partial_scalar<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.data() + at * hd);
     }
-    float sum = 0.0f;
-    for (int64_t s = 0; s < n; ++s) sum += (p[s] = std::exp(p[s] - mx));
-    for (int64_t s = 0; s < n; ++s) {
-      const float w = p[s];
-      const T* vs = vh + s * hd;
-      for (int64_t d = 0; d < hd; ++d) acc[d] += w * to_f(vs[d]);
+  }
+  std::vector<float> o(hd);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* mh = m.data() + h * chunks;
+    const float top = *std::max_element(mh, mh + chunks);
+    float total = 0.0f;
+    std::fill(o.begin(), o.end(), 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float w = std::exp(mh[c] - top);  // 1 for the top chunk
+      total += w * l[h * chunks + c];
+      const float* a = acc.data() + (h * chunks + c) * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] += w * a[d];
     }
-    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[d] / sum);
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(o[d] * inv);
   }
 }
 
