@@ -16,10 +16,11 @@ def gamma(k: int, u: float = 2.0**-24) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, n", [(9, 3, 1), (9, 3, 37), (9, 3, 64), (9, 3, 65), (8, 8, 600),
-                                                  (4, 1, 129)])
-def test_decode_attention_matches_float64_softmax_attention(dtype, heads, kv_heads, n):
-    hd, cap = 64, 640
+# hd 36: the scalar path (not a multiple of 8), over several chunks of 64 positions too
+@pytest.mark.parametrize("heads, kv_heads, n, hd", [(9, 3, 1, 64), (9, 3, 37, 64), (9, 3, 64, 64), (9, 3, 65, 64),
+                                                    (8, 8, 600, 64), (4, 1, 129, 64), (6, 2, 200, 36)])
+def test_decode_attention_matches_float64_softmax_attention(dtype, heads, kv_heads, n, hd):
+    cap = 640
     q = torch.randn(heads, hd).to(dtype)
     k = torch.randn(kv_heads, cap, hd).to(dtype)
     v = torch.randn(kv_heads, cap, hd).to(dtype)

@@ -173,12 +173,13 @@ constexpr int64_t kChunk = 64;
 // items of kChunk positions of one kv head, all of its query heads (the chunk of K and V is
 // read from memory once, and the items spread over the threads evenly whatever the number
 // of heads); then each head's chunks merged in order, weights exp(m_c - max m): the same
-// bits on any number of threads (one chunk: acc / l as before chunks).
+// bits on any number of threads (one chunk, AVX2: acc * (1 / l), the bits before chunks).
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, int64_t cap, int64_t n,
             int64_t hd, float scale) {
   const int64_t group = H / KV, chunks = (n + kChunk - 1) / kChunk;
-  std::vector<float> qf(H * hd), m(H * chunks), l(H * chunks), acc(H * chunks * hd);
+  std::vector<float> qf(H * hd), m(H * chunks), l(H * chunks);
+  const std::unique_ptr<float[]> acc(new float[H * chunks * hd]);  // every value written before it is read
   for (int64_t i = 0; i < H * hd; ++i) qf[i] = to_f(q[i]) * scale;
 #pragma omp parallel for schedule(static) if (n * H * hd > 16384)
   for (int64_t item = 0; item < KV * chunks; ++item) {
@@ -191,12 +192,12 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
 #ifdef LOWBIT_ATTEND_AVX2
       if constexpr (kLoad8<T>) {
         if (hd % 8 == 0) {
-          partial_head<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.data() + at * hd);
+          partial_head<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.get() + at * hd);
           continue;
         }
       }
 #endif
-      partial_scalar<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.data() + at * hd);
+      partial_scalar<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.get() + at * hd);
     }
   }
   std::vector<float> o(hd);
@@ -208,7 +209,7 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
     for (int64_t c = 0; c < chunks; ++c) {
       const float w = std::exp(mh[c] - top);  // 1 for the top chunk
       total += w * l[h * chunks + c];
-      const float* a = acc.data() + (h * chunks + c) * hd;
+      const float* a = acc.get() + (h * chunks + c) * hd;
       for (int64_t d = 0; d < hd; ++d) o[d] += w * a[d];
     }
     const float inv = 1.0f / total;

@@ -186,8 +186,8 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
 
 }  // namespace
 
-// x float32 [M, K]; for each weight, codes int32 [N, K/8] (4-bit), scale float32 [N, G],
-// zero_point float32 [N, G] or none (signed codes): all the same group and kind of codes.
+// x float32 [M, K]; for each weight, codes int32 [N, K/8] (4-bit), scale float32 or float16
+// [N, G] (packed_scales), zero_point of scale's dtype or none (signed codes): all the same group and kind of codes.
 // Returns float32 [M, N] per weight and whether x was finite (if not, nothing is written:
 // the caller raises).  linear_a8_blocks_many's values within the same bound: the same
 // exact block dot products and codes, summed in another order.

@@ -181,8 +181,8 @@ at::Tensor int8_mm_panels(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // x float32 [M, K]; for each weight, 8-bit codes [N, K] (int8 with no zero points, uint8
-// with), scale float32 [N, G], zero_point float32 [N, G] or none: all the same group and
-// kind.  Returns float32 [M, N] per weight and whether x was finite (if not, nothing is
+// with), scale float32 or float16 [N, G] (packed_scales), zero_point of scale's dtype or none:
+// all the same group and kind.  Returns float32 [M, N] per weight and whether x was finite (if not, nothing is
 // written: the caller raises).  linear_a8_blocks_many's values within the same bound: the
 // same codes and exact block dot products, summed in another order.
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,

@@ -123,7 +123,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
   }
   if (b < nb) {  // a last block alone: the same at 128 bits
     const __m128i low4 = _mm_set1_epi8(0x0F), flip4 = _mm_set1_epi8(SIGNED ? 0x08 : 0x00);
-    const __m128i ones4 = _mm_set1_epi16(1);
+    const __m128i ones4 = _mm_set1_epi16(1), eight4 = _mm_set1_epi8(8);
     const int64_t g = b / per_group;
     for (int j = 0; j < NR; ++j) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * row_bytes + b * (BLOCK / 2)));
@@ -135,8 +135,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
         const __m128i xo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp + BLOCK / 2));
         __m128i p16 = _mm_add_epi16(_mm_maddubs_epi16(l, xe), _mm_maddubs_epi16(h, xo));
         if constexpr (SIGNED)
-          p16 = _mm_sub_epi16(p16, _mm_add_epi16(_mm_maddubs_epi16(_mm_set1_epi8(8), xe),
-                                                  _mm_maddubs_epi16(_mm_set1_epi8(8), xo)));
+          p16 = _mm_sub_epi16(p16, _mm_add_epi16(_mm_maddubs_epi16(eight4, xe), _mm_maddubs_epi16(eight4, xo)));
         const __m128 p = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(p16, ones4)),
                                     _mm_set1_ps(d[r * nb + b] * scale1(s + j * G + g)));
         acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_zextps128_ps256(p));
@@ -145,7 +144,8 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j)  // sum_g s z sum_{b in g} d sum xq
-      y[r * ldy + j] = fsum8(acc[r][j]) - zero_point_term<HAS_ZP>(s + j * G, z + j * G, xs + r * G, G, min);
+      y[r * ldy + j] =
+          fsum8(acc[r][j]) - zero_point_term<HAS_ZP>(s + j * G, HAS_ZP ? z + j * G : nullptr, xs + r * G, G, min);
 }
 
 // R activation rows x NR weight rows of 8-bit codes, one block per step: two vpmaddwd per
@@ -216,9 +216,9 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   });
   if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f; })) return false;
   const int64_t row_bytes = four ? K / 2 : K;
-  // One row of x: 4 weight rows at a time; 4 rows of x: one (4 accumulators either way, so
-  // that they, the unpacked codes and the scales fit the 16 vector registers).
-  // s, z: the weight's scales and zero points as float32 or float16 bits (wt.half)
+  // One row of x: 4 weight rows at a time (8-bit codes: one, see w8_tile); 4 rows of x: one
+  // (4 accumulators either way, so that they, the unpacked codes and the scales fit the 16
+  // vector registers).  s, z: the weight's scales and zero points (with_scales).
   auto tile_of = [&](auto r_const, auto nr_const, const PackedWeight& wt, auto s, auto z, int64_t m, int64_t n) {
     constexpr int R = decltype(r_const)::value, NR = decltype(nr_const)::value;
     const uint8_t* wn = wt.w + n * row_bytes;
@@ -241,10 +241,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
                                      s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
   };
   auto tile = [&](auto r_const, auto nr_const, const PackedWeight& wt, int64_t m, int64_t n) {
-    if (wt.half)
-      tile_of(r_const, nr_const, wt, static_cast<const uint16_t*>(wt.s), static_cast<const uint16_t*>(wt.z), m, n);
-    else
-      tile_of(r_const, nr_const, wt, static_cast<const float*>(wt.s), static_cast<const float*>(wt.z), m, n);
+    with_scales(wt, [&](auto s, auto z) { tile_of(r_const, nr_const, wt, s, z, m, n); });
   };
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;
@@ -284,9 +281,9 @@ bool has_a8_blocks() {
 }
 
 // x float32 [M, K]; for each weight, codes int8/uint8 [N, K] or int32 [N, K/8] (4-bit), scale
-// float32 [N, G], zero_point float32 [N, G] or none (signed codes): all the same bits, group
-// and kind of codes.  Returns float32 [M, N] per weight (x quantized once) and whether x was
-// finite (if not, nothing is written: the caller raises).
+// float32 or float16 [N, G] (packed_scales), zero_point [N, G] of scale's dtype or none (signed
+// codes): all the same bits, group and kind of codes.  Returns float32 [M, N] per weight (x
+// quantized once) and whether x was finite (if not, nothing is written: the caller raises).
 std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor& x,
                                                                 const std::vector<at::Tensor>& codes,
                                                                 const std::vector<at::Tensor>& scales,

@@ -48,6 +48,15 @@ struct PackedWeight {
     return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
   }
 };
+// f(s, z) with the weight's scales and zero points as typed pointers: const uint16_t*
+// (float16 bits, for simd.h's scale1/scale2/scale8) where wt.half, else const float*.
+template <typename F>
+void with_scales(const PackedWeight& wt, F&& f) {
+  if (wt.half)
+    f(static_cast<const uint16_t*>(wt.s), static_cast<const uint16_t*>(wt.z));
+  else
+    f(static_cast<const float*>(wt.s), static_cast<const float*>(wt.z));
+}
 // Scale and zero point as the packed kernels take them: both float16 where the scale is
 // float16 and the zero point, if any, float16 or 8-bit integer (exact in float16), else
 // both float32; contiguous.

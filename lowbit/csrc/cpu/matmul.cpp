@@ -50,7 +50,7 @@ constexpr bool kHaveAvx512 = false;
 
 constexpr int MB = 4;  // activation rows computed together (each unpacked weight reused MB times)
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if LOWBIT_GEMV_F32 == 512
 
 // ---- weight-only, float32 accumulation --------------------------------------------------
 // xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G] group sums of x.
@@ -424,6 +424,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
       const PackedWeight& wt = weights[i];
       const int64_t n = r - first[i], N = wt.N;
       const uint8_t* wn = wt.w + n * row_bytes;
+      if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * row_bytes, row_bytes);
       float* y = wt.y;
       auto row = [&](auto s, auto z) {  // s, z: float32 or float16 bits
         const auto sn = s + n * G;
@@ -445,10 +446,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
         }
         if constexpr (MIN) add_mins(z + n * G, xs, M, G, y + n, N);
       };
-      if (wt.half)
-        row(static_cast<const uint16_t*>(wt.s), static_cast<const uint16_t*>(wt.z));
-      else
-        row(static_cast<const float*>(wt.s), static_cast<const float*>(wt.z));
+      with_scales(wt, row);
     }
   });
 }
@@ -487,7 +485,8 @@ bool has_gemv_f32() {
 }
 
 // x: float32 [M, K]; per weight, codes int8/uint8 [N, K] or int32 [N, K/8], scale and zero_point
-// float32 [N, G] (all with zero points or none); float32 [M, N] per weight, x prepared once.
+// [N, G] float32 or float16 (packed_scales; all with zero points or none); float32 [M, N] per
+// weight, x prepared once.
 std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                               const std::vector<at::Tensor>& scales,
                                               const std::vector<c10::optional<at::Tensor>>& zero_points,
@@ -609,6 +608,7 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = w + n * (K / 2);
+      if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
       const int32_t* zn = z ? z + n * G : nullptr;
       int64_t m = 0;
       for (; m + MB <= M; m += MB) rows(std::integral_constant<int, MB>{}, m, wn, zn, n);
