@@ -158,7 +158,7 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
   // SmolLM2's 49152 x 576 head from DRAM, 2 threads on Zen 3, took 1117 us so (28.5 GB/s,
   // a plain read of its codes 1014 us) against 1503 us as 4-row tiles; weights in L2 it is
   // the other way, 40 against 33 us for 3072 rows, but a decode step reads them from DRAM.
-  constexpr int AHEAD = R == 1 && NR == 1 ? 8 : NR;
+  constexpr int64_t AHEAD = R == 1 && NR == 1 ? kRowsAhead : NR;
   __m256 acc[R][NR];
   float corr[R][NR];
   for (int r = 0; r < R; ++r)
