@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "panels.h"
+#include "simd.h"
 
 #include <immintrin.h>
 
@@ -66,6 +67,31 @@ inline bool block_codes(const float* xb, float& scale, int32_t* q) {
 #endif
 }
 
+#ifdef LOWBIT_A8_BLOCKS
+// One block's 32 codes (int32 c[0..3], 8 each, all in [-128, 127]: the packs are exact) stored
+// as Q: in order at q, or (int8 only) split, its 16 even values at q and 16 odd at q + odd.
+inline void store_codes(const __m256i c[4], int8_t* q, int64_t odd, bool split) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  // dword j of packed holds values [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31][j]
+  const __m256i v = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (!split) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+    return;
+  }
+  const __m256i by_parity = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // each lane [its 8 even | its 8 odd], then the lanes' even quads together: [16 even | 16 odd]
+  const __m256i eo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, by_parity), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(eo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + odd), _mm256_extracti128_si256(eo, 1));
+}
+inline void store_codes(const __m256i c[4], int16_t* q, int64_t, bool) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+}
+#endif
+
 // Quantize row x [K] into blocks (block_codes): writes the codes in the kernel's layout
 // (int8, even elements then odd ones per block, for 4-bit weights; int16 in order for
 // 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point term).
@@ -83,11 +109,18 @@ inline bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q
     // 16 values each; a last block without a pair is [even | odd].
     const bool alone = b == K / BLOCK - 1 && b % 2 == 0;
     const int64_t base = (b / 2) * 2 * BLOCK + (alone ? 0 : (b % 2) * (BLOCK / 2));
+#ifdef LOWBIT_A8_BLOCKS
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 8 * i));
+    store_codes(c, xq + (split ? base : b * BLOCK), alone ? BLOCK / 2 : BLOCK, split);
+    sum = isum8(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+#else
     for (int i = 0; i < BLOCK; ++i) {
       const int64_t slot = split ? base + (i % 2) * (alone ? BLOCK / 2 : BLOCK) + i / 2 : b * BLOCK + i;
       xq[slot] = static_cast<Q>(codes[i]);
       sum += codes[i];
     }
+#endif
     d[b] = scale;
     if (b % per_group == 0) xs[b / per_group] = 0.f;
     xs[b / per_group] += scale * static_cast<float>(sum);

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -178,10 +177,11 @@ template <typename T>
 void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, int64_t cap, int64_t n,
             int64_t hd, float scale) {
   const int64_t group = H / KV, chunks = (n + kChunk - 1) / kChunk;
-  std::vector<float> qf(H * hd), m(H * chunks), l(H * chunks);
-  const std::unique_ptr<float[]> acc(new float[H * chunks * hd]);  // every value written before it is read
+  thread_local std::vector<float> qf_keep, m_keep, l_keep, acc_keep, o_keep;  // every value written before read
+  float *qf = grown(qf_keep, H * hd), *m = grown(m_keep, H * chunks), *l = grown(l_keep, H * chunks);
+  float *acc = grown(acc_keep, H * chunks * hd), *o = grown(o_keep, hd);
   for (int64_t i = 0; i < H * hd; ++i) qf[i] = to_f(q[i]) * scale;
-#pragma omp parallel for schedule(static) if (n * H * hd > 16384)
+#pragma omp parallel for schedule(dynamic, 1) if (n * H * hd > 16384)
   for (int64_t item = 0; item < KV * chunks; ++item) {
     const int64_t j = item / chunks, c = item % chunks, s0 = c * kChunk, len = std::min(kChunk, n - s0);
     const T* kc = k + (j * cap + s0) * hd;
@@ -192,24 +192,23 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
 #ifdef LOWBIT_ATTEND_AVX2
       if constexpr (kLoad8<T>) {
         if (hd % 8 == 0) {
-          partial_head<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.get() + at * hd);
+          partial_head<T>(qf + h * hd, kc, vc, len, hd, p, m[at], l[at], acc + at * hd);
           continue;
         }
       }
 #endif
-      partial_scalar<T>(qf.data() + h * hd, kc, vc, len, hd, p, m[at], l[at], acc.get() + at * hd);
+      partial_scalar<T>(qf + h * hd, kc, vc, len, hd, p, m[at], l[at], acc + at * hd);
     }
   }
-  std::vector<float> o(hd);
   for (int64_t h = 0; h < H; ++h) {
-    const float* mh = m.data() + h * chunks;
+    const float* mh = m + h * chunks;
     const float top = *std::max_element(mh, mh + chunks);
     float total = 0.0f;
-    std::fill(o.begin(), o.end(), 0.0f);
+    std::fill(o, o + hd, 0.0f);
     for (int64_t c = 0; c < chunks; ++c) {
       const float w = std::exp(mh[c] - top);  // 1 for the top chunk
       total += w * l[h * chunks + c];
-      const float* a = acc.get() + (h * chunks + c) * hd;
+      const float* a = acc + (h * chunks + c) * hd;
       for (int64_t d = 0; d < hd; ++d) o[d] += w * a[d];
     }
     const float inv = 1.0f / total;
@@ -487,9 +486,120 @@ std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Te
   return ys;
 }
 
+// Projections of one input that a decode step runs as one call: q/k/v, gate/up, or one alone.
+// Where they share the int8-block kernel (share_blocks) or gemv_f32 (share_gemv_f32), the
+// step calls that kernel on its own buffers (a8_blocks_into, gemv_f32_into): no tensor and
+// no allocation per call, the weights checked once, here.  A step makes ~120 such calls, and
+// their tensors, checks and mallocs were ~1 ms of a 6 ms step (SmolLM2, q4_0-a8, 2 threads,
+// perf).  Otherwise project() runs them, with tensors.  The same bits either way.
+class Group {
+ public:
+  explicit Group(std::vector<Proj> projs) : ps_(std::move(projs)) {
+    std::vector<const Proj*> ptrs;
+    for (const Proj& p : ps_) ptrs.push_back(&p);
+    const Proj& p0 = ps_[0];
+    if (share_blocks(ptrs) && has_a8_blocks())
+      kind_ = kBlocks;
+    else if (share_gemv_f32(ptrs) && has_gemv_f32())
+      kind_ = kGemv;
+    if (kind_ == kTensors) return;
+    bits_ = p0.bits;
+    group_ = p0.group;
+    K_ = in_features(p0);
+    const char* who = kind_ == kBlocks ? "lowbit._C.linear_a8_blocks" : "lowbit._C.weight_only_gemv";
+    TORCH_CHECK(bits_ == 4 || bits_ == 8, who, ": bits must be 4 or 8");
+    TORCH_CHECK(group_ > 0 && group_ % (kind_ == kBlocks || bits_ == 4 ? 32 : 16) == 0 && K_ % group_ == 0, who,
+                ": the weight group must divide K, a multiple of ", kind_ == kBlocks || bits_ == 4 ? 32 : 16);
+    std::vector<at::Tensor> codes, scales, ys;
+    std::vector<c10::optional<at::Tensor>> zero_points;
+    for (const Proj& p : ps_) {
+      codes.push_back(p.codes);
+      scales.push_back(p.scale);
+      zero_points.push_back(p.zero_point);
+    }
+    const at::Tensor x = at::empty({1, K_}, at::kFloat);  // packed_weights' checks against [1, K]
+    w_ = packed_weights(who, x, codes, scales, zero_points, bits_, group_, ys, p0.zero_point_min);
+  }
+
+  size_t size() const { return ps_.size(); }
+  int64_t out_features(size_t i) const {
+    return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);
+  }
+
+  // x [K] in T through every projection: ys[i] [out_features(i)] in T, bias added, as
+  // project() gives them.
+  template <typename T>
+  void run(const T* x, T* const* ys) const {
+    if (kind_ == kTensors) return run_tensors(x, ys);
+    constexpr bool f32 = std::is_same<T, float>::value;
+    thread_local std::vector<float> xf_keep, yf_keep;
+    thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
+    const float* xf = reinterpret_cast<const float*>(x);
+    if constexpr (!f32) {  // float32 x, as as_float gives it (exact)
+      float* buf = grown(xf_keep, K_);
+      for (int64_t k = 0; k < K_; ++k) buf[k] = to_f(x[k]);
+      xf = buf;
+    }
+    w.assign(w_.begin(), w_.end());
+    int64_t total = 0;
+    for (size_t i = 0; i < w.size(); ++i) total += w[i].N;
+    float* yf = f32 ? nullptr : grown(yf_keep, total);
+    for (size_t i = 0, at = 0; i < w.size(); at += w[i].N, ++i)
+      w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + at;
+    if (kind_ == kBlocks) {
+      TORCH_CHECK(a8_blocks_into(xf, 1, K_, bits_, group_, w), "lowbit decode: the activations contain NaN or Inf");
+    } else {
+      gemv_f32_into(xf, 1, K_, bits_, group_, w);
+    }
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int64_t N = w[i].N;
+      if constexpr (!f32)  // rounded to T, as .to(x's dtype)
+        for (int64_t n = 0; n < N; ++n) ys[i][n] = static_cast<T>(w[i].y[n]);
+      if (const auto& b = ps_[i].bias) {  // + bias.to(T), in T
+        const at::Tensor bt = b->scalar_type() == dtype<T>() ? *b : b->to(dtype<T>());
+        const T* pb = bt.data_ptr<T>();
+        for (int64_t n = 0; n < N; ++n) ys[i][n] = ys[i][n] + pb[n];
+      }
+    }
+  }
+
+ private:
+  enum Kind { kTensors, kBlocks, kGemv };
+
+  template <typename T>
+  static constexpr at::ScalarType dtype() {
+    return c10::CppTypeToScalarType<T>::value;
+  }
+
+  template <typename T>
+  void run_tensors(const T* x, T* const* ys) const {
+    const at::Tensor xt = at::from_blob(const_cast<T*>(x), {1, in_features(ps_[0])}, at::TensorOptions().dtype(dtype<T>()));
+    std::vector<const Proj*> ptrs;
+    for (const Proj& p : ps_) ptrs.push_back(&p);
+    const std::vector<at::Tensor> outs = project(ptrs, xt);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const at::Tensor y = outs[i].contiguous();
+      TORCH_CHECK(y.scalar_type() == dtype<T>() && y.numel() == out_features(i),
+                  "lowbit decode: a projection gave ", y.sizes(), " ", y.scalar_type(), "; expected ",
+                  out_features(i), " values of the model's dtype");
+      std::memcpy(ys[i], y.data_ptr<T>(), out_features(i) * sizeof(T));
+    }
+  }
+
+  static int64_t in_features(const Proj& p) {  // codes: bytes [N, K] or u32x8 words [N, K / 8]
+    if (!p.codes.defined()) return p.weight.size(1);
+    return p.bits == 4 ? p.codes.size(1) * 8 : p.codes.size(1);
+  }
+
+  std::vector<Proj> ps_;
+  Kind kind_ = kTensors;
+  std::vector<PackedWeight> w_;  // kBlocks, kGemv: the packed weights (y set at each call)
+  int64_t K_ = 0, bits_ = 0, group_ = 0;
+};
+
 struct Layer {
   at::Tensor ln1, ln2;
-  Proj q, k, v, o, gate, up, down;
+  Group qkv, o, gate_up, down;
 };
 
 class Decoder {
@@ -499,29 +609,42 @@ class Decoder {
 
   void add_layer(at::Tensor ln1, at::Tensor ln2, Proj q, Proj k, Proj v, Proj o, Proj gate, Proj up,
                  Proj down) {
-    layers_.push_back(Layer{ln1, ln2, q, k, v, o, gate, up, down});
+    Layer L{ln1, ln2, Group({q, k, v}), Group({o}), Group({gate, up}), Group({down})};
+    TORCH_CHECK(L.qkv.out_features(0) == heads_ * head_dim_ && L.qkv.out_features(1) == kv_heads_ * head_dim_ &&
+                    L.qkv.out_features(2) == kv_heads_ * head_dim_ && L.o.out_features(0) == hidden_ &&
+                    L.gate_up.out_features(1) == L.gate_up.out_features(0) && L.down.out_features(0) == hidden_,
+                "lowbit decode: the layer's projections do not have the model's sizes");
+    layers_.push_back(std::move(L));
   }
 
   void set_head(at::Tensor norm, Proj lm_head) {
     norm_ = norm;
-    lm_head_ = lm_head;
+    head_.emplace(std::vector<Proj>{lm_head});
   }
 
   // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos.
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, int64_t pos) const {
+    TORCH_CHECK(head_.has_value(), "lowbit decode: set_head first");
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
     TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.size(1) == hidden_, "lowbit decode: h must be [1, hidden]");
     TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.scalar_type() == h.scalar_type() &&
                     sin.scalar_type() == h.scalar_type(),
                 "lowbit decode: cos and sin must be one row of head_dim values in h's dtype");
-    for (size_t i = 0; i < keys.size(); ++i)
+    const auto norm_ok = [&](const at::Tensor& w) {
+      return w.dim() == 1 && w.size(0) == hidden_ && w.is_contiguous() && w.scalar_type() == h.scalar_type();
+    };
+    TORCH_CHECK(norm_ok(norm_), "lowbit decode: the norm weights must be contiguous [hidden] in h's dtype");
+    for (size_t i = 0; i < keys.size(); ++i) {
       TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].dim() == 3 &&
                       keys[i].size(0) == kv_heads_ && keys[i].size(2) == head_dim_ && pos < keys[i].size(1) &&
                       values[i].sizes() == keys[i].sizes() && keys[i].scalar_type() == h.scalar_type() &&
                       values[i].scalar_type() == h.scalar_type(),
                   "lowbit decode: the KV cache must be contiguous [kv_heads, capacity, head_dim] in h's dtype, "
                   "with room for position ", pos);
+      TORCH_CHECK(norm_ok(layers_[i].ln1) && norm_ok(layers_[i].ln2),
+                  "lowbit decode: the norm weights must be contiguous [hidden] in h's dtype");
+    }
     at::Tensor out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "lowbit_decode_step", [&] {
       out = step_as<scalar_t>(h.contiguous().clone(), cos.contiguous(), sin.contiguous(), keys, values, pos);
@@ -530,45 +653,62 @@ class Decoder {
   }
 
  private:
-  // step() in the model's dtype T; h is this step's own copy, updated in place.
+  // step() in the model's dtype T; h is this step's own copy, updated in place.  Every
+  // intermediate lives in one buffer of this step; the gate in a tensor of its own, for
+  // at::silu_ (Runner.forward's F.silu, the same bits).
   template <typename T>
   at::Tensor step_as(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                      const std::vector<at::Tensor>& values, int64_t pos) const {
-    const int64_t H = heads_, KV = kv_heads_, hd = head_dim_;
+    const int64_t H = heads_, KV = kv_heads_, hd = head_dim_, D = hidden_;
+    int64_t inter = 0;
+    for (const Layer& L : layers_) inter = std::max(inter, L.gate_up.out_features(0));
     const T* pc = cos.data_ptr<T>();
     const T* ps = sin.data_ptr<T>();
     T* ph = h.data_ptr<T>();
-    at::Tensor q = at::empty({H, hd}, h.options());
+    // x (a norm's output), q, k, v, roped q, attention, a projection's output, up
+    at::Tensor buf = at::empty({D + 3 * H * hd + 2 * KV * hd + D + inter}, h.options());
+    T* xn = buf.data_ptr<T>();
+    T *xq = xn + D, *xk = xq + H * hd, *xv = xk + KV * hd, *q = xv + KV * hd, *att = q + H * hd;
+    T *y = att + H * hd, *up = y + D;
+    at::Tensor gate = at::empty({1, inter}, h.options());
+    T* g = gate.data_ptr<T>();
+    const float eps = static_cast<float>(eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      const int64_t cap = keys[i].size(1);
-      const std::vector<at::Tensor> qkv = project({&L.q, &L.k, &L.v}, rms(h, L.ln1));
-      const at::Tensor xq = qkv[0].contiguous(), xk = qkv[1].contiguous(), xv = qkv[2].contiguous();
-      rope_rows<T>(xq.data_ptr<T>(), pc, ps, q.data_ptr<T>(), H, hd, hd);
+      const int64_t cap = keys[i].size(1), I_i = L.gate_up.out_features(0);
+      rms_rows<T>(ph, L.ln1.data_ptr<T>(), xn, 1, D, eps);
+      T* const qkv[] = {xq, xk, xv};
+      L.qkv.run<T>(xn, qkv);
+      rope_rows<T>(xq, pc, ps, q, H, hd, hd);
       T* kc = keys[i].data_ptr<T>() + pos * hd;  // head j's row pos at kc + j * cap * hd
       T* vc = values[i].data_ptr<T>() + pos * hd;
-      rope_rows<T>(xk.data_ptr<T>(), pc, ps, kc, KV, hd, cap * hd);
-      for (int64_t j = 0; j < KV; ++j) std::memcpy(vc + j * cap * hd, xv.data_ptr<T>() + j * hd, hd * sizeof(T));
-      const at::Tensor o = decode_attention(q, keys[i], values[i], pos + 1, scaling_);
-      const at::Tensor yo = L.o(o.view({1, H * hd})).contiguous();
-      add_into<T>(ph, yo.data_ptr<T>(), hidden_);
-      const std::vector<at::Tensor> gate_up = project({&L.gate, &L.up}, rms(h, L.ln2));
-      at::Tensor g = at::silu(gate_up[0]).contiguous();
-      const at::Tensor up = gate_up[1].contiguous();
-      mul_into<T>(g.data_ptr<T>(), up.data_ptr<T>(), g.numel());
-      const at::Tensor yd = L.down(g).contiguous();
-      add_into<T>(ph, yd.data_ptr<T>(), hidden_);
+      rope_rows<T>(xk, pc, ps, kc, KV, hd, cap * hd);
+      for (int64_t j = 0; j < KV; ++j) std::memcpy(vc + j * cap * hd, xv + j * hd, hd * sizeof(T));
+      attend<T>(q, keys[i].data_ptr<T>(), values[i].data_ptr<T>(), att, H, KV, cap, pos + 1, hd,
+                static_cast<float>(scaling_));
+      L.o.run<T>(att, &y);
+      add_into<T>(ph, y, D);
+      rms_rows<T>(ph, L.ln2.data_ptr<T>(), xn, 1, D, eps);
+      T* const gu[] = {g, up};
+      L.gate_up.run<T>(xn, gu);
+      at::Tensor gi = I_i == gate.size(1) ? gate : gate.narrow(1, 0, I_i);
+      at::silu_(gi);
+      mul_into<T>(g, up, I_i);
+      L.down.run<T>(g, &y);
+      add_into<T>(ph, y, D);
     }
-    return lm_head_(rms(h, norm_));
+    rms_rows<T>(ph, norm_.data_ptr<T>(), xn, 1, D, eps);
+    at::Tensor logits = at::empty({1, head_->out_features(0)}, h.options());
+    T* pl = logits.data_ptr<T>();
+    head_->run<T>(xn, &pl);
+    return logits;
   }
-
-  at::Tensor rms(const at::Tensor& h, const at::Tensor& w) const { return rms_norm_rows(h, w, eps_); }
 
   int64_t heads_, kv_heads_, head_dim_, hidden_;
   double eps_, scaling_;
   std::vector<Layer> layers_;
   at::Tensor norm_;
-  Proj lm_head_;
+  c10::optional<Group> head_;
 };
 
 }  // namespace

@@ -467,7 +467,7 @@ at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b) {
   const int16_t* pa = a16.data_ptr<int16_t>();
   const int8_t* pb = bc.data_ptr<int8_t>();
   int32_t* pc = c.data_ptr<int32_t>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* next = n + kRowsAhead < N ? pb + (n + kRowsAhead) * K : nullptr;  // prefetched
       int64_t m = 0;

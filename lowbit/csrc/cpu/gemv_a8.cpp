@@ -201,12 +201,15 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   const int64_t G = K / group, nb = K / BLOCK;
   constexpr bool four = std::is_same<Q, int8_t>::value;
   const int64_t np = (nb + 1) / 2;
-  std::vector<Q> xq(M * K);
-  std::vector<float> d(M * nb), dp(four ? M * np * 8 : 0), xs(M * G);
-  std::vector<char> finite(M);
+  thread_local std::vector<Q> xq_keep;
+  thread_local std::vector<float> d_keep, dp_keep, xs_keep;
+  thread_local std::vector<char> finite_keep;
+  Q* xq = grown(xq_keep, M * K);
+  float *d = grown(d_keep, M * nb), *dp = grown(dp_keep, four ? M * np * 8 : 0), *xs = grown(xs_keep, M * G);
+  char* finite = grown(finite_keep, M);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      finite[m] = quantize_row<Q>(x + m * K, K, group, four, xq.data() + m * K, d.data() + m * nb, xs.data() + m * G);
+      finite[m] = quantize_row<Q>(x + m * K, K, group, four, xq + m * K, d + m * nb, xs + m * G);
       if (four)  // block scales in pairs, [d(2p) x4 | d(2p+1) x4] (0 past the last block)
         for (int64_t i = 0; i < np * 8; ++i) {
           const int64_t blk = 2 * (i / 8) + (i % 8) / 4;
@@ -214,7 +217,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
         }
     }
   });
-  if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f; })) return false;
+  if (!std::all_of(finite, finite + M, [](char f) { return f; })) return false;
   const int64_t row_bytes = four ? K / 2 : K;
   // One row of x: 4 weight rows at a time (8-bit codes: one, see w8_tile); 4 rows of x: one
   // (4 accumulators either way, so that they, the unpacked codes and the scales fit the 16
@@ -225,9 +228,9 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
     const auto zn = HAS_ZP ? z + n * G : nullptr;
     if constexpr (four) {
       auto w4 = [&](auto pairs) {
-        w4_tile<R, NR, SIGNED, HAS_ZP, decltype(pairs)::value>(xq.data() + m * K, d.data() + m * nb,
-                                                               dp.data() + m * np * 8, xs.data() + m * G, K, G, group,
-                                                               wn, s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+        w4_tile<R, NR, SIGNED, HAS_ZP, decltype(pairs)::value>(xq + m * K, d + m * nb, dp + m * np * 8, xs + m * G,
+                                                               K, G, group, wn, s + n * G, zn, wt.min,
+                                                               wt.y + m * wt.N + n, wt.N);
       };
       const int64_t per_group = group / BLOCK;
       if (per_group == 1)
@@ -237,17 +240,19 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
       else
         w4(std::integral_constant<int, 0>{});
     } else
-      w8_tile<R, NR, SIGNED, HAS_ZP>(xq.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, group, wn,
-                                     s + n * G, zn, wt.min, wt.y + m * wt.N + n, wt.N);
+      w8_tile<R, NR, SIGNED, HAS_ZP>(xq + m * K, d + m * nb, xs + m * G, K, G, group, wn, s + n * G, zn, wt.min,
+                                     wt.y + m * wt.N + n, wt.N);
   };
   auto tile = [&](auto r_const, auto nr_const, const PackedWeight& wt, int64_t m, int64_t n) {
     with_scales(wt, [&](auto s, auto z) { tile_of(r_const, nr_const, wt, s, z, m, n); });
   };
   using One = std::integral_constant<int, 1>;
   using Four = std::integral_constant<int, 4>;
-  std::vector<int64_t> first_tile{0};  // tiles of 4 rows of every weight, numbered in one range
-  for (const PackedWeight& wt : weights) first_tile.push_back(first_tile.back() + wt.N / 4);
-  at::parallel_for(0, first_tile.back(), 4, [&](int64_t t0, int64_t t1) {
+  thread_local std::vector<int64_t> first_keep;  // tiles of 4 rows of every weight, numbered in one range
+  int64_t* first_tile = grown(first_keep, weights.size() + 1);
+  first_tile[0] = 0;
+  for (size_t i = 0; i < weights.size(); ++i) first_tile[i + 1] = first_tile[i] + weights[i].N / 4;
+  parallel_chunks(first_tile[weights.size()], 4, [&](int64_t t0, int64_t t1) {
     size_t i = 0;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_tile[i + 1]) ++i;
@@ -296,17 +301,19 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.linear_a8_blocks", x, codes, scales, zero_points, bits, group, ys, zero_point_min);
-  const bool has_zp = zero_points[0].has_value();
-  bool finite = true;
+  return {ys, a8_blocks_into(x.data_ptr<float>(), M, K, bits, group, weights)};
+}
+
+bool a8_blocks_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                    const std::vector<PackedWeight>& weights) {
 #ifdef LOWBIT_A8_BLOCKS
-  const float* px = x.data_ptr<float>();
+  const bool has_zp = weights[0].z != nullptr;
   if (bits == 4)
-    finite = has_zp ? run<int8_t, false, true>(px, M, K, group, weights) : run<int8_t, true, false>(px, M, K, group, weights);
-  else
-    finite = has_zp ? run<int16_t, false, true>(px, M, K, group, weights)
-                    : run<int16_t, true, false>(px, M, K, group, weights);
+    return has_zp ? run<int8_t, false, true>(x, M, K, group, weights) : run<int8_t, true, false>(x, M, K, group, weights);
+  return has_zp ? run<int16_t, false, true>(x, M, K, group, weights) : run<int16_t, true, false>(x, M, K, group, weights);
+#else
+  TORCH_CHECK(false, "lowbit._C.linear_a8_blocks needs AVX2 and FMA");
 #endif
-  return {ys, finite};
 }
 
 std::tuple<at::Tensor, bool> linear_a8_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

@@ -1,8 +1,11 @@
 // The entry points of lowbit's CPU kernels, declared once: bindings.cpp exposes them to
 // Python, matmul.cpp and decode.cpp call them from C++.
 #pragma once
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -48,6 +51,31 @@ struct PackedWeight {
     return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
   }
 };
+// n values of scratch memory in v, which keeps it between calls: a function's buffers as
+// `thread_local std::vector<T>`, one per calling thread.  A decode step calls its kernels
+// ~120 times a token, and a malloc there cost about a microsecond each (glibc, 2 threads).
+template <typename T>
+T* grown(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+// f(i0, i1) over [0, n) in chunks the threads take as they finish, from a shared counter
+// (OpenMP's dynamic schedule): chunks of at least `grain` items, about 4 a thread.  The row
+// kernels of a decode step stream their weights from memory, where one thread often runs
+// slower than the other: an even split left each waiting for the other ~10% of a step
+// (SmolLM2 q4_0-a8, 2 threads, perf).  Which thread runs an item changes nothing in its result.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t grain, const F& f) {
+  const int threads = at::get_num_threads();
+  if (threads == 1 || n <= grain || at::in_parallel_region()) {
+    if (n > 0) f(int64_t(0), n);
+    return;
+  }
+  const int64_t chunk = std::max(grain, (n + 4 * threads - 1) / (4 * threads));
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  for (int64_t i; (i = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) f(i, std::min(n, i + chunk));
+}
 // f(s, z) with the weight's scales and zero points as typed pointers: const uint16_t*
 // (float16 bits, for simd.h's scale1/scale2/scale8) where wt.half, else const float*.
 template <typename F>
@@ -71,6 +99,10 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
                                          int64_t group, std::vector<at::Tensor>& ys, bool zero_point_min = false);
 bool has_avx512();
 bool has_gemv_f32();
+// weight_only_gemv_many's kernel on weights packed_weights took (y set by the caller): x
+// float32 [M, K] contiguous; the same kind of weight (bits, group, zero points or not) in all.
+void gemv_f32_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                   const std::vector<PackedWeight>& weights);
 bool has_w4a8_rows();
 // zero_point_min: the weights are q * s + zero_point (the "min" domain), else (q - zero_point) * s.
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -108,6 +140,10 @@ std::tuple<std::vector<at::Tensor>, bool> linear_a8_blocks_many(const at::Tensor
                                                                 const std::vector<c10::optional<at::Tensor>>& zero_points,
                                                                 int64_t bits, int64_t group, bool zero_point_min);
 std::tuple<at::Tensor, bool> fake_quantize_a8_blocks(const at::Tensor& x);
+// linear_a8_blocks_many's kernel on weights packed_weights took (y set by the caller), as
+// gemv_f32_into; false (nothing written) if x held NaN or Inf.
+bool a8_blocks_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                    const std::vector<PackedWeight>& weights);
 // gemm_a8.cpp
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_many(const at::Tensor& x, const std::vector<at::Tensor>& codes,
                                                               const std::vector<at::Tensor>& scales,

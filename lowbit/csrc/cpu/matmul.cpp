@@ -415,9 +415,11 @@ template <bool SIGNED, bool HAS_ZP, bool MIN = false>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
             int64_t bits, const std::vector<PackedWeight>& weights) {
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  std::vector<int64_t> first{0};  // rows of every weight, numbered in one range
-  for (const PackedWeight& wt : weights) first.push_back(first.back() + wt.N);
-  at::parallel_for(0, first.back(), 16, [&](int64_t r0, int64_t r1) {
+  thread_local std::vector<int64_t> first_keep;  // rows of every weight, numbered in one range
+  int64_t* first = grown(first_keep, weights.size() + 1);
+  first[0] = 0;
+  for (size_t i = 0; i < weights.size(); ++i) first[i + 1] = first[i] + weights[i].N;
+  parallel_chunks(first[weights.size()], 16, [&](int64_t r0, int64_t r1) {
     size_t i = 0;
     for (int64_t r = r0; r < r1; ++r) {
       while (r >= first[i + 1]) ++i;
@@ -496,18 +498,25 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 #endif
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "lowbit._C.weight_only_gemv: contiguous float32 x [M, K] expected");
-  const int64_t M = x.size(0), K = x.size(1), G = K / group;
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group % (bits == 4 ? 32 : 16) == 0 && K % group == 0,
               "lowbit._C.weight_only_gemv: group must be a multiple of ", bits == 4 ? 32 : 16, " that divides K");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.weight_only_gemv", x, codes, scales, zero_points, bits, group, ys, zero_point_min);
-  const bool has_zp = zero_points[0].has_value();
+  gemv_f32_into(x.data_ptr<float>(), M, K, bits, group, weights);
+  return ys;
+}
+
+void gemv_f32_into(const float* px, int64_t M, int64_t K, int64_t bits, int64_t group,
+                   const std::vector<PackedWeight>& weights) {
 #ifdef LOWBIT_GEMV_F32
   // Plain buffers and loops, not ATen ops: at decode sizes an op's dispatch costs as much as
   // the work (the group sums of x, the even/odd split).
-  const float* px = x.data_ptr<float>();
-  std::vector<float> xs(M * G), xa, xb;  // read by the AVX-512 kernels with zero points and by add_mins
+  const int64_t G = K / group;
+  const bool has_zp = weights[0].z != nullptr, zero_point_min = weights[0].min;
+  thread_local std::vector<float> xs_keep, xa_keep, xb_keep;
+  float* xs = grown(xs_keep, M * G);  // read by the AVX-512 kernels with zero points and by add_mins
   if ((has_zp && LOWBIT_GEMV_F32 == 512) || zero_point_min)  // group sums of x for the z (or m) * sum(x) term
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
@@ -516,20 +525,20 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
     }
   const float *pa = px, *pb = px;
   if (bits == 4) {
-    xa.resize(M * K / 2);
-    xb.resize(M * K / 2);
-    deinterleave<float>(px, xa.data(), xb.data(), M, K);
-    pa = xa.data();
-    pb = xb.data();
+    float *xa = grown(xa_keep, M * K / 2), *xb = grown(xb_keep, M * K / 2);
+    deinterleave<float>(px, xa, xb, M, K);
+    pa = xa;
+    pb = xb;
   }
   if (zero_point_min)  // unsigned codes, q * s + m
-    wo_all<false, false, true>(pa, pb, xs.data(), M, K, G, group, bits, weights);
+    wo_all<false, false, true>(pa, pb, xs, M, K, G, group, bits, weights);
   else if (!has_zp)  // signed codes
-    wo_all<true, false>(pa, pb, xs.data(), M, K, G, group, bits, weights);
+    wo_all<true, false>(pa, pb, xs, M, K, G, group, bits, weights);
   else
-    wo_all<false, true>(pa, pb, xs.data(), M, K, G, group, bits, weights);
+    wo_all<false, true>(pa, pb, xs, M, K, G, group, bits, weights);
+#else
+  TORCH_CHECK(false, "lowbit._C.weight_only_gemv needs AVX-512 (VNNI, BW, VL) or AVX2 and FMA");
 #endif
-  return ys;
 }
 
 at::Tensor weight_only_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -605,7 +614,7 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
     }
 #endif
   };
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = w + n * (K / 2);
       if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
