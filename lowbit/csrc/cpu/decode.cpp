@@ -181,7 +181,7 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
   float *qf = grown(qf_keep, H * hd), *m = grown(m_keep, H * chunks), *l = grown(l_keep, H * chunks);
   float *acc = grown(acc_keep, H * chunks * hd), *o = grown(o_keep, hd);
   for (int64_t i = 0; i < H * hd; ++i) qf[i] = to_f(q[i]) * scale;
-#pragma omp parallel for schedule(dynamic, 1) if (n * H * hd > 16384)
+#pragma omp parallel for schedule(static) if (n * H * hd > 16384)
   for (int64_t item = 0; item < KV * chunks; ++item) {
     const int64_t j = item / chunks, c = item % chunks, s0 = c * kChunk, len = std::min(kChunk, n - s0);
     const T* kc = k + (j * cap + s0) * hd;
@@ -502,6 +502,16 @@ class Group {
       kind_ = kBlocks;
     else if (share_gemv_f32(ptrs) && has_gemv_f32())
       kind_ = kGemv;
+    else if (share_tokens(ptrs))
+      kind_ = kTokens;
+    if (kind_ == kTokens) {
+      K_ = in_features(p0);
+      bits_ = p0.bits;
+      group_ = p0.group;
+      if (p0.act == 2 && bits_ == 8)  // the weight's code sums, for the activations' zero point
+        for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
+      return;
+    }
     if (kind_ == kTensors) return;
     bits_ = p0.bits;
     group_ = p0.group;
@@ -531,6 +541,7 @@ class Group {
   template <typename T>
   void run(const T* x, T* const* ys) const {
     if (kind_ == kTensors) return run_tensors(x, ys);
+    if (kind_ == kTokens) return run_tokens(x, ys);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -555,16 +566,90 @@ class Group {
       const int64_t N = w[i].N;
       if constexpr (!f32)  // rounded to T, as .to(x's dtype)
         for (int64_t n = 0; n < N; ++n) ys[i][n] = static_cast<T>(w[i].y[n]);
-      if (const auto& b = ps_[i].bias) {  // + bias.to(T), in T
-        const at::Tensor bt = b->scalar_type() == dtype<T>() ? *b : b->to(dtype<T>());
-        const T* pb = bt.data_ptr<T>();
-        for (int64_t n = 0; n < N; ++n) ys[i][n] = ys[i][n] + pb[n];
-      }
+      add_bias(i, ys[i]);
     }
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv };
+  enum Kind { kTensors, kBlocks, kGemv, kTokens };
+
+  // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on
+  // int8_mm_rows or W4A8 codes, all of one kind: what Proj::int8_activations does, on
+  // pointers, x quantized once for all of them.
+  static bool share_tokens(const std::vector<const Proj*>& ps) {
+    const Proj& p0 = *ps[0];
+    if (!p0.codes.defined() || (p0.act != 1 && p0.act != 2)) return false;
+    const int64_t K = in_features(p0);
+    for (const Proj* p : ps) {
+      if (!p->codes.defined() || p->act != p0.act || p->bits != p0.bits || in_features(*p) != K ||
+          !p->codes.is_contiguous() || !p->scale.is_contiguous() || p->scale.scalar_type() != at::kFloat)
+        return false;
+      if (p0.bits == 8) {  // int8 codes [N, K], one float32 scale per row; int8_mm_rows (kernel 1)
+        if (p->kernel != 1 || !has_int8_rows() || p->codes.scalar_type() != at::kChar || p->codes.dim() != 2 ||
+            p->scale.numel() != p->codes.size(0) || K >= (int64_t(1) << 17))
+          return false;
+      } else {  // W4A8: u32x8 codes [N, K / 8], scales and int32 zero points [N, K / group]
+        const bool zp = p->zero_point.has_value();
+        if (p0.bits != 4 || !has_w4a8_rows() || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
+            p->group % 32 != 0 || K % p->group != 0 || 128 * 15 * p->group >= (int64_t(1) << 30) ||
+            p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
+            zp != p0.zero_point.has_value() ||
+            (zp && (p->zero_point->scalar_type() != at::kInt || !p->zero_point->is_contiguous() ||
+                    p->zero_point->sizes() != p->scale.sizes())))
+          return false;
+      }
+    }
+    return true;
+  }
+
+  template <typename T>
+  void run_tokens(const T* x, T* const* ys) const {
+    const bool symmetric = ps_[0].act == 1;
+    thread_local std::vector<int8_t> q_keep;
+    thread_local std::vector<int32_t> acc_keep;
+    thread_local std::vector<float> yf_keep;
+    int8_t* q = grown(q_keep, K_);
+    float s;
+    int32_t z;
+    TORCH_CHECK(quantize_token_into(x, dtype<T>(), K_, 8, symmetric, q, &s, &z),
+                "lowbit decode: the activations contain NaN or Inf");
+    if (!symmetric) {  // unsigned codes shifted by 128 to int8: u - 128 is u ^ 0x80 as int8
+      for (int64_t k = 0; k < K_; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(q[k]) ^ 0x80);
+      z -= 128;
+    }
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      const Proj& p = ps_[i];
+      const int64_t N = out_features(i);
+      if (bits_ == 8) {
+        int32_t* acc = grown(acc_keep, N);
+        int8_mm_rows_into(q, 1, K_, p.codes.data_ptr<int8_t>(), N, acc);
+        if (!symmetric) {
+          const int32_t* sums = code_sums_[i].data_ptr<int32_t>();
+          for (int64_t n = 0; n < N; ++n) acc[n] -= z * sums[n];
+        }
+        dequantize_rowcol_into(acc, &s, p.scale.data_ptr<float>(), ys[i], dtype<T>(), 1, N);
+      } else {
+        float* y = std::is_same<T, float>::value ? reinterpret_cast<float*>(ys[i]) : grown(yf_keep, N);
+        w4a8_gemm_into(q, &z, 1, K_, reinterpret_cast<const uint8_t*>(p.codes.data_ptr()), N,
+                       p.scale.data_ptr<float>(), p.zero_point ? p.zero_point->data_ptr<int32_t>() : nullptr,
+                       group_, y);
+        for (int64_t n = 0; n < N; ++n) y[n] *= s;  // times the row scale, then x's dtype
+        if constexpr (!std::is_same<T, float>::value)
+          for (int64_t n = 0; n < N; ++n) ys[i][n] = static_cast<T>(y[n]);
+      }
+      add_bias(i, ys[i]);
+    }
+  }
+
+  // y += bias.to(T), in T, as Proj adds it.
+  template <typename T>
+  void add_bias(size_t i, T* y) const {
+    const auto& b = ps_[i].bias;
+    if (!b) return;
+    const at::Tensor bt = b->scalar_type() == dtype<T>() ? *b : b->to(dtype<T>());
+    const T* pb = bt.data_ptr<T>();
+    for (int64_t n = 0, N = out_features(i); n < N; ++n) y[n] = y[n] + pb[n];
+  }
 
   template <typename T>
   static constexpr at::ScalarType dtype() {
@@ -594,6 +679,7 @@ class Group {
   std::vector<Proj> ps_;
   Kind kind_ = kTensors;
   std::vector<PackedWeight> w_;  // kBlocks, kGemv: the packed weights (y set at each call)
+  std::vector<at::Tensor> code_sums_;  // kTokens, asymmetric x, 8-bit codes: int32 sums of each row's codes
   int64_t K_ = 0, bits_ = 0, group_ = 0;
 };
 

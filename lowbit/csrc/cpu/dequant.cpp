@@ -260,16 +260,19 @@ at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const
   const int64_t N = acc.size(-1), M = N ? acc.numel() / N : 0;
   at::Tensor out = at::empty(acc.sizes(), acc.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
-  const int32_t* a = acc.data_ptr<int32_t>();
-  const float* r = row.data_ptr<float>();
-  const float* c = col.data_ptr<float>();
+  dequantize_rowcol_into(acc.data_ptr<int32_t>(), row.data_ptr<float>(), col.data_ptr<float>(), out.data_ptr(),
+                         out_dtype, M, N);
+  return out;
+}
+
+void dequantize_rowcol_into(const int32_t* acc, const float* row, const float* col, void* out,
+                            at::ScalarType out_dtype, int64_t M, int64_t N) {
   switch (out_dtype) {
-    case at::kFloat: rowcol_rows<float>(a, r, c, out.data_ptr<float>(), M, N); break;
-    case at::kBFloat16: rowcol_rows<c10::BFloat16>(a, r, c, out.data_ptr<c10::BFloat16>(), M, N); break;
-    case at::kHalf: rowcol_rows<c10::Half>(a, r, c, out.data_ptr<c10::Half>(), M, N); break;
+    case at::kFloat: rowcol_rows<float>(acc, row, col, static_cast<float*>(out), M, N); break;
+    case at::kBFloat16: rowcol_rows<c10::BFloat16>(acc, row, col, static_cast<c10::BFloat16*>(out), M, N); break;
+    case at::kHalf: rowcol_rows<c10::Half>(acc, row, col, static_cast<c10::Half*>(out), M, N); break;
     default: TORCH_CHECK(false, "lowbit._C.dequantize_rowcol: unsupported out dtype ", out_dtype);
   }
-  return out;
 }
 
 
@@ -427,4 +430,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at
     default: TORCH_CHECK(false, "lowbit._C.quantize_per_token: unsupported dtype ", x.scalar_type());
   }
   return {q, scale, zp, ok};
+}
+
+bool quantize_token_into(const void* x, at::ScalarType dtype, int64_t D, int64_t bits, bool symmetric, void* q,
+                         float* scale, int32_t* zp) {
+  const auto row = [&](auto t) {
+    using T = decltype(t);
+    T s;
+    const bool ok = symmetric ? quantize_rows<T, float, int8_t>(static_cast<const T*>(x), static_cast<int8_t*>(q),
+                                                                &s, zp, 1, D, bits, true)
+                              : quantize_rows<T, float, uint8_t>(static_cast<const T*>(x), static_cast<uint8_t*>(q),
+                                                                 &s, zp, 1, D, bits, false);
+    *scale = static_cast<float>(s);  // as_float of the scale in x's dtype
+    return ok;
+  };
+  switch (dtype) {
+    case at::kFloat: return row(float());
+    case at::kBFloat16: return row(c10::BFloat16());
+    case at::kHalf: return row(c10::Half());
+    default: TORCH_CHECK(false, "lowbit._C.quantize_per_token: unsupported dtype ", dtype);
+  }
 }

@@ -461,13 +461,17 @@ at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(K < (int64_t(1) << 17), "lowbit._C.int8_mm_rows: K must be below 2^17 (int32 sums)");
   at::Tensor c = at::empty({M, N}, a.options().dtype(at::kInt));
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  int8_mm_rows_into(ac.data_ptr<int8_t>(), M, K, bc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>());
+  return c;
+}
+
+void int8_mm_rows_into(const int8_t* a, int64_t M, int64_t K, const int8_t* pb, int64_t N, int32_t* pc) {
 #if defined(__AVX2__)
-  const at::Tensor a16 = a.to(at::kShort).contiguous();
-  const at::Tensor bc = b.contiguous();
-  const int16_t* pa = a16.data_ptr<int16_t>();
-  const int8_t* pb = bc.data_ptr<int8_t>();
-  int32_t* pc = c.data_ptr<int32_t>();
-  parallel_chunks(N, 16, [&](int64_t n0, int64_t n1) {
+  thread_local std::vector<int16_t> a16;  // a widened to int16 (exact)
+  int16_t* pa = grown(a16, M * K);
+  for (int64_t i = 0; i < M * K; ++i) pa[i] = a[i];
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* next = n + kRowsAhead < N ? pb + (n + kRowsAhead) * K : nullptr;  // prefetched
       int64_t m = 0;
@@ -475,6 +479,7 @@ at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b) {
       for (; m < M; ++m) int8_rows<1>(pa + m * K, K, pb + n * K, next, pc + m * N + n, N);
     }
   });
+#else
+  TORCH_CHECK(false, "lowbit._C.int8_mm_rows needs AVX2");
 #endif
-  return c;
 }

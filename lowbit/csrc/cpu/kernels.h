@@ -1,11 +1,8 @@
 // The entry points of lowbit's CPU kernels, declared once: bindings.cpp exposes them to
 // Python, matmul.cpp and decode.cpp call them from C++.
 #pragma once
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -24,8 +21,17 @@ void dequantize_min_into(at::Tensor& out, const at::Tensor& codes, const at::Ten
                          int64_t bits, int64_t K, int64_t group, int64_t rows_per_scale);
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
                              at::ScalarType out_dtype);
+// out[m, n] = acc[m, n] * row[m] * col[n] in out_dtype (float32, bf16 or f16): dequantize_rowcol
+// without tensors.
+void dequantize_rowcol_into(const int32_t* acc, const float* row, const float* col, void* out,
+                            at::ScalarType out_dtype, int64_t M, int64_t N);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> quantize_per_token(const at::Tensor& x, int64_t bits,
                                                                         bool symmetric);
+// quantize_per_token of one row x [D] (float32, bf16 or f16: dtype) without tensors: codes
+// int8 (symmetric) or uint8 into q, the scale (in x's dtype, then float32) and the zero point;
+// whether x was finite.
+bool quantize_token_into(const void* x, at::ScalarType dtype, int64_t D, int64_t bits, bool symmetric, void* q,
+                         float* scale, int32_t* zp);
 // matmul.cpp
 // t as contiguous float32, without an op when it already is (a no-op .to() still costs a dispatch).
 at::Tensor as_float(const at::Tensor& t);
@@ -58,23 +64,6 @@ template <typename T>
 T* grown(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
-}
-// f(i0, i1) over [0, n) in chunks the threads take as they finish, from a shared counter
-// (OpenMP's dynamic schedule): chunks of at least `grain` items, about 4 a thread.  The row
-// kernels of a decode step stream their weights from memory, where one thread often runs
-// slower than the other: an even split left each waiting for the other ~10% of a step
-// (SmolLM2 q4_0-a8, 2 threads, perf).  Which thread runs an item changes nothing in its result.
-template <typename F>
-void parallel_chunks(int64_t n, int64_t grain, const F& f) {
-  const int threads = at::get_num_threads();
-  if (threads == 1 || n <= grain || at::in_parallel_region()) {
-    if (n > 0) f(int64_t(0), n);
-    return;
-  }
-  const int64_t chunk = std::max(grain, (n + 4 * threads - 1) / (4 * threads));
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-  for (int64_t i; (i = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) f(i, std::min(n, i + chunk));
 }
 // f(s, z) with the weight's scales and zero points as typed pointers: const uint16_t*
 // (float16 bits, for simd.h's scale1/scale2/scale8) where wt.half, else const float*.
@@ -128,6 +117,9 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 void check_w4a8_zero_points(const char* who, const at::Tensor& x_q, const at::Tensor& x_zp, int64_t group);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
+// w4a8_gemm without tensors, its inputs checked by the caller: y float32 [M, N].
+void w4a8_gemm_into(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                    const float* w_scale, const int32_t* w_zp, int64_t group, float* y);
 // gemv_a8.cpp
 bool has_a8_blocks();
 // zero_point_min (here and in gemm_a8_blocks*): W = q * s + zero_point, the "min" domain.
@@ -181,6 +173,8 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
                        at::ScalarType out_dtype);
 bool has_int8_rows();
 at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b);
+// int8_mm_rows without tensors: c int32 [M, N] = a [M, K] @ b [N, K].T, K below 2^17.
+void int8_mm_rows_into(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, int32_t* c);
 at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // gptq.cpp

@@ -419,7 +419,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
   int64_t* first = grown(first_keep, weights.size() + 1);
   first[0] = 0;
   for (size_t i = 0; i < weights.size(); ++i) first[i + 1] = first[i] + weights[i].N;
-  parallel_chunks(first[weights.size()], 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, first[weights.size()], 16, [&](int64_t r0, int64_t r1) {
     size_t i = 0;
     for (int64_t r = r0; r < r1; ++r) {
       while (r >= first[i + 1]) ++i;
@@ -565,16 +565,25 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
               "lowbit._C.w4a8_gemm: contiguous inputs expected");
   TORCH_CHECK(group % 32 == 0, "lowbit._C.w4a8_gemm: group must be a multiple of 32");
   check_w4a8_zero_points("lowbit._C.w4a8_gemm", x_q, x_zp, group);
-  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
-  const int32_t* pz = x_zp.data_ptr<int32_t>();
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0);
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
+  w4a8_gemm_into(x_q.data_ptr<int8_t>(), x_zp.data_ptr<int32_t>(), M, K,
+                 reinterpret_cast<const uint8_t*>(codes.data_ptr()), N, w_scale.data_ptr<float>(),
+                 w_zp ? w_zp->data_ptr<int32_t>() : nullptr, group, y.data_ptr<float>());
+  return y;
+}
+
+void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                    const float* s, const int32_t* z, int64_t group, float* py) {
 #ifdef LOWBIT_W4A8
-  at::Tensor xe = at::empty({M, K / 2}, x_q.options()), xo = at::empty({M, K / 2}, x_q.options());
-  deinterleave<int8_t>(x_q.data_ptr<int8_t>(), xe.data_ptr<int8_t>(), xo.data_ptr<int8_t>(), M, K);
+  const int64_t G = K / group;
+  thread_local std::vector<int8_t> xe_keep, xo_keep;
+  thread_local std::vector<int32_t> xsum_keep;
+  int8_t *pe = grown(xe_keep, M * K / 2), *po = grown(xo_keep, M * K / 2);
+  deinterleave<int8_t>(pq, pe, po, M, K);
   // per row and group: sum x (VNNI), or sum x - |g| xz (AVX2: sum (x - xz)); plain loops,
   // not ATen ops, at decode sizes
-  std::vector<int32_t> xsum(M * G);
-  const int8_t* pq = x_q.data_ptr<int8_t>();
+  int32_t* xsum = grown(xsum_keep, M * G);
   for (int64_t i = 0; i < M * G; ++i) {
     int32_t t = 0;
     for (int64_t k = 0; k < group; ++k) t += pq[i * group + k];
@@ -584,14 +593,8 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
     xsum[i] = t - static_cast<int32_t>(group) * pz[i / G];
 #endif
   }
-  const bool is_signed = !w_zp.has_value();
-  const int32_t* z = is_signed ? nullptr : w_zp->data_ptr<int32_t>();
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const int8_t* pe = xe.data_ptr<int8_t>();
-  const int8_t* po = xo.data_ptr<int8_t>();
-  const int32_t* ps = xsum.data();
-  const float* s = w_scale.data_ptr<float>();
-  float* py = y.data_ptr<float>();
+  const bool is_signed = z == nullptr;
+  const int32_t* ps = xsum;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
@@ -614,7 +617,7 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
     }
 #endif
   };
-  parallel_chunks(N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = w + n * (K / 2);
       if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
@@ -624,8 +627,9 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
       for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m, wn, zn, n);
     }
   });
+#else
+  TORCH_CHECK(false, "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
 #endif
-  return y;
 }
 
 // ---- the eager entry of weight-only matmuls --------------------------------------------
