@@ -359,6 +359,37 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
     assert all(torch.equal(x, y) for x, y in zip(caches[0].keys, caches[1].keys))
 
 
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a8", "w4a8-g128", "q4_0-a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe, dtype, monkeypatch):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+    with torch.no_grad():  # biases that are not zero
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    if recipe is not None:
+        m = lowbit.quantize_model(m, recipe, inplace=False)
+    native = Runner(m)
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
+    python = Runner(m)
+    if native._decoder is None:
+        pytest.skip("the cpu plan for one row picks no kernel the C++ decode step runs on this machine")
+    caches = [r.new_cache(12) for r in (native, python)]
+    for r, c in zip((native, python), caches):
+        r.forward(torch.tensor([3, 14, 15, 92, 65]), c)
+    for tok in (35, 89, 79):
+        a, b = native.forward(torch.tensor([tok]), caches[0]), python.forward(torch.tensor([tok]), caches[1])
+        assert torch.equal(a, b)
+    assert any(mod.bias is not None for mod in m.modules() if isinstance(mod, (QuantLinear, torch.nn.Linear)))
+
+
 @pytest.mark.skipif(not FAST_BACKENDS or not cpu._C.has_dense_rows(), reason="needs lowbit._C with AVX2")
 def test_float32_projections_run_the_dense_kernel_in_decode_steps_only(smol, prompt_ids, monkeypatch):
     calls = []
