@@ -356,12 +356,12 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
         a = native.forward(torch.tensor([tok]), caches[0])
         b = python.forward(torch.tensor([tok]), caches[1])
         assert torch.equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys, caches[1].keys))
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
 
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
-@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a8", "w4a8-g128", "q4_0-a8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a8", "w4a8-g128", "w4a8-sym", "q4_0-a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe, dtype, monkeypatch):
     import transformers
 
@@ -374,6 +374,8 @@ def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe
         for name, p in m.named_parameters():
             if name.endswith(".bias"):
                 p.uniform_(-0.5, 0.5)
+    if recipe == "w4a8-sym":  # symmetric per-token activations with 4-bit codes
+        recipe = lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token")
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
     native = Runner(m)
@@ -387,7 +389,36 @@ def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe
     for tok in (35, 89, 79):
         a, b = native.forward(torch.tensor([tok]), caches[0]), python.forward(torch.tensor([tok]), caches[1])
         assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
     assert any(mod.bias is not None for mod in m.modules() if isinstance(mod, (QuantLinear, torch.nn.Linear)))
+
+
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+def test_native_decoder_refuses_sizes_that_do_not_fit_before_any_step():
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        cpu.new_decoder(3, 2, 8, 24, 1e-5, 0.35)
+    d = cpu.new_decoder(2, 1, 8, 16, 1e-5, 0.35)  # q 16 outputs, k and v 8, hidden 16
+
+    def lin(n, k, bias=None):
+        return cpu.float_projection(torch.randn(n, k), bias)
+
+    ln = torch.ones(16)
+    with pytest.raises(RuntimeError, match="the model's sizes"):  # down reads 24 features, gate gives 32
+        d.add_layer(ln, ln, lin(16, 16), lin(8, 16), lin(8, 16), lin(16, 16), lin(32, 16), lin(32, 16), lin(16, 24))
+    with pytest.raises(RuntimeError, match="differ in size"):  # k reads 12 features, q 16
+        d.add_layer(ln, ln, lin(16, 16), lin(8, 12), lin(8, 16), lin(16, 16), lin(32, 16), lin(32, 16), lin(16, 32))
+    with pytest.raises(RuntimeError, match="one value per output feature"):
+        d.add_layer(ln, ln, lin(16, 16, torch.zeros(8)), lin(8, 16), lin(8, 16), lin(16, 16), lin(32, 16),
+                    lin(32, 16), lin(16, 32))
+    with pytest.raises(RuntimeError, match="lm_head must take hidden"):
+        d.set_head(ln, lin(40, 12))
+    d.add_layer(ln, ln, lin(16, 16), lin(8, 16), lin(8, 16), lin(16, 16), lin(32, 16), lin(32, 16), lin(16, 32))
+    d.set_head(ln, lin(40, 16))
+    kv = [torch.zeros(1, 4, 8)]
+    with pytest.raises(RuntimeError, match="pos must be >= 0"):
+        d.step(torch.randn(1, 16), torch.ones(1, 1, 8), torch.zeros(1, 1, 8), kv, kv, -1)
+    assert d.step(torch.randn(1, 16), torch.ones(1, 1, 8), torch.zeros(1, 1, 8), kv, [torch.zeros(1, 4, 8)],
+                  0).shape == (1, 40)
 
 
 @pytest.mark.skipif(not FAST_BACKENDS or not cpu._C.has_dense_rows(), reason="needs lowbit._C with AVX2")

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -404,8 +405,8 @@ struct Proj {
 
 // Projections of the same input with activations in int8 blocks and the same kind of
 // weight (bits, group, zero points or not) run as one call: x is quantized once and one
-// parallel region covers all their rows (linear_a8_blocks_many).  The same arithmetic per
-// output as one call each, so the same bits.
+// parallel region covers all their rows (a8_blocks_into).  The same arithmetic per output
+// as one call each, so the same bits.
 bool share_blocks(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 3 || p->bits != ps[0]->bits || p->group != ps[0]->group ||
@@ -414,40 +415,19 @@ bool share_blocks(const std::vector<const Proj*>& ps) {
   return true;
 }
 
-// The packed weights of projections that share one call, as the *_many kernels take them.
-struct Parts {
-  std::vector<at::Tensor> codes, scales;
-  std::vector<c10::optional<at::Tensor>> zero_points;
-  explicit Parts(const std::vector<const Proj*>& ps) {
-    for (const Proj* p : ps) {
-      codes.push_back(p->codes);
-      scales.push_back(p->scale);
-      zero_points.push_back(p->zero_point);
-    }
-  }
-};
-
-// x through projections with activations in int8 blocks (share_blocks), bias not added.
-std::vector<at::Tensor> run_int8_blocks(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const bool plain = x.dim() == 2 && x.scalar_type() == at::kFloat;  // outputs need no op either
+// x through the int8-block kernel (linear_a8_blocks), bias not added; outputs in x's dtype.
+at::Tensor Proj::int8_blocks(const at::Tensor& x) const {
   const at::Tensor x2 = as_float(x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}));
-  const Parts w(ps);
-  auto [ys, finite] =
-      linear_a8_blocks_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group, ps[0]->zero_point_min);
+  auto [y, finite] = linear_a8_blocks(x2, codes, scale, zero_point, bits, group, zero_point_min);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
-  if (plain) return ys;
-  for (size_t i = 0; i < ps.size(); ++i) {
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = ps[i]->codes.size(0);
-    ys[i] = ys[i].to(x.scalar_type()).view(shape);
-  }
-  return ys;
+  if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = codes.size(0);
+  return y.to(x.scalar_type()).view(shape);
 }
 
-at::Tensor Proj::int8_blocks(const at::Tensor& x) const { return run_int8_blocks({this}, x)[0]; }
-
 // Weight-only projections on the float32 FMA kernel (gemv_f32) with the same kind of
-// weight share x's preparation and one parallel region (weight_only_gemv_many): the same
+// weight share x's preparation and one parallel region (gemv_f32_into): the same
 // arithmetic per output as one call each.
 bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
@@ -460,43 +440,26 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   return true;
 }
 
-// x [1, K] through projections that share_gemv_f32, bias not added; outputs in x's dtype.
-std::vector<at::Tensor> run_gemv_f32(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const at::Tensor x2 = as_float(x);
-  const Parts w(ps);
-  std::vector<at::Tensor> ys =
-      weight_only_gemv_many(x2, w.codes, w.scales, w.zero_points, ps[0]->bits, ps[0]->group, ps[0]->zero_point_min);
-  if (x.scalar_type() != at::kFloat)
-    for (at::Tensor& y : ys) y = y.to(x.scalar_type());
-  return ys;
-}
-
-// x through several projections: those that share_blocks or share_gemv_f32 as one call.
-std::vector<at::Tensor> project(const std::vector<const Proj*>& ps, const at::Tensor& x) {
-  const bool blocks = ps.size() > 1 && share_blocks(ps);
-  const bool gemv = ps.size() > 1 && !blocks && x.dim() == 2 && x.size(0) == 1 && share_gemv_f32(ps);
-  if (!blocks && !gemv) {
-    std::vector<at::Tensor> out;
-    for (const Proj* p : ps) out.push_back((*p)(x));
-    return out;
-  }
-  std::vector<at::Tensor> ys = blocks ? run_int8_blocks(ps, x) : run_gemv_f32(ps, x);
-  for (size_t i = 0; i < ps.size(); ++i)
-    if (ps[i]->bias) ys[i] = ys[i] + ps[i]->bias->to(ys[i].scalar_type());
-  return ys;
-}
-
 // Projections of one input that a decode step runs as one call: q/k/v, gate/up, or one alone.
 // Where they share the int8-block kernel (share_blocks) or gemv_f32 (share_gemv_f32), the
 // step calls that kernel on its own buffers (a8_blocks_into, gemv_f32_into): no tensor and
 // no allocation per call, the weights checked once, here.  A step makes ~120 such calls, and
 // their tensors, checks and mallocs were ~1 ms of a 6 ms step (SmolLM2, q4_0-a8, 2 threads,
-// perf).  Otherwise project() runs them, with tensors.  The same bits either way.
+// perf).  Otherwise each runs Proj's tensor path.  The same bits either way.
 class Group {
  public:
   explicit Group(std::vector<Proj> projs) : ps_(std::move(projs)) {
     std::vector<const Proj*> ptrs;
-    for (const Proj& p : ps_) ptrs.push_back(&p);
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      Proj& p = ps_[i];
+      TORCH_CHECK(in_features(p) == in_features(ps_[0]), "lowbit decode: projections of one input differ in size");
+      if (p.bias) {
+        TORCH_CHECK(p.bias->dim() == 1 && p.bias->size(0) == out_features(i),
+                    "lowbit decode: a bias must hold one value per output feature");
+        p.bias = p.bias->contiguous();
+      }
+      ptrs.push_back(&p);
+    }
     const Proj& p0 = ps_[0];
     if (share_blocks(ptrs) && has_a8_blocks())
       kind_ = kBlocks;
@@ -529,7 +492,10 @@ class Group {
     }
     const at::Tensor x = at::empty({1, K_}, at::kFloat);  // packed_weights' checks against [1, K]
     w_ = packed_weights(who, x, codes, scales, zero_points, bits_, group_, ys, p0.zero_point_min);
+    for (PackedWeight& w : w_) w.y = nullptr;  // ys is freed here: each call sets its own
   }
+
+  int64_t in_features() const { return in_features(ps_[0]); }
 
   size_t size() const { return ps_.size(); }
   int64_t out_features(size_t i) const {
@@ -537,10 +503,10 @@ class Group {
   }
 
   // x [K] in T through every projection: ys[i] [out_features(i)] in T, bias added, as
-  // project() gives them.
+  // Proj gives them.
   template <typename T>
   void run(const T* x, T* const* ys) const {
-    if (kind_ == kTensors) return run_tensors(x, ys);
+    if (kind_ == kTensors || (kind_ == kTokens && std::is_same<T, double>::value)) return run_tensors(x, ys);
     if (kind_ == kTokens) return run_tokens(x, ys);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
@@ -659,11 +625,8 @@ class Group {
   template <typename T>
   void run_tensors(const T* x, T* const* ys) const {
     const at::Tensor xt = at::from_blob(const_cast<T*>(x), {1, in_features(ps_[0])}, at::TensorOptions().dtype(dtype<T>()));
-    std::vector<const Proj*> ptrs;
-    for (const Proj& p : ps_) ptrs.push_back(&p);
-    const std::vector<at::Tensor> outs = project(ptrs, xt);
-    for (size_t i = 0; i < outs.size(); ++i) {
-      const at::Tensor y = outs[i].contiguous();
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      const at::Tensor y = ps_[i](xt).contiguous();
       TORCH_CHECK(y.scalar_type() == dtype<T>() && y.numel() == out_features(i),
                   "lowbit decode: a projection gave ", y.sizes(), " ", y.scalar_type(), "; expected ",
                   out_features(i), " values of the model's dtype");
@@ -691,21 +654,28 @@ struct Layer {
 class Decoder {
  public:
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double eps, double scaling)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), eps_(eps), scaling_(scaling) {}
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), eps_(eps), scaling_(scaling) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 && hidden > 0,
+                "lowbit decode: heads a multiple of kv_heads, an even head_dim and hidden > 0 expected");
+  }
 
   void add_layer(at::Tensor ln1, at::Tensor ln2, Proj q, Proj k, Proj v, Proj o, Proj gate, Proj up,
                  Proj down) {
     Layer L{ln1, ln2, Group({q, k, v}), Group({o}), Group({gate, up}), Group({down})};
-    TORCH_CHECK(L.qkv.out_features(0) == heads_ * head_dim_ && L.qkv.out_features(1) == kv_heads_ * head_dim_ &&
-                    L.qkv.out_features(2) == kv_heads_ * head_dim_ && L.o.out_features(0) == hidden_ &&
-                    L.gate_up.out_features(1) == L.gate_up.out_features(0) && L.down.out_features(0) == hidden_,
+    TORCH_CHECK(L.qkv.in_features() == hidden_ && L.qkv.out_features(0) == heads_ * head_dim_ &&
+                    L.qkv.out_features(1) == kv_heads_ * head_dim_ && L.qkv.out_features(2) == kv_heads_ * head_dim_ &&
+                    L.o.in_features() == heads_ * head_dim_ && L.o.out_features(0) == hidden_ &&
+                    L.gate_up.in_features() == hidden_ && L.gate_up.out_features(1) == L.gate_up.out_features(0) &&
+                    L.down.in_features() == L.gate_up.out_features(0) && L.down.out_features(0) == hidden_,
                 "lowbit decode: the layer's projections do not have the model's sizes");
     layers_.push_back(std::move(L));
   }
 
   void set_head(at::Tensor norm, Proj lm_head) {
+    Group head({lm_head});
+    TORCH_CHECK(head.in_features() == hidden_, "lowbit decode: the lm_head must take hidden features");
     norm_ = norm;
-    head_.emplace(std::vector<Proj>{lm_head});
+    head_.emplace(std::move(head));
   }
 
   // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos.
@@ -714,6 +684,7 @@ class Decoder {
     TORCH_CHECK(head_.has_value(), "lowbit decode: set_head first");
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
     TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.size(1) == hidden_, "lowbit decode: h must be [1, hidden]");
+    TORCH_CHECK(pos >= 0, "lowbit decode: pos must be >= 0");
     TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.scalar_type() == h.scalar_type() &&
                     sin.scalar_type() == h.scalar_type(),
                 "lowbit decode: cos and sin must be one row of head_dim values in h's dtype");
@@ -751,11 +722,21 @@ class Decoder {
     const T* pc = cos.data_ptr<T>();
     const T* ps = sin.data_ptr<T>();
     T* ph = h.data_ptr<T>();
-    // x (a norm's output), q, k, v, roped q, attention, a projection's output, up
-    at::Tensor buf = at::empty({D + 3 * H * hd + 2 * KV * hd + D + inter}, h.options());
-    T* xn = buf.data_ptr<T>();
-    T *xq = xn + D, *xk = xq + H * hd, *xv = xk + KV * hd, *q = xv + KV * hd, *att = q + H * hd;
-    T *y = att + H * hd, *up = y + D;
+    // x (a norm's output), q, k, v, roped q, attention, a projection's output, up: each at
+    // 64 bytes, as a tensor of its own would be
+    const int64_t sizes[] = {D, H * hd, KV * hd, KV * hd, H * hd, H * hd, D, inter};
+    const auto padded = [](int64_t n) { return (n * int64_t(sizeof(T)) + 63) / 64 * 64 / int64_t(sizeof(T)); };
+    int64_t total = 0;
+    for (int64_t n : sizes) total += padded(n);
+    at::Tensor buf = at::empty({total + 64 / int64_t(sizeof(T))}, h.options());
+    T* part[8];
+    T* next = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data_ptr<T>()) + 63) / 64 * 64);
+    for (int i = 0; i < 8; ++i) {
+      part[i] = next;
+      next += padded(sizes[i]);
+    }
+    T *xn = part[0], *xq = part[1], *xk = part[2], *xv = part[3], *q = part[4], *att = part[5], *y = part[6],
+      *up = part[7];
     at::Tensor gate = at::empty({1, inter}, h.options());
     T* g = gate.data_ptr<T>();
     const float eps = static_cast<float>(eps_);
