@@ -497,7 +497,6 @@ class Group {
 
   int64_t in_features() const { return in_features(ps_[0]); }
 
-  size_t size() const { return ps_.size(); }
   int64_t out_features(size_t i) const {
     return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);
   }
@@ -521,8 +520,8 @@ class Group {
     int64_t total = 0;
     for (size_t i = 0; i < w.size(); ++i) total += w[i].N;
     float* yf = f32 ? nullptr : grown(yf_keep, total);
-    for (size_t i = 0, at = 0; i < w.size(); at += w[i].N, ++i)
-      w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + at;
+    for (size_t i = 0, off = 0; i < w.size(); off += w[i].N, ++i)
+      w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + off;
     if (kind_ == kBlocks) {
       TORCH_CHECK(a8_blocks_into(xf, 1, K_, bits_, group_, w), "lowbit decode: the activations contain NaN or Inf");
     } else {
@@ -624,7 +623,7 @@ class Group {
 
   template <typename T>
   void run_tensors(const T* x, T* const* ys) const {
-    const at::Tensor xt = at::from_blob(const_cast<T*>(x), {1, in_features(ps_[0])}, at::TensorOptions().dtype(dtype<T>()));
+    const at::Tensor xt = at::from_blob(const_cast<T*>(x), {1, in_features()}, at::TensorOptions().dtype(dtype<T>()));
     for (size_t i = 0; i < ps_.size(); ++i) {
       const at::Tensor y = ps_[i](xt).contiguous();
       TORCH_CHECK(y.scalar_type() == dtype<T>() && y.numel() == out_features(i),

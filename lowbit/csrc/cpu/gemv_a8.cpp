@@ -308,9 +308,11 @@ bool a8_blocks_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t 
                     const std::vector<PackedWeight>& weights) {
 #ifdef LOWBIT_A8_BLOCKS
   const bool has_zp = weights[0].z != nullptr;
-  if (bits == 4)
-    return has_zp ? run<int8_t, false, true>(x, M, K, group, weights) : run<int8_t, true, false>(x, M, K, group, weights);
-  return has_zp ? run<int16_t, false, true>(x, M, K, group, weights) : run<int16_t, true, false>(x, M, K, group, weights);
+  if (bits == 4)  // int8 codes of x against 4-bit ones, int16 against 8-bit (see w8_tile)
+    return has_zp ? run<int8_t, false, true>(x, M, K, group, weights)
+                  : run<int8_t, true, false>(x, M, K, group, weights);
+  return has_zp ? run<int16_t, false, true>(x, M, K, group, weights)
+                : run<int16_t, true, false>(x, M, K, group, weights);
 #else
   TORCH_CHECK(false, "lowbit._C.linear_a8_blocks needs AVX2 and FMA");
 #endif
