@@ -85,7 +85,7 @@ inline void store_codes(const __m256i c[4], int8_t* q, int64_t odd, bool split) 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(eo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + odd), _mm256_extracti128_si256(eo, 1));
 }
-inline void store_codes(const __m256i c[4], int16_t* q, int64_t, bool) {
+inline void store_codes(const __m256i c[4], int16_t* q, int64_t, bool) {  // int16: 8-bit weights, never split
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
                       _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
