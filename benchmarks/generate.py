@@ -188,8 +188,7 @@ def main() -> None:
     prompt = torch.tensor(tok(text).input_ids[: args.prefill])
     runners = {}
     if args.quantized_dtype == "auto":
-        flags = lowbit.kernels.cpu.features()["machine"]
-        args.quantized_dtype = "bfloat16" if {"avx512_bf16", "amx_tile"} & set(flags) else "float32"
+        args.quantized_dtype = "bfloat16" if lowbit.kernels.cpu.has_bf16_dot() else "float32"
     qdt = getattr(torch, args.quantized_dtype)
     for name, dt, recipe, _, act in ROWS:
         if args.rows and name not in args.rows:

@@ -688,13 +688,14 @@ def eval_cmd(model: str | None, compare: list[str], *, as_json: bool = False, co
 def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: int = 128, sample: bool = False,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float | None = 0.9,
                  seed: int | None = None, raw: bool = False, recipe: str | None = None,
-                 dtype: str = "bfloat16", backend: str | None = None, act_compute: str | None = None):
+                 dtype: str = "auto", backend: str | None = None, act_compute: str | None = None):
     """Generate text from a checkpoint or a float model (optionally quantized on the fly
     with ``recipe``), streaming tokens; prints prefill and decode tokens/s to stderr.  A
     list of prompts is generated as one batch (``Runner.generate`` with a list): each
     continuation is printed when the batch is done, and the aggregate tokens/s.
     ``act_compute="int8"`` runs the weight-only quantized linears against int8 activation
-    blocks (``lowbit.Runner``'s option).
+    blocks (``lowbit.Runner``'s option).  ``dtype="auto"``: bfloat16 where the CPU
+    multiplies it natively (``kernels.cpu.has_bf16_dot``), else float32.
 
     Example::
 
@@ -722,6 +723,8 @@ def generate_cmd(model: str | None, prompt: str | list[str], *, max_new_tokens: 
     from lowbit.runtime import check_positions
 
     _check_act_compute(act_compute)
+    if dtype == "auto":
+        dtype = "bfloat16" if lowbit.kernels.cpu.has_bf16_dot() else "float32"
     r = lowbit.Recipe.get(recipe) if recipe else None
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts:
@@ -853,7 +856,8 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
     decode step) to 512 (a prefill), and why: the plan of ``lowbit.kernels.cpu`` on this
     machine, for the modules of a checkpoint (``path``) or for the presets at the bundled
     model's shapes (K = 576 and 1536), with activations of ``dtype`` (default: the
-    checkpoint's float dtype, bfloat16 for the presets).  Returns the rows printed.
+    checkpoint's float dtype; for the presets the one ``lowbit generate`` picks, bfloat16
+    where the CPU multiplies it natively, else float32).  Returns the rows printed.
     ``calibrate`` first times the row kernels against the GEMM paths on this machine and
     saves the crossovers where the cpu backend reads them from now on
     (``lowbit.kernels.cpu.calibration``, about 8 s).
@@ -899,7 +903,7 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
             r = Recipe.get(name)
             for k in (576, 1536):  # the group each module gets, as quantize_model fits it
                 combos.append((fit_group(r.weight, k), r.activation, k))
-    dtype = dtype or "bfloat16"
+    dtype = dtype or ("bfloat16" if cpu.has_bf16_dot() else "float32")
     dt = _float_dtype(dtype)
     f = cpu.features()
     print(f"cpu: {f['cpu']}; {torch.get_num_threads()} threads; flags {' '.join(f['machine']) or '(none of note)'}; "
@@ -1107,9 +1111,9 @@ def _command(sub, name: str, summary: str, description: str, examples: str) -> a
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _model_options(p: argparse.ArgumentParser, dtype: str, dtype_help: str) -> None:
+def _model_options(p: argparse.ArgumentParser, dtype: str, dtype_help: str, names=None) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
-    p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), default=dtype, metavar="DTYPE",
+    p.add_argument("--dtype", choices=_LibraryChoices(names or _dtype_names), default=dtype, metavar="DTYPE",
                    help=f"{dtype_help}: one of %(choices)s (default: %(default)s)")
     p.add_argument("--backend", choices=_LibraryChoices(_backends), metavar="BACKEND",
                    help="kernel backend of the quantized modules: one of %(choices)s "
@@ -1218,7 +1222,9 @@ unfinished sequences) and prints each continuation and the aggregate tokens/s.""
   lowbit generate "What is the capital of France?"
   lowbit generate smollm2-w4a16 --prompts questions.txt -n 64
   lowbit generate "Write a haiku." --recipe w4a16-g64 --sample --temperature 0.8 --seed 1""")
-    _model_options(p, "bfloat16", "activation dtype (bfloat16 runs the fast kernels, float32 is exact)")
+    _model_options(p, "auto", "activation dtype (auto: bfloat16 where the CPU multiplies it natively, AVX512-BF16 "
+                   "or AMX, else float32, which is faster there; float32 is exact)",
+                   lambda: ["auto", *_dtype_names()])
     p.add_argument("prompt", nargs="?", help="the prompt (wrapped in the chat template unless --raw)")
     p.add_argument("--prompts", metavar="FILE",
                    help="generate for every non-empty line of this UTF-8 file (one prompt each) as one batch, "
@@ -1317,7 +1323,7 @@ runs each quantized matmul on this machine for 1 to 512 activation rows, and why
                         "activation rows, and why (of the checkpoint's modules, or of the presets) (default: off)")
     p.add_argument("--dtype", choices=_LibraryChoices(_dtype_names), metavar="DTYPE",
                    help="activation dtype for --kernels: one of %(choices)s (default: the checkpoint's float "
-                        "dtype, bfloat16 for the presets)")
+                        "dtype; for the presets generate's auto: bfloat16 with native bf16, else float32)")
     p.add_argument("--calibrate", action="store_true",
                    help="with --kernels: first time the row kernels against the GEMM paths on this machine "
                         "(about 8 s) and keep the crossovers for this CPU; the plan uses them from then on "

@@ -599,6 +599,19 @@ DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_
                   "a8_blocks")
 
 
+def has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX).  Where it does
+    not, bfloat16 activations are converted in software and the same model runs faster in
+    float32: the rule of ``lowbit generate --dtype auto`` and ``benchmarks/generate.py``.
+
+    Example::
+
+        >>> isinstance(has_bf16_dot(), bool)
+        True
+    """
+    return bool({"avx512_bf16", "amx_tile"} & set(features()["machine"]))
+
+
 def decode_available() -> bool:
     """Whether lowbit._C has the decode step (``new_decoder``) and its attention/RMSNorm."""
     return _C is not None
