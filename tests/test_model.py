@@ -342,21 +342,33 @@ def test_native_decode_step_is_bit_identical_to_the_python_path(smol, smol_bf16,
         recipe = lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
+    native, python = _native_and_python(m, monkeypatch)
+    assert (native._decoder is not None) == _decode_step_covers(m, dtype)
+    _same_steps(native, python, prompt_ids, (7, 1234, 42))
+
+
+def _native_and_python(m, monkeypatch):
+    """Runners of m with the C++ decode step and without it (skips where the plan gives none)."""
     native = Runner(m)
     monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
     python = Runner(m)
     assert python._decoder is None
-    assert (native._decoder is not None) == _decode_step_covers(m, dtype)
     if native._decoder is None:
         pytest.skip("the cpu plan for one row picks no kernel the C++ decode step runs on this machine")
-    caches = [r.new_cache(16) for r in (native, python)]
+    return native, python
+
+
+def _same_steps(native, python, prompt, tokens):
+    """The prompt, then a decode step per token: the same logits and KV caches, bit for bit
+    (the caches the C++ step wrote are read back by the next steps)."""
+    caches = [r.new_cache(prompt.numel() + len(tokens)) for r in (native, python)]
     for r, c in zip((native, python), caches):
-        r.forward(prompt_ids, c)
-    for tok in (7, 1234, 42):  # three decode steps: the KV cache written by C++ is read back
-        a = native.forward(torch.tensor([tok]), caches[0])
-        b = python.forward(torch.tensor([tok]), caches[1])
+        r.forward(prompt, c)
+    for tok in tokens:
+        a, b = (r.forward(torch.tensor([tok]), c) for r, c in zip((native, python), caches))
         assert torch.equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
+    (nk, nv), (pk, pv) = ((c.keys, c.values) for c in caches)
+    assert all(torch.equal(x, y) for x, y in zip(nk + nv, pk + pv))
 
 
 @pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
@@ -378,18 +390,7 @@ def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe
         recipe = lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token")
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
-    native = Runner(m)
-    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
-    python = Runner(m)
-    if native._decoder is None:
-        pytest.skip("the cpu plan for one row picks no kernel the C++ decode step runs on this machine")
-    caches = [r.new_cache(12) for r in (native, python)]
-    for r, c in zip((native, python), caches):
-        r.forward(torch.tensor([3, 14, 15, 92, 65]), c)
-    for tok in (35, 89, 79):
-        a, b = native.forward(torch.tensor([tok]), caches[0]), python.forward(torch.tensor([tok]), caches[1])
-        assert torch.equal(a, b)
-    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
+    _same_steps(*_native_and_python(m, monkeypatch), torch.tensor([3, 14, 15, 92, 65]), (35, 89, 79))
     assert any(mod.bias is not None for mod in m.modules() if isinstance(mod, (QuantLinear, torch.nn.Linear)))
 
 
