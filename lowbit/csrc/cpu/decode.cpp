@@ -467,18 +467,15 @@ class Group {
       kind_ = kGemv;
     else if (share_tokens(ptrs))
       kind_ = kTokens;
+    if (kind_ == kTensors) return;
+    K_ = in_features(p0);
+    bits_ = p0.bits;
+    group_ = p0.group;
     if (kind_ == kTokens) {
-      K_ = in_features(p0);
-      bits_ = p0.bits;
-      group_ = p0.group;
       if (p0.act == 2 && bits_ == 8)  // the weight's code sums, for the activations' zero point
         for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
       return;
     }
-    if (kind_ == kTensors) return;
-    bits_ = p0.bits;
-    group_ = p0.group;
-    K_ = in_features(p0);
     const char* who = kind_ == kBlocks ? "lowbit._C.linear_a8_blocks" : "lowbit._C.weight_only_gemv";
     TORCH_CHECK(bits_ == 4 || bits_ == 8, who, ": bits must be 4 or 8");
     TORCH_CHECK(group_ > 0 && group_ % (kind_ == kBlocks || bits_ == 4 ? 32 : 16) == 0 && K_ % group_ == 0, who,
@@ -722,14 +719,14 @@ class Decoder {
     const T* ps = sin.data_ptr<T>();
     T* ph = h.data_ptr<T>();
     // x (a norm's output), q, k, v, roped q, attention, a projection's output, up: each at
-    // 64 bytes, as a tensor of its own would be
+    // 64 bytes, as a tensor of its own would be (the CPU allocator's alignment)
     const int64_t sizes[] = {D, H * hd, KV * hd, KV * hd, H * hd, H * hd, D, inter};
     const auto padded = [](int64_t n) { return (n * int64_t(sizeof(T)) + 63) / 64 * 64 / int64_t(sizeof(T)); };
     int64_t total = 0;
     for (int64_t n : sizes) total += padded(n);
-    at::Tensor buf = at::empty({total + 64 / int64_t(sizeof(T))}, h.options());
+    at::Tensor buf = at::empty({total}, h.options());
     T* part[8];
-    T* next = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data_ptr<T>()) + 63) / 64 * 64);
+    T* next = buf.data_ptr<T>();
     for (int i = 0; i < 8; ++i) {
       part[i] = next;
       next += padded(sizes[i]);

@@ -594,13 +594,12 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
 #endif
   }
   const bool is_signed = z == nullptr;
-  const int32_t* ps = xsum;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
     constexpr int R = decltype(r_const)::value;
     auto call = [&](auto kernel) {
-      kernel(pe + m * (K / 2), po + m * (K / 2), ps + m * G, pz + m, K, G, group, wn, s + n * G, zn, is_signed,
+      kernel(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G, zn, is_signed,
              py + m * N + n, N);
     };
 #ifdef LOWBIT_W4A8_VNNI
