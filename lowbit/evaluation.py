@@ -302,7 +302,9 @@ def evaluate(models: nn.Module | dict[str, nn.Module], tokenizer, *, reference: 
         ref_logp = None
         for name, r in runners.items():
             logits = r.forward(w, r.new_cache(ctx), all_logits=True)[first:-1].float()
-            logp = torch.log_softmax(logits, dim=-1)
+            # float64 log-probabilities: KL's terms nearly cancel for close models, and in
+            # float32 their rounding alone made it negative (-1.7e-8 for q4_1 on its own grid)
+            logp = torch.log_softmax(logits.double(), dim=-1)
             a = acc[name]
             a["nll"] -= float(logp.gather(1, target[:, None]).sum())
             a["count"] += target.numel()

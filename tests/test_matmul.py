@@ -578,6 +578,49 @@ def test_cpu_dequantize_into_a_buffer_is_dequantize(scheme):
         cpu._C.dequantize_into(torch.empty(47, 128), *args)
 
 
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("k", [1, 8, 511, 512, 513, 1030])
+def test_cpu_gemm_f32_is_within_gamma_k_of_the_exact_product(m, n, k):
+    # 6 x 16 register tiles (m, n: whole tiles and tails), k in chunks of 512 (511, 512, 513,
+    # 1030: one chunk, exactly one, one and a value, three): each output a float32 sum of its
+    # k products in order, so within gamma_k * sum |x w| of the exact value.
+    if not cpu.available() or not cpu._C.has_gemm_f32():
+        pytest.skip("no gemm_f32 here")
+    g = torch.Generator().manual_seed(m * 10000 + n * 100 + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = cpu._C.gemm_f32(x, w)
+    exact = x.double() @ w.double().T
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert bool(((y.double() - exact).abs() <= gamma(k) * (x.double().abs() @ w.double().abs().T)).all())
+
+
+def test_cpu_gemm_f32_edges_and_bad_input():
+    if not cpu.available() or not cpu._C.has_gemm_f32():
+        pytest.skip("no gemm_f32 here")
+    assert torch.equal(cpu._C.gemm_f32(torch.randn(3, 0), torch.randn(4, 0)), torch.zeros(3, 4))
+    assert cpu._C.gemm_f32(torch.randn(0, 8), torch.randn(4, 8)).shape == (0, 4)
+    x = torch.randn(20, 64)
+    w = torch.randn(64, 40)  # a transposed view: made contiguous, the same product
+    assert torch.equal(cpu._C.gemm_f32(x, w.T), cpu._C.gemm_f32(x, w.T.contiguous()))
+    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] expected"):
+        cpu._C.gemm_f32(x, torch.randn(8, 63))
+    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] expected"):
+        cpu._C.gemm_f32(x.double(), torch.randn(8, 64).double())
+
+
+def test_cpu_weight_tiles_keep_autograd_where_x_needs_a_gradient():
+    # gemm_f32 records no graph: where x needs a gradient the tiles go through torch.mm
+    if not cpu.available():
+        pytest.skip(cpu.load_error())
+    qt = lowbit.quantize(torch.randn(96, 256), "int4-asym-g64")
+    x = torch.randn(300, 256, requires_grad=True)
+    assert cpu.BACKEND.plan(qt.scheme, None, 300, 256, torch.float32).kernel == "tiles_f32"
+    linear(x, qt, backend="cpu").sum().backward()
+    w = lowbit.dequantize(qt)
+    assert torch.allclose(x.grad, w.sum(0).expand(300, -1), rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone():
     # the dequantized tiles live in a buffer reused by the next call (no fresh multi-MiB
     # allocation per matmul): an earlier result must not be a view of it

@@ -252,10 +252,12 @@ def test_evaluate_reports_what_quantization_costs(smol):
     f, q41, g64 = rows
     assert f["model"] == "float" and f["kl_divergence"] == 0 and f["greedy_match"] == 8
     assert f["scored_tokens"] == 2 * 63 and f["weight_bytes"] > 5e8
-    # the bundled weights are Q4_1: requantizing them in that form is lossless, an
-    # integer zero point at g64 is a second rounding
-    assert q41["kl_divergence"] == 0 < g64["kl_divergence"]
-    assert q41["top1_agreement"] > g64["top1_agreement"]
+    # the bundled weights are Q4_1: requantizing them in that form is lossless (the same
+    # weights; the quantized prefill sums in another order than torch's float GEMM, a
+    # float32 rounding of ~1e-6 in the logits, so KL ~1e-10), an integer zero point at g64
+    # is a second rounding (KL ~0.3)
+    assert 0 <= q41["kl_divergence"] < 1e-8 < g64["kl_divergence"]
+    assert q41["top1_agreement"] == 1 > g64["top1_agreement"]
     assert g64["weight_bytes"] < 0.4 * f["weight_bytes"]
     assert g64["bits_per_linear_weight"] == pytest.approx(4 + (16 + 8) / 64)
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
@@ -277,7 +279,7 @@ def test_evaluate_adds_an_int8_activation_row_after_each_weight_only_model(smol)
     assert list(by) == ["float", "q4_1", "q4_1 act int8", "w4a16-g64", "w4a16-g64 act int8", "w8a8", "int3"]
     # q4_1 is the bundled weights' own grid (KL 0); its int8 twin (llama.cpp's Q4_1 x Q8_1) adds
     # only the activations' rounding, small next to a second 4-bit rounding of the weights (g64)
-    assert by["q4_1"]["kl_divergence"] == 0 < by["q4_1 act int8"]["kl_divergence"]
+    assert by["q4_1"]["kl_divergence"] < 1e-8 < by["q4_1 act int8"]["kl_divergence"]
     assert by["q4_1 act int8"]["kl_divergence"] < 0.2 * by["w4a16-g64"]["kl_divergence"]
     assert by["w4a16-g64 act int8"]["act_compute"] == "int8" and by["w4a16-g64"]["act_compute"] is None
     # another arithmetic, close to the weight-only one: the activations' rounding is small next

@@ -166,6 +166,11 @@ at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, c
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+// gemm_f32.cpp
+bool has_gemm_f32();
+// y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).
+void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w);
 // gemm_int8.cpp
 bool int8_gemm_supported(int64_t K);
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,

@@ -200,6 +200,12 @@ def _has_gemv_f32() -> bool:
     return _C is not None and _C.has_gemv_f32()
 
 
+def _gemm_f32() -> bool:
+    # gemm_f32.cpp is AVX2 code, measured against MKL's sgemm on an AVX2 machine (Zen 3: 1.2-1.5x
+    # at prefill shapes); against AVX-512 sgemm it is not measured, so AVX-512 machines keep torch.mm.
+    return _C is not None and _C.has_gemm_f32() and not _has_avx512()
+
+
 def _has_w4a8_rows() -> bool:
     return _C is not None and _C.has_w4a8_rows()
 
@@ -236,7 +242,8 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
                else "no AVX-512: float32 GEMMs beat bf16 ones without bf16 dot products")
-        return Plan("tiles_f32", f"L2-sized weight tiles dequantized, torch.mm ({why})")
+        how = "gemm_f32.cpp's 6 x 16 FMA register tiles" if _gemm_f32() else "torch.mm"
+        return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, {how} ({why})")
     return Plan("tiles_bf16", "L2-sized weight tiles dequantized, torch.mm (no AVX-512 kernel for this group size)")
 
 
@@ -370,7 +377,10 @@ class CpuBackend(Backend):
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
         (float32 at the float32 matmul precision "highest", and on machines without
-        AVX-512) through torch.mm.  No float copy of W larger than x is made.
+        AVX-512) through torch.mm, or for float32 tiles on AVX2 machines without AVX-512
+        through gemm_f32.cpp's 6 x 16 FMA register tiles (``_mm``: 1.2-1.5x MKL's sgemm
+        at prefill shapes on a Zen 3; each output summed in the order of k, within
+        gamma_K).  No float copy of W larger than x is made.
 
         A weight in the "min" domain (``zero_point_min``: W = q * s + m) runs the float32
         kernels: ``gemv_f32`` takes its codes as unsigned without a zero point and adds
@@ -561,6 +571,14 @@ def _dequantized(codes, s, zp, bits, signed, k, group_size, cdt, reuse: bool, ze
     return w
 
 
+def _mm(xc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xc @ w.T: gemm_f32.cpp for float32 where ``_gemm_f32`` (no autograd graph: torch.mm
+    where x needs a gradient), else torch.mm."""
+    if xc.dtype == torch.float32 and _gemm_f32() and not (torch.is_grad_enabled() and xc.requires_grad):
+        return _C.gemm_f32(xc, w)
+    return torch.mm(xc, w.T)
+
+
 def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=False):
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
@@ -577,7 +595,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=Fa
     if tile >= n or n * k <= m * (k + n):
         w = _dequantized(codes.contiguous(), s, zp, bits, zero_point is None, k, group_size, cdt, reuse,
                          zero_point_min)
-        return torch.mm(xc, w.T).to(x.dtype).reshape(*x.shape[:-1], n)
+        return _mm(xc, w).to(x.dtype).reshape(*x.shape[:-1], n)
     # Each tile's GEMM into its columns of y: 512 x 1536 x 576 at 3 tiles took 1.5x the
     # float32 GEMM computing y.T tile by tile and transposing it (Zen 3); this, 1.05x.
     out = torch.empty(x2.shape[0], n, dtype=cdt)
@@ -585,7 +603,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=Fa
         n1 = min(n, n0 + tile)
         w = _dequantized(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
                          bits, zero_point is None, k, group_size, cdt, reuse, zero_point_min)
-        out[:, n0:n1] = torch.mm(xc, w.T)
+        out[:, n0:n1] = _mm(xc, w)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -1,0 +1,167 @@
+// y = x @ w.T in float32 for many rows of x (prefill): AVX2 + FMA register tiles of 6 rows
+// of x by 16 columns of y (12 accumulators, two weight vectors, one broadcast: 15 of the
+// 16 ymm registers), the BLIS layout for 8-lane FMAs.  Where the weight-only recipes
+// dequantize a weight for a prefill (kernels/cpu `_tiles`), torch.mm ran MKL's sgemm: on
+// Zen 3 (AVX2, 2 threads) 512 x 576 @ 576 x 1536 took it 6.1 ms, these tiles ~4.8 ms.
+//
+//   x is packed once per call into tiles of 6 rows, k-major ([k][6], rows past M zero);
+//   each thread takes panels of 16 weight rows and, KC values of k at a time, lays the
+//   panel's chunk out k-major ([k][16], rows past N zero: 64 bytes a step, L1-sized), then
+//   runs every tile of x against it.  Each output is the float32 sum of x[m, k] w[n, k] in
+//   the order of k, one FMA a term, chunk by chunk: the partial sum of each chunk is added
+//   to the previous chunks' (|error| <= gamma_K sum_k |x w|, tests/test_matmul.py).
+
+#include "kernels.h"
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LOWBIT_GEMM_F32 1
+constexpr int64_t TM = 6;     // rows of x per register tile
+constexpr int64_t TN = 16;    // columns of y per register tile (two vectors of 8)
+constexpr int64_t KC = 512;   // values of k per packed weight chunk: 32 KiB
+
+// Tile t of x packed: xp[k * TM + i] = x[t * TM + i, k] (0 past M).
+void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t tiles = (M + TM - 1) / TM;
+  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* out = xp + t * K * TM;
+      for (int64_t i = 0; i < TM; ++i) {
+        const int64_t m = t * TM + i;
+        if (m < M)
+          for (int64_t k = 0; k < K; ++k) out[k * TM + i] = x[m * K + k];
+        else
+          for (int64_t k = 0; k < K; ++k) out[k * TM + i] = 0.f;
+      }
+    }
+  });
+}
+
+// wp[k * TN + j] = w[n0 + j, k0 + k] for k < kc (0 for j >= cols): 8 x 8 transposes of
+// the panel's rows where the chunk has 8 of them, a plain loop for the rest.
+void pack_w(const float* w, int64_t K, int64_t n0, int cols, int64_t k0, int64_t kc, float* wp) {
+  int64_t k = 0;
+  if (cols == TN)
+    for (; k + 8 <= kc; k += 8)
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (n0 + half * 8 + j) * K + k0 + k);
+        // 8 x 8 transpose (unpack, shuffle, permute): c[i] = lane i of r[0..7], w[., k + i]
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (k + i) * TN + half * 8, c[i]);
+      }
+  for (; k < kc; ++k)
+    for (int j = 0; j < TN; ++j) wp[k * TN + j] = j < cols ? w[(n0 + j) * K + k0 + k] : 0.f;
+}
+
+// y[rows, cols] (+)= one tile of x (xp, k-major) times one packed chunk (wp), kc steps.
+void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, int64_t rows, int cols, bool add) {
+  __m256 c[TM][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < TM; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wp + k * TN), w1 = _mm256_loadu_ps(wp + k * TN + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < TM; ++i) {
+      const __m256 a = _mm256_broadcast_ss(xp + k * TM + i);
+      c[i][0] = _mm256_fmadd_ps(a, w0, c[i][0]);
+      c[i][1] = _mm256_fmadd_ps(a, w1, c[i][1]);
+    }
+  }
+  // (every loop over the accumulators has a constant count, fully unrolled: one indexed at
+  // run time would keep them in memory, which made the whole loop 2x slower)
+  if (rows == TM && cols == TN) {
+#pragma GCC unroll 6
+    for (int i = 0; i < TM; ++i) {
+      float* yi = y + i * ldy;
+      if (add) {
+        c[i][0] = _mm256_add_ps(_mm256_loadu_ps(yi), c[i][0]);
+        c[i][1] = _mm256_add_ps(_mm256_loadu_ps(yi + 8), c[i][1]);
+      }
+      _mm256_storeu_ps(yi, c[i][0]);
+      _mm256_storeu_ps(yi + 8, c[i][1]);
+    }
+    return;
+  }
+  alignas(32) float buf[TM][TN];
+#pragma GCC unroll 6
+  for (int i = 0; i < TM; ++i) {
+    _mm256_store_ps(buf[i], c[i][0]);
+    _mm256_store_ps(buf[i] + 8, c[i][1]);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) y[i * ldy + j] = add ? y[i * ldy + j] + buf[i][j] : buf[i][j];
+}
+#endif
+
+}  // namespace
+
+bool has_gemm_f32() {
+#ifdef LOWBIT_GEMM_F32
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+#ifdef LOWBIT_GEMM_F32
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill(y, y + M * N, 0.f);
+    return;
+  }
+  thread_local std::vector<float> xp_keep;
+  const int64_t tiles = (M + TM - 1) / TM;
+  float* xp = grown(xp_keep, tiles * TM * K);
+  pack_x(x, M, K, xp);
+  const int64_t panels = (N + TN - 1) / TN;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> wp_keep;
+    float* wp = grown(wp_keep, KC * TN);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * TN;
+      const int cols = static_cast<int>(std::min(TN, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        pack_w(w, K, n0, cols, k0, kc, wp);
+        for (int64_t t = 0; t < tiles; ++t)
+          tile(xp + t * K * TM + k0 * TM, wp, kc, y + t * TM * N + n0, N, std::min(TM, M - t * TM), cols, k0 > 0);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "lowbit._C.gemm_f32 needs AVX2 and FMA");
+#endif
+}
+
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(has_gemm_f32(), "lowbit._C.gemm_f32 needs AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  x.size(1) == w.size(1),
+              "lowbit._C.gemm_f32: float32 x [M, K] and w [N, K] expected, got ", x.sizes(), " ", x.scalar_type(),
+              " and ", w.sizes(), " ", w.scalar_type());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  gemm_f32_into(xc.data_ptr<float>(), x.size(0), x.size(1), wc.data_ptr<float>(), w.size(0), y.data_ptr<float>());
+  return y;
+}
