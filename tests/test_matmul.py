@@ -595,6 +595,18 @@ def test_cpu_gemm_f32_is_within_gamma_k_of_the_exact_product(m, n, k):
     assert bool(((y.double() - exact).abs() <= gamma(k) * (x.double().abs() @ w.double().abs().T)).all())
 
 
+def test_cpu_gemm_f32_gives_a_row_the_same_bits_in_any_batch():
+    # every output is its own sum in the order of k, whichever tile (and place in it) its
+    # row falls in: a batch's decode step gives each sequence the bits it gets alone
+    if not cpu.available() or not cpu._C.has_gemm_f32():
+        pytest.skip("no gemm_f32 here")
+    x, w = torch.randn(40, 1100), torch.randn(50, 1100)
+    y = cpu._C.gemm_f32(x, w)
+    for rows in (slice(0, 1), slice(3, 20), slice(17, 18), slice(5, 40)):
+        assert torch.equal(cpu._C.gemm_f32(x[rows], w), y[rows])
+    assert torch.equal(cpu._C.gemm_f32(x, w[7:30]), y[:, 7:30])
+
+
 def test_cpu_gemm_f32_edges_and_bad_input():
     if not cpu.available() or not cpu._C.has_gemm_f32():
         pytest.skip("no gemm_f32 here")
