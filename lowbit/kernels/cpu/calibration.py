@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 # 2: the a8 blocks threshold per weight bits, and GEMM sides that changed (gemm_a8.cpp,
-# gemm_i16.cpp): a file of an older format measured other kernels and is not used.
-FORMAT = 2
+# gemm_i16.cpp); 3: the weight-only and float32 GEMM sides on AVX2 run gemm_f32.cpp, not
+# MKL's sgemm.  A file of an older format measured other kernels and is not used.
+FORMAT = 3
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
