@@ -96,11 +96,23 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+def _force_gemm_f32(monkeypatch, on: bool):
+    """The weight-only tiles (and a step's float32 rows) through gemm_f32 or not, whatever
+    the machine would pick (it is compiled in wherever AVX2 and FMA are; AVX-512 machines
+    keep torch.mm by default)."""
+    if on and not (cpu.available() and cpu._C.has_gemm_f32()):
+        pytest.skip("no gemm_f32 here")
+    monkeypatch.setattr(cpu, "_gemm_f32", lambda: on)
+
+
+@pytest.mark.parametrize("gemm_f32", [False, True])
 @pytest.mark.parametrize("m", [3, 45, 200])
-def test_cpu_weight_tiles_cover_w_in_tiles_or_in_one(monkeypatch, m):
+def test_cpu_weight_tiles_cover_w_in_tiles_or_in_one(monkeypatch, m, gemm_f32):
     # A 4 KiB tile budget is 16 rows of K = 64 (float32): m = 3 and 45 run 13 and 5 tiles
-    # (a tail each), m = 200 one tile as large as x; all within the weight-only bound.
+    # (a tail each), m = 200 one tile as large as x; all within the weight-only bound.  With
+    # gemm_f32 (where the machine runs it) panels of 16 rows instead, the same bound.
     monkeypatch.setattr(cpu, "TILE_BYTES", 4096)
+    _force_gemm_f32(monkeypatch, gemm_f32)
     qt = lowbit.quantize(torch.randn(200, 64), "int4-asym-g32")
     x = torch.randn(m, 64)
     y = cpu._tiles(x, qt.codes, qt.scale, qt.zero_point, 4, 32, torch.float32)
@@ -607,6 +619,56 @@ def test_cpu_gemm_f32_gives_a_row_the_same_bits_in_any_batch():
     assert torch.equal(cpu._C.gemm_f32(x, w[7:30]), y[:, 7:30])
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g32-zpfloat-f16", "int8-sym",
+                                    "int8-asym-g64", "int4-asym-g32-zpmin-f16"])
+@pytest.mark.parametrize("m, n", [(1, 1), (7, 17), (40, 50)])
+def test_cpu_weight_only_gemm_f32_is_gemm_f32_of_the_dequantized_weight(scheme, m, n):
+    # panels of 16 rows dequantized as the GEMM reaches them (n = 17: a panel of one row):
+    # the reference's values, then gemm_f32's sums, bit for bit
+    from lowbit.ops.matmul import weight_parts
+
+    if not cpu.available() or not cpu._C.has_gemm_f32():
+        pytest.skip("no gemm_f32 here")
+    k = 1088  # three chunks of k (512 + 512 + 64)
+    qt = lowbit.quantize(torch.randn(n, k), scheme)
+    codes, scale, zp, _, _ = weight_parts(qt)
+    s, z = scale.float().contiguous(), None if zp is None else zp.float().contiguous()
+    group, bits, minimum = qt.scheme.group_size or k, qt.scheme.bits, qt.scheme.zero_point_domain == "min"
+    x = torch.randn(m, k)
+    y = cpu._C.weight_only_gemm_f32(x, codes.contiguous(), s, z, bits, zp is None, group, minimum)
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float32, zero_point_min=minimum)
+    assert torch.equal(y, cpu._C.gemm_f32(x, w))
+    if bits == 4:  # the u32x8 words read as bytes are the u8x2 layout: the same weight
+        bytes_ = codes.contiguous().view(torch.uint8)
+        assert torch.equal(cpu._C.weight_only_gemm_f32(x, bytes_, s, z, 4, zp is None, group, minimum), y)
+
+
+def test_cpu_weight_only_gemm_f32_refuses_what_does_not_fit():
+    if not cpu.available() or not cpu._C.has_gemm_f32():
+        pytest.skip("no gemm_f32 here")
+    qt = lowbit.quantize(torch.randn(24, 128), "int4-asym-g64")
+    codes, s, z = qt.codes, qt.scale.float().contiguous(), qt.zero_point.float().contiguous()
+    x = torch.randn(3, 128)
+    run = cpu._C.weight_only_gemm_f32
+    assert run(x, codes, s, z, 4, False, 64, False).shape == (3, 24)
+    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] on the CPU expected"):
+        run(x.double(), codes, s, z, 4, False, 64, False)
+    with pytest.raises(RuntimeError, match="the group \\(48\\) must divide K \\(128\\) and be a multiple of 8"):
+        run(x, codes, s, z, 4, False, 48, False)
+    with pytest.raises(RuntimeError, match="the group \\(4\\) must divide K \\(128\\) and be a multiple of 8"):
+        run(x, codes, s.repeat_interleave(16, 1), z.repeat_interleave(16, 1), 4, False, 4, False)
+    with pytest.raises(RuntimeError, match=r"scale must be contiguous float32"):
+        run(x, codes, s.T.contiguous(), z, 4, False, 64, False)  # [G, N]: the wrong rows
+    with pytest.raises(RuntimeError, match="contiguous codes of 4-bit values"):
+        run(torch.randn(3, 64), codes, s, z, 4, False, 64, False)
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32 \\[N, K / group\\] = \\[24, 2\\]"):
+        run(x, codes, s.half(), z, 4, False, 64, False)
+    with pytest.raises(RuntimeError, match="zero_point must be contiguous float32"):
+        run(x, codes, s, z[:12], 4, False, 64, False)
+    with pytest.raises(RuntimeError, match="needs its zero_point"):
+        run(x, codes, s, None, 4, False, 64, True)
+
+
 def test_cpu_gemm_f32_edges_and_bad_input():
     if not cpu.available() or not cpu._C.has_gemm_f32():
         pytest.skip("no gemm_f32 here")
@@ -615,29 +677,43 @@ def test_cpu_gemm_f32_edges_and_bad_input():
     x = torch.randn(20, 64)
     w = torch.randn(64, 40)  # a transposed view: made contiguous, the same product
     assert torch.equal(cpu._C.gemm_f32(x, w.T), cpu._C.gemm_f32(x, w.T.contiguous()))
-    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] expected"):
+    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] on the CPU expected"):
         cpu._C.gemm_f32(x, torch.randn(8, 63))
-    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] expected"):
+    with pytest.raises(RuntimeError, match=r"float32 x \[M, K\] and w \[N, K\] on the CPU expected"):
         cpu._C.gemm_f32(x.double(), torch.randn(8, 64).double())
 
 
-def test_cpu_weight_tiles_keep_autograd_where_x_needs_a_gradient():
+def test_cpu_weight_tiles_keep_autograd_where_x_needs_a_gradient(monkeypatch):
     # gemm_f32 records no graph: where x needs a gradient the tiles go through torch.mm
-    if not cpu.available():
-        pytest.skip(cpu.load_error())
+    _force_gemm_f32(monkeypatch, True)
     qt = lowbit.quantize(torch.randn(96, 256), "int4-asym-g64")
     x = torch.randn(300, 256, requires_grad=True)
-    assert cpu.BACKEND.plan(qt.scheme, None, 300, 256, torch.float32).kernel == "tiles_f32"
-    linear(x, qt, backend="cpu").sum().backward()
+    y = cpu._tiles(x, qt.codes, qt.scale, qt.zero_point, 4, 64, torch.float32)
+    y.sum().backward()
     w = lowbit.dequantize(qt)
     assert torch.allclose(x.grad, w.sum(0).expand(300, -1), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # and where none is wanted, gemm_f32's bits
+        y = cpu._tiles(x, qt.codes, qt.scale, qt.zero_point, 4, 64, torch.float32)
+    assert torch.equal(y, cpu._C.gemm_f32(x.detach(), w))
 
 
-def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone():
-    # the dequantized tiles live in a buffer reused by the next call (no fresh multi-MiB
-    # allocation per matmul): an earlier result must not be a view of it
+def test_cpu_step_rows_past_dense_rows_run_gemm_f32_with_the_bias(monkeypatch):
+    _force_gemm_f32(monkeypatch, True)
+    x, w, b = torch.randn(cpu.dense_rows_max_m() + 5, 64), torch.randn(24, 64), torch.randn(24)
+    assert torch.equal(cpu.step_linear(x, w, b), cpu._C.gemm_f32(x, w) + b)
+    assert torch.equal(cpu.step_linear(x, w, None), cpu._C.gemm_f32(x, w))
+    w.requires_grad_(True)  # a gradient wanted: torch's linear, which records it
+    y = cpu.step_linear(x, w, b)
+    assert y.grad_fn is not None and torch.allclose(y, x @ w.T + b, atol=1e-4)
+
+
+@pytest.mark.parametrize("gemm_f32", [False, True])
+def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone(monkeypatch, gemm_f32):
+    # the dequantized tiles (or gemm_f32's panels) live in buffers reused by the next call
+    # (no fresh multi-MiB allocation per matmul): an earlier result must not be a view of one
     if not cpu.available():
         pytest.skip(cpu.load_error())
+    _force_gemm_f32(monkeypatch, gemm_f32)
     x = torch.randn(300, 256)
     ws = [lowbit.quantize(torch.randn(96, 256), "int4-asym-g64") for _ in range(2)]
     assert cpu.BACKEND.plan(ws[0].scheme, None, 300, 256, torch.float32).kernel == "tiles_f32"

@@ -78,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "mixed int8/int4 weight: the low part's decode kernel, the int8 outlier columns added in float32");
   m.def("has_gemm_f32", &has_gemm_f32, "whether gemm_f32 (AVX2 + FMA register tiles) was compiled in");
   m.def("gemm_f32", &gemm_f32, "float32 x [M, K] @ w [N, K].T for many rows: 6 x 16 register tiles, k in order");
+  m.def("weight_only_gemm_f32", &weight_only_gemm_f32,
+        "x [M, K] @ W.T for a 4/8-bit weight: gemm_f32 on panels of W dequantized as it goes");
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("has_int8_rows", &has_int8_rows, "whether int8_mm_rows (AVX2 vpmaddwd) was compiled in");

@@ -230,6 +230,40 @@ void dequantize_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor&
 #undef LOWBIT_CASE
 }
 
+// Rows r0 .. r0 + R - 1 of a weight as float32 into out [R, K]: the values dequantize_into
+// (dequantize_min_into where `min`) gives those rows with rows_per_scale 1, no tensor made.
+// The caller has checked the codes, the float32 scale [rows, K / group] and zero_point (float32,
+// the same shape, or none; the "min" domain's m where `min`).
+void dequantize_rows_f32(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                         int64_t bits, bool is_signed, bool min, int64_t K, int64_t group, int64_t r0, int64_t R,
+                         float* out) {
+  const int64_t G = K / group;
+  const float* s = scale.data_ptr<float>() + r0 * G;
+  const float* z = zero_point ? zero_point->data_ptr<float>() + r0 * G : nullptr;
+  auto run = [&](auto word, auto bits_const, auto signed_const) {
+    using Word = decltype(word);
+    constexpr int B = decltype(bits_const)::value;
+    constexpr bool S = decltype(signed_const)::value;
+    const Word* c = codes.data_ptr<Word>() + r0 * (K / Codes<Word, B, S>::PER);
+    if (min)
+      dequant_rows<Word, B, false, true, float, float, true>(c, s, z, out, R, K, group, 1);
+    else if (z)
+      dequant_rows<Word, B, S, true, float, float>(c, s, z, out, R, K, group, 1);
+    else
+      dequant_rows<Word, B, S, false, float, float>(c, s, nullptr, out, R, K, group, 1);
+  };
+  using Four = std::integral_constant<int, 4>;
+  using Eight = std::integral_constant<int, 8>;
+  const auto t = codes.scalar_type();
+  if (bits == 8 && t == at::kChar) run(int8_t{}, Eight{}, std::true_type{});
+  else if (bits == 8 && t == at::kByte) run(uint8_t{}, Eight{}, std::false_type{});
+  else if (bits == 4 && t == at::kInt && is_signed && !min) run(int32_t{}, Four{}, std::true_type{});
+  else if (bits == 4 && t == at::kInt) run(int32_t{}, Four{}, std::false_type{});
+  else if (bits == 4 && t == at::kByte && is_signed && !min) run(uint8_t{}, Four{}, std::true_type{});
+  else if (bits == 4 && t == at::kByte) run(uint8_t{}, Four{}, std::false_type{});
+  else TORCH_CHECK(false, "lowbit._C.dequantize_rows_f32: no kernel for bits=", bits, " codes ", t);
+}
+
 // out[m, n] = Out(float(acc[m, n]) * row[m] * col[n]), left to right in float32.
 namespace {
 

@@ -1,8 +1,10 @@
 // y = x @ w.T in float32 for many rows of x (prefill): AVX2 + FMA register tiles of 6 rows
 // of x by 16 columns of y (12 accumulators, two weight vectors, one broadcast: 15 of the
-// 16 ymm registers), the BLIS layout for 8-lane FMAs.  Where the weight-only recipes
-// dequantize a weight for a prefill (kernels/cpu `_tiles`), torch.mm ran MKL's sgemm: on
-// Zen 3 (AVX2, 2 threads) 512 x 576 @ 576 x 1536 took it 6.1 ms, these tiles ~4.8 ms.
+// 16 ymm registers), the BLIS layout for 8-lane FMAs.  The weight-only recipes' prefill
+// (kernels/cpu `_tiles`) ran MKL's sgemm on their dequantized weight: on Zen 3 (AVX2, 2
+// threads) 512 x 576 @ 576 x 1536 took it 6.1 ms, these tiles ~4.8 ms.  For a quantized
+// weight (weight_only_gemm_f32) each panel of 16 rows is dequantized as it is reached,
+// into a buffer of the thread, so no float copy of the weight is written and read back.
 //
 //   x is packed once per call into tiles of 6 rows, k-major ([k][6], rows past M zero);
 //   each thread takes panels of 16 weight rows and, KC values of k at a time, lays the
@@ -27,6 +29,9 @@ namespace {
 constexpr int64_t TM = 6;     // rows of x per register tile
 constexpr int64_t TN = 16;    // columns of y per register tile (two vectors of 8)
 constexpr int64_t KC = 512;   // values of k per packed weight chunk: 32 KiB
+// x's packed tiles stay allocated per calling thread up to this size (the Python side's
+// scratch limit); a larger x gets a buffer for its call only
+constexpr int64_t kKeepBytes = int64_t(64) << 20;
 
 // Tile t of x packed: xp[k * TM + i] = x[t * TM + i, k] (0 past M).
 void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
@@ -45,15 +50,16 @@ void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
   });
 }
 
-// wp[k * TN + j] = w[n0 + j, k0 + k] for k < kc (0 for j >= cols): 8 x 8 transposes of
-// the panel's rows where the chunk has 8 of them, a plain loop for the rest.
-void pack_w(const float* w, int64_t K, int64_t n0, int cols, int64_t k0, int64_t kc, float* wp) {
+// wp[k * TN + j] = w[j, k0 + k] for k < kc (0 for j >= cols; w: the panel's first row, rows K
+// apart): 8 x 8 transposes of the panel's rows where the chunk has 8 of them, a plain loop
+// for the rest.
+void pack_w(const float* w, int64_t K, int cols, int64_t k0, int64_t kc, float* wp) {
   int64_t k = 0;
   if (cols == TN)
     for (; k + 8 <= kc; k += 8)
       for (int64_t half = 0; half < 2; ++half) {
         __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (n0 + half * 8 + j) * K + k0 + k);
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (half * 8 + j) * K + k0 + k);
         // 8 x 8 transpose (unpack, shuffle, permute): c[i] = lane i of r[0..7], w[., k + i]
         const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
         const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -70,7 +76,7 @@ void pack_w(const float* w, int64_t K, int64_t n0, int cols, int64_t k0, int64_t
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (k + i) * TN + half * 8, c[i]);
       }
   for (; k < kc; ++k)
-    for (int j = 0; j < TN; ++j) wp[k * TN + j] = j < cols ? w[(n0 + j) * K + k0 + k] : 0.f;
+    for (int j = 0; j < TN; ++j) wp[k * TN + j] = j < cols ? w[j * K + k0 + k] : 0.f;
 }
 
 // y[rows, cols] (+)= one tile of x (xp, k-major) times one packed chunk (wp), kc steps.
@@ -123,16 +129,21 @@ bool has_gemm_f32() {
 #endif
 }
 
-void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+namespace {
 #ifdef LOWBIT_GEMM_F32
+// y = x @ W.T where rows(n0, cols) gives rows n0 .. n0 + cols - 1 of W as float32, K apart
+// (valid until the next call on the same thread).
+template <typename Rows>
+void gemm_rows(const float* x, int64_t M, int64_t K, int64_t N, float* y, Rows rows) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
     std::fill(y, y + M * N, 0.f);
     return;
   }
   thread_local std::vector<float> xp_keep;
-  const int64_t tiles = (M + TM - 1) / TM;
-  float* xp = grown(xp_keep, tiles * TM * K);
+  std::vector<float> xp_call;
+  const int64_t tiles = (M + TM - 1) / TM, packed = tiles * TM * K;
+  float* xp = packed * 4 <= kKeepBytes ? grown(xp_keep, packed) : (xp_call.resize(packed), xp_call.data());
   pack_x(x, M, K, xp);
   const int64_t panels = (N + TN - 1) / TN;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -141,14 +152,22 @@ void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * TN;
       const int cols = static_cast<int>(std::min(TN, N - n0));
+      const float* w = rows(n0, cols);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        pack_w(w, K, n0, cols, k0, kc, wp);
+        pack_w(w, K, cols, k0, kc, wp);
         for (int64_t t = 0; t < tiles; ++t)
           tile(xp + t * K * TM + k0 * TM, wp, kc, y + t * TM * N + n0, N, std::min(TM, M - t * TM), cols, k0 > 0);
       }
     }
   });
+}
+#endif
+}  // namespace
+
+void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+#ifdef LOWBIT_GEMM_F32
+  gemm_rows(x, M, K, N, y, [&](int64_t n0, int) { return w + n0 * K; });
 #else
   TORCH_CHECK(false, "lowbit._C.gemm_f32 needs AVX2 and FMA");
 #endif
@@ -157,11 +176,52 @@ void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t
 at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(has_gemm_f32(), "lowbit._C.gemm_f32 needs AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
-                  x.size(1) == w.size(1),
-              "lowbit._C.gemm_f32: float32 x [M, K] and w [N, K] expected, got ", x.sizes(), " ", x.scalar_type(),
-              " and ", w.sizes(), " ", w.scalar_type());
+                  x.size(1) == w.size(1) && x.device().is_cpu() && w.device().is_cpu(),
+              "lowbit._C.gemm_f32: float32 x [M, K] and w [N, K] on the CPU expected, got ", x.sizes(), " ",
+              x.scalar_type(), " and ", w.sizes(), " ", w.scalar_type());
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   gemm_f32_into(xc.data_ptr<float>(), x.size(0), x.size(1), wc.data_ptr<float>(), w.size(0), y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor weight_only_gemm_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& zero_point, int64_t bits, bool is_signed,
+                                int64_t group, bool zero_point_min) {
+  const char* who = "lowbit._C.weight_only_gemm_f32";
+  TORCH_CHECK(has_gemm_f32(), who, " needs AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), who,
+              ": float32 x [M, K] on the CPU expected, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(codes.device().is_cpu() && scale.device().is_cpu() && (!zero_point || zero_point->device().is_cpu()),
+              who, ": codes, scale and zero_point must be on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(bits == 4 || bits == 8, who, ": bits must be 4 or 8");
+  // values per code word (4-bit: 8 in int32, 2 in uint8); a group holds whole words
+  const int64_t per_word = bits == 4 ? codes.element_size() * 2 : 1;
+  TORCH_CHECK(group > 0 && K % group == 0 && group % per_word == 0, who, ": the group (", group,
+              ") must divide K (", K, ") and be a multiple of ", per_word);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) * codes.element_size() * 8 == K * bits &&
+                  (bits == 8 ? codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte
+                             : codes.scalar_type() == at::kInt || codes.scalar_type() == at::kByte),
+              who, ": contiguous codes of ", bits, "-bit values [N, K] (int8/uint8, or 4-bit int32/uint8 words) "
+              "expected, got ", codes.sizes(), " ", codes.scalar_type());
+  const int64_t N = codes.size(0), G = K / group;
+  const auto fits = [&](const at::Tensor& t) {  // [N, G] (or [N] for one group)
+    return t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N * G && t.dim() >= 1 &&
+           t.dim() <= 2 && t.size(0) == N;
+  };
+  TORCH_CHECK(fits(scale), who, ": scale must be contiguous float32 [N, K / group] = [", N, ", ", G, "]");
+  TORCH_CHECK(!zero_point || fits(*zero_point), who, ": zero_point must be contiguous float32 [N, K / group]");
+  TORCH_CHECK(!zero_point_min || zero_point, who, ": the \"min\" domain needs its zero_point (m)");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef LOWBIT_GEMM_F32
+  gemm_rows(xc.data_ptr<float>(), M, K, N, y.data_ptr<float>(), [&](int64_t n0, int cols) {
+    thread_local std::vector<float> rows_keep;  // this thread's panel of W in float32
+    float* w = grown(rows_keep, TN * K);
+    dequantize_rows_f32(codes, scale, zero_point, bits, is_signed, zero_point_min, K, group, n0, cols, w);
+    return static_cast<const float*>(w);
+  });
+#endif
   return y;
 }

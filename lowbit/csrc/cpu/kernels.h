@@ -19,6 +19,11 @@ at::Tensor dequantize_min(const at::Tensor& codes, const at::Tensor& scale, cons
                           int64_t K, int64_t group, int64_t rows_per_scale, at::ScalarType out_dtype);
 void dequantize_min_into(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
                          int64_t bits, int64_t K, int64_t group, int64_t rows_per_scale);
+// Rows r0 .. r0 + R - 1 of a 4/8-bit weight as float32 into out [R, K] (float32 scale and zero
+// point, rows_per_scale 1; `min`: the "min" domain), the values dequantize_into gives them.
+void dequantize_rows_f32(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                         int64_t bits, bool is_signed, bool min, int64_t K, int64_t group, int64_t r0, int64_t R,
+                         float* out);
 at::Tensor dequantize_rowcol(const at::Tensor& acc, const at::Tensor& row, const at::Tensor& col,
                              at::ScalarType out_dtype);
 // out[m, n] = acc[m, n] * row[m] * col[n] in out_dtype (float32, bf16 or f16): dequantize_rowcol
@@ -171,6 +176,12 @@ bool has_gemm_f32();
 // y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).
 void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
 at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w);
+// x [M, K] @ W.T for a 4/8-bit weight W (codes [N, ...], float32 scale and zero point [N, K / group]
+// or none; `min`: the "min" domain): gemm_f32 on panels of 16 rows dequantized as it goes (the
+// bits of gemm_f32(x, dequantize(W))), no float copy of W.
+at::Tensor weight_only_gemm_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& zero_point, int64_t bits, bool is_signed,
+                                int64_t group, bool zero_point_min);
 // gemm_int8.cpp
 bool int8_gemm_supported(int64_t K);
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,

@@ -242,8 +242,10 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
                else "no AVX-512: float32 GEMMs beat bf16 ones without bf16 dot products")
-        how = "gemm_f32.cpp's 6 x 16 FMA register tiles" if _gemm_f32() else "torch.mm"
-        return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, {how} ({why})")
+        if _gemm_f32():
+            return Plan("tiles_f32", f"panels of 16 weight rows dequantized to float32 as they are reached, "
+                                     f"gemm_f32.cpp's 6 x 16 FMA register tiles ({why})")
+        return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, torch.mm ({why})")
     return Plan("tiles_bf16", "L2-sized weight tiles dequantized, torch.mm (no AVX-512 kernel for this group size)")
 
 
@@ -377,10 +379,11 @@ class CpuBackend(Backend):
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
         (float32 at the float32 matmul precision "highest", and on machines without
-        AVX-512) through torch.mm, or for float32 tiles on AVX2 machines without AVX-512
-        through gemm_f32.cpp's 6 x 16 FMA register tiles (``_mm``: 1.2-1.5x MKL's sgemm
-        at prefill shapes on a Zen 3; each output summed in the order of k, within
-        gamma_K).  No float copy of W larger than x is made.
+        AVX-512) through torch.mm; float32 ones on AVX2 machines without AVX-512 run
+        gemm_f32.cpp's 6 x 16 FMA register tiles instead (1.2-1.5x MKL's sgemm at prefill
+        shapes on a Zen 3; each output summed in the order of k, within gamma_K) on panels
+        of 16 rows of W dequantized as they are reached (``weight_only_gemm_f32``).  No
+        float copy of W larger than x is made (none at all in gemm_f32).
 
         A weight in the "min" domain (``zero_point_min``: W = q * s + m) runs the float32
         kernels: ``gemv_f32`` takes its codes as unsigned without a zero point and adds
@@ -571,20 +574,18 @@ def _dequantized(codes, s, zp, bits, signed, k, group_size, cdt, reuse: bool, ze
     return w
 
 
-def _mm(xc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xc @ w.T: gemm_f32.cpp for float32 where ``_gemm_f32`` (no autograd graph: torch.mm
-    where x needs a gradient), else torch.mm."""
-    if xc.dtype == torch.float32 and _gemm_f32() and not (torch.is_grad_enabled() and xc.requires_grad):
-        return _C.gemm_f32(xc, w)
-    return torch.mm(xc, w.T)
-
-
 def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=False):
     k, n = x.shape[-1], codes.shape[0]
     x2 = x.reshape(-1, k)
     zp = None if zero_point is None else zero_point.to(torch.float32).contiguous()
     s = scale.to(torch.float32).contiguous()
     xc = x2.to(cdt).contiguous()
+    if cdt == torch.float32 and _gemm_f32() and not (torch.is_grad_enabled() and xc.requires_grad):
+        # gemm_f32 with each panel of W dequantized as it goes, no copy of W (it records no
+        # autograd graph: where x needs a gradient, the tiles below)
+        y = _C.weight_only_gemm_f32(xc, codes.contiguous(), s, zp, bits, zero_point is None, group_size,
+                                    zero_point_min)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
     # A tile of W as large as x itself costs no more memory than x does, and one GEMM over
     # all of W (no transposed output to copy back) is 1.5x faster at prefill sizes; so is
     # all of W at once when its float copy is no larger than x and y together (a prefill
@@ -595,7 +596,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=Fa
     if tile >= n or n * k <= m * (k + n):
         w = _dequantized(codes.contiguous(), s, zp, bits, zero_point is None, k, group_size, cdt, reuse,
                          zero_point_min)
-        return _mm(xc, w).to(x.dtype).reshape(*x.shape[:-1], n)
+        return torch.mm(xc, w.T).to(x.dtype).reshape(*x.shape[:-1], n)
     # Each tile's GEMM into its columns of y: 512 x 1536 x 576 at 3 tiles took 1.5x the
     # float32 GEMM computing y.T tile by tile and transposing it (Zen 3); this, 1.05x.
     out = torch.empty(x2.shape[0], n, dtype=cdt)
@@ -603,7 +604,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=Fa
         n1 = min(n, n0 + tile)
         w = _dequantized(codes[n0:n1].contiguous(), s[n0:n1], None if zp is None else zp[n0:n1],
                          bits, zero_point is None, k, group_size, cdt, reuse, zero_point_min)
-        out[:, n0:n1] = _mm(xc, w)
+        out[:, n0:n1] = torch.mm(xc, w.T)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -692,7 +693,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     if dense_rows_apply(weight, x.shape[0]):
         return dense_linear(x, weight, bias)
-    if (x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and _gemm_f32()
+    if (x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and _gemm_f32()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         y = _C.gemm_f32(x, weight)
         return y if bias is None else y + bias
