@@ -14,6 +14,7 @@
 //   to the previous chunks' (|error| <= gamma_K sum_k |x w|, tests/test_matmul.py).
 
 #include "kernels.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -51,29 +52,17 @@ void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
 }
 
 // wp[k * TN + j] = w[j, k0 + k] for k < kc (0 for j >= cols; w: the panel's first row, rows K
-// apart): 8 x 8 transposes of the panel's rows where the chunk has 8 of them, a plain loop
-// for the rest.
+// apart): 8 x 8 dword transposes of the panel's rows where the chunk has 8 of them, a plain
+// loop for the rest.
 void pack_w(const float* w, int64_t K, int cols, int64_t k0, int64_t kc, float* wp) {
   int64_t k = 0;
   if (cols == TN)
     for (; k + 8 <= kc; k += 8)
       for (int64_t half = 0; half < 2; ++half) {
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (half * 8 + j) * K + k0 + k);
-        // 8 x 8 transpose (unpack, shuffle, permute): c[i] = lane i of r[0..7], w[., k + i]
-        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-        const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (k + i) * TN + half * 8, c[i]);
+        __m256i r[8];  // 8 rows x 8 values of k, transposed as dwords (simd.h)
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_castps_si256(_mm256_loadu_ps(w + (half * 8 + j) * K + k0 + k));
+        transpose8(r);  // r[i]: w[half * 8 .. + 7, k0 + k + i]
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(wp + (k + i) * TN + half * 8, _mm256_castsi256_ps(r[i]));
       }
   for (; k < kc; ++k)
     for (int j = 0; j < TN; ++j) wp[k * TN + j] = j < cols ? w[j * K + k0 + k] : 0.f;
@@ -117,20 +106,7 @@ void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, i
   for (int64_t i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j) y[i * ldy + j] = add ? y[i * ldy + j] + buf[i][j] : buf[i][j];
 }
-#endif
 
-}  // namespace
-
-bool has_gemm_f32() {
-#ifdef LOWBIT_GEMM_F32
-  return true;
-#else
-  return false;
-#endif
-}
-
-namespace {
-#ifdef LOWBIT_GEMM_F32
 // y = x @ W.T where rows(n0, cols) gives rows n0 .. n0 + cols - 1 of W as float32, K apart
 // (valid until the next call on the same thread).
 template <typename Rows>
@@ -163,7 +139,16 @@ void gemm_rows(const float* x, int64_t M, int64_t K, int64_t N, float* y, Rows r
   });
 }
 #endif
+
 }  // namespace
+
+bool has_gemm_f32() {
+#ifdef LOWBIT_GEMM_F32
+  return true;
+#else
+  return false;
+#endif
+}
 
 void gemm_f32_into(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
 #ifdef LOWBIT_GEMM_F32
