@@ -96,6 +96,31 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g32-f16", "int4-asym-g64", "int4-sym-g128-f16", "int4-asym-g256",
+                                    "int4-asym-g64-zpmin-f16"])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_cpu_4bit_decode_rows_give_a_row_the_same_bits_alone_in_a_pair_or_on_one_thread(scheme, m):
+    # gemv_f32 takes AVX2 4-bit rows two at a time where both are in a thread's range (odd
+    # N leaves one alone); groups of 32, 64 and 128 run a constant-count loop, 256 the
+    # run-time one.  Each row: within the bound, and the same bits whichever way it ran.
+    if not cpu.available():
+        pytest.skip("no cpu kernels")
+    w, x = torch.randn(37, 512), torch.randn(m, 512)
+    qt = lowbit.quantize(w, scheme)
+    if cpu.BACKEND.plan(qt.scheme, None, m, 512, x.dtype).kernel != "gemv_f32":
+        pytest.skip("4-bit rows run another decode kernel here")
+    assert_weight_only_close(qt, x, "cpu")
+    y = linear(x, qt, backend="cpu")
+    shifted = linear(x, lowbit.quantize(w[1:], scheme), backend="cpu")  # row n + 1 now pairs with n + 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = linear(x, qt, backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shifted, y[:, 1:]) and torch.equal(one_thread, y)
+
+
 def _force_gemm_f32(monkeypatch, on: bool):
     """The weight-only tiles (and a step's float32 rows) through gemm_f32 or not, whatever
     the machine would pick (it is compiled in wherever AVX2 and FMA are; AVX-512 machines
