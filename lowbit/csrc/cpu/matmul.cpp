@@ -373,7 +373,7 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
 // rest of the group's integer, -z sum (x - xz) = -z xg[g], is one exact product per row
 // and group.  The same integers per group as the VNNI kernel.  SIGNED codes are flipped to
 // u = q + 8 (zero point 8); unsigned ones are used as they are.
-template <int R, int BYTES, bool SIGNED>
+template <int R, int BYTES, bool SIGNED, int GROUP = 0>
 void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
                int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool /*is_signed*/,
                float* y, int64_t ldy) {
@@ -385,7 +385,7 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int3
     corr[r] = 0.f;
   }
   const auto mask = V::bytes(0x0F), flip = V::bytes(SIGNED ? 0x08 : 0x00);
-  const int64_t group_bytes = group / 2;  // == values of the group in xe (and in xo)
+  const int64_t group_bytes = (GROUP ? GROUP : group) / 2;  // == values of the group in xe (and in xo)
   for (int64_t g = 0; g < G; ++g) {
     typename V::I acc[R], usum = V::zero();
     for (int r = 0; r < R; ++r) acc[r] = V::zero();
@@ -631,6 +631,41 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
   return y;
 }
 
+#ifdef LOWBIT_W4A8
+namespace {
+// Rows n0..n1 of a W4A8 weight (w4a8_gemm_into's operands), the kernel for BYTES and
+// SIGNED chosen once for the range (a call per range rather than per row, as wo_rows).
+template <int BYTES, bool SIGNED>
+void w4a8_range(const int8_t* pe, const int8_t* po, const int32_t* xsum, const int32_t* pz, int64_t M, int64_t K,
+                int64_t G, int64_t group, const uint8_t* w, int64_t N, const float* s, const int32_t* z, float* py,
+                int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + n * (K / 2);
+    if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
+    const int32_t* zn = z ? z + n * G : nullptr;
+    auto call = [&](auto r, int64_t m) {
+      constexpr int R = decltype(r)::value;
+#ifdef LOWBIT_W4A8_VNNI
+      w4a8_rows<R, BYTES>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G, zn,
+                          SIGNED, py + m * N + n, N);
+#else
+      auto run = [&](auto size) {
+        w4a8_rows<R, BYTES, SIGNED, decltype(size)::value>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m,
+                                                           K, G, group, wn, s + n * G, zn, SIGNED, py + m * N + n, N);
+      };
+      if (group == 64) run(std::integral_constant<int, 64>{});
+      else if (group == 128) run(std::integral_constant<int, 128>{});
+      else run(std::integral_constant<int, 0>{});
+#endif
+    };
+    int64_t m = 0;
+    for (; m + MB <= M; m += MB) call(std::integral_constant<int, MB>{}, m);
+    for (; m < M; ++m) call(std::integral_constant<int, 1>{}, m);
+  }
+}
+}  // namespace
+#endif
+
 void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                     const float* s, const int32_t* z, int64_t group, float* py) {
 #ifdef LOWBIT_W4A8
@@ -654,35 +689,20 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
   const bool is_signed = z == nullptr;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
-  auto rows = [&](auto r_const, int64_t m, const uint8_t* wn, const int32_t* zn, int64_t n) {
-    constexpr int R = decltype(r_const)::value;
-    auto call = [&](auto kernel) {
-      kernel(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G, zn, is_signed,
-             py + m * N + n, N);
-    };
-#ifdef LOWBIT_W4A8_VNNI
-    if (width == 64) call(w4a8_rows<R, 64>);
-    else if (width == 32) call(w4a8_rows<R, 32>);
-    else call(w4a8_rows<R, 16>);
-#else
-    if (is_signed) {
-      if (width == 32) call(w4a8_rows<R, 32, true>);
-      else call(w4a8_rows<R, 16, true>);
-    } else {
-      if (width == 32) call(w4a8_rows<R, 32, false>);
-      else call(w4a8_rows<R, 16, false>);
-    }
-#endif
-  };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wn = w + n * (K / 2);
-      if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
-      const int32_t* zn = z ? z + n * G : nullptr;
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB) rows(std::integral_constant<int, MB>{}, m, wn, zn, n);
-      for (; m < M; ++m) rows(std::integral_constant<int, 1>{}, m, wn, zn, n);
-    }
+    auto rows = [&](auto bytes, auto sign) {
+      w4a8_range<decltype(bytes)::value, decltype(sign)::value>(pe, po, xsum, pz, M, K, G, group, w, N, s, z, py, n0,
+                                                                 n1);
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    auto with_sign = [&](auto bytes) { is_signed ? rows(bytes, T{}) : rows(bytes, F{}); };
+#ifdef LOWBIT_W4A8_VNNI
+    if (width == 64) with_sign(std::integral_constant<int, 64>{});
+    else
+#endif
+    if (width == 32) with_sign(std::integral_constant<int, 32>{});
+    else with_sign(std::integral_constant<int, 16>{});
   });
 #else
   TORCH_CHECK(false, "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
