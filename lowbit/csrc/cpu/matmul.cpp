@@ -121,11 +121,13 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
 
 // ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
 // The AVX-512 kernels above at half the width, each 16-byte block of packed codes read as
-// two 8-byte halves, with one difference: the zero point is subtracted from each code
-// (q - z, exact in float32) before its product, rather than z * sum(x) once per group
-// afterwards, which cancels against the sum of q x (the bundled model's logits against the
-// float model on its dequantized weights, int4 g64 with zero points: 6.7e-5 apart with that
-// term, 1.3e-4 with its sums of x in another order, 3.7e-5 with q - z).  xs is not read.
+// two 8-byte halves.  4-bit codes take the zero point as those do, z * sum(x) once per group
+// (xs) after the sum of q x; 8-bit codes have it subtracted from each code (q - z, exact in
+// float32) before its product.  The per-group term cancels against the sum of q x, within
+// the same bound (sum (|q| + |z|) |x|, tests/test_matmul.py): the bundled model's logits
+// against the float model on its dequantized weights (int4 g64 with zero points, one row)
+// are 5.9e-5 apart with it and 2.0e-5 with q - z, of logits up to 27; without the two
+// subtractions per 16 codes a w4a16-g128-head8 decode step is 1.11x faster (AVX2 EPYC).
 
 inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 
@@ -147,17 +149,17 @@ inline __m256 sum_of(const __m256* d) {
 // in a pair.  GROUP: the group size where it is a common one (32, 64, 128), so that the
 // block loop has a constant count and unrolls; 0: any multiple of 32.
 template <int R, int W, bool SIGNED, bool HAS_ZP, int GROUP, typename S>
-void w4_rows(const float* xe, const float* xo, int64_t K, int64_t G, int64_t group, const uint8_t* w,
+void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
              int64_t row_bytes, const S* s, const S* z, float* y, int64_t ldy) {
   constexpr int C = R == 1 ? 2 : 1;
   const int64_t size = GROUP ? GROUP : group;
   __m256 total[R][W];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) total[r][j] = _mm256_setzero_ps();
+  float corr[R][W] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[R][W][C], zg[W];
+    __m256 dot[R][W][C];
     for (int j = 0; j < W; ++j) {
-      zg[j] = _mm256_set1_ps(HAS_ZP ? scale1(z + j * G + g) : 0.f);
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) dot[r][j][c] = _mm256_setzero_ps();
     }
@@ -174,11 +176,7 @@ void w4_rows(const float* xe, const float* xo, int64_t K, int64_t G, int64_t gro
             lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
             hi = _mm256_srli_epi32(v, 4);
           }
-          __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
-          if constexpr (HAS_ZP) {
-            flo = _mm256_sub_ps(flo, zg[j]);
-            fhi = _mm256_sub_ps(fhi, zg[j]);
-          }
+          const __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
           for (int r = 0; r < R; ++r) {
             dot[r][j][0] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r][j][0]);
             dot[r][j][C - 1] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off), dot[r][j][C - 1]);
@@ -186,15 +184,17 @@ void w4_rows(const float* xe, const float* xo, int64_t K, int64_t G, int64_t gro
         }
       }
     for (int j = 0; j < W; ++j) {
-      const __m256 sg = _mm256_set1_ps(scale1(s + j * G + g));
+      const float sj = scale1(s + j * G + g);
+      const __m256 sg = _mm256_set1_ps(sj);
       for (int r = 0; r < R; ++r) {
         const __m256 d = C == 2 ? _mm256_add_ps(dot[r][j][0], dot[r][j][C - 1]) : dot[r][j][0];
         total[r][j] = _mm256_fmadd_ps(d, sg, total[r][j]);
+        if constexpr (HAS_ZP) corr[r][j] = std::fma(sj * scale1(z + j * G + g), xs[r * G + g], corr[r][j]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) y[r * ldy + j] = fsum8(total[r][j]);
+    for (int j = 0; j < W; ++j) y[r * ldy + j] = fsum8(total[r][j]) - corr[r][j];
 }
 
 template <int R, bool SIGNED, bool HAS_ZP, typename S>
@@ -454,18 +454,16 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
     const S* zn = HAS_ZP ? z + n * G : nullptr;
     if (bits == 4) {
 #if LOWBIT_GEMV_F32 == 256
+      auto w4 = [&](auto r, auto nw, int64_t m, int64_t j) {  // r rows of x from m, nw weight rows from n + j
+        w4_rows<decltype(r)::value, decltype(nw)::value, SIGNED, HAS_ZP, GROUP>(
+            xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn + j * row_bytes, row_bytes, sn + j * G,
+            HAS_ZP ? zn + j * G : nullptr, y + m * N + n + j, N);
+      };
+      using One = std::integral_constant<int, 1>;
       for (int64_t j = 0; j < rows; ++j)  // MB rows of x: MB chains already
-        for (int64_t m = 0; m < full; m += MB)
-          w4_rows<MB, 1, SIGNED, HAS_ZP, GROUP>(xa + m * (K / 2), xb + m * (K / 2), K, G, group, wn + j * row_bytes,
-                                                row_bytes, sn + j * G, HAS_ZP ? zn + j * G : nullptr,
-                                                y + m * N + n + j, N);
+        for (int64_t m = 0; m < full; m += MB) w4(std::integral_constant<int, MB>{}, One{}, m, j);
       for (int64_t m = full; m < M; ++m)
-        if (rows == 2)
-          w4_rows<1, 2, SIGNED, HAS_ZP, GROUP>(xa + m * (K / 2), xb + m * (K / 2), K, G, group, wn, row_bytes, sn, zn,
-                                               y + m * N + n, N);
-        else
-          w4_rows<1, 1, SIGNED, HAS_ZP, GROUP>(xa + m * (K / 2), xb + m * (K / 2), K, G, group, wn, row_bytes, sn, zn,
-                                               y + m * N + n, N);
+        rows == 2 ? w4(One{}, std::integral_constant<int, 2>{}, m, 0) : w4(One{}, One{}, m, 0);
 #else
       for (int64_t m = 0; m < full; m += MB)
         w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn,
@@ -574,8 +572,8 @@ void gemv_f32_into(const float* px, int64_t M, int64_t K, int64_t bits, int64_t 
   const int64_t G = K / group;
   const bool has_zp = weights[0].z != nullptr, zero_point_min = weights[0].min;
   thread_local std::vector<float> xs_keep, xa_keep, xb_keep;
-  float* xs = grown(xs_keep, M * G);  // read by the AVX-512 kernels with zero points and by add_mins
-  if ((has_zp && LOWBIT_GEMV_F32 == 512) || zero_point_min)  // group sums of x for the z (or m) * sum(x) term
+  float* xs = grown(xs_keep, M * G);  // read by the kernels that take z * sum(x) per group, and by add_mins
+  if ((has_zp && (bits == 4 || LOWBIT_GEMV_F32 == 512)) || zero_point_min)  // group sums of x
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
       for (int64_t k = 0; k < group; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(px + i * group + k));
