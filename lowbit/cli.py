@@ -926,8 +926,9 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
     for kernel, whys in reasons.items():
         for why in sorted(whys):
             print(f"  {kernel:<16}{why}")
+    beyond = "gemm_f32 (6 x 16 FMA register tiles)" if cpu._gemm_f32() else "torch's linear"
     dense = (f"dense_rows (float32 FMAs, each weight row read once) up to {cpu.dense_rows_max_m()} rows, "
-             "torch's linear beyond" if cpu.dense_rows_max_m() else "torch's linear")
+             f"{beyond} beyond" if cpu.dense_rows_max_m() else beyond)
     print(f"float32 nn.Linear (float models, a float lm_head): decode steps {dense}; prefill torch's linear")
     return rows
 
