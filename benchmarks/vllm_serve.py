@@ -40,7 +40,7 @@ then the first forward fails in the worker with ``AttributeError: '_OpNamespace'
 object has no attribute 'cpu_gemm_wna16'`` (the main process sees only EngineDeadError;
 this script checks for the op after loading and adds the reason to ``error``).  W8A8
 runs (CPUInt8ScaledMMLinearKernel, oneDNN).  bf16 matmuls are slow there too (no
-AVX512-BF16: 3-4x fewer tokens/s than float32 at batch 8 and 32 on 2 Zen 3 cores);
+AVX512-BF16: 3-4x fewer tokens/s than float32 at batch 8 and 32 on 2 Zen 2 cores);
 compare with ``--dtype float32``.  Preloading the venv's libiomp5.so, as vLLM's log
 suggests, made decoding slower on 2 cores.
 """

@@ -23,7 +23,7 @@ float16 scale and uint8 zero point: 3.375 bits per dense weight; dense: 4.75).
 
 The reference ``sparse_linear`` is ``x @ densify(sqt).T`` in float32.  There is no fast
 path: an AVX2 sparse int4 GEMV (``benchmarks/sparse_gemv.cpp``) ran at 0.88-1.12x the
-speed of lowbit's dense W4A16 kernel at M=1 on one Zen 3 thread (SmolLM2's shapes and
+speed of lowbit's dense W4A16 kernel at M=1 on one Zen 2 thread (SmolLM2's shapes and
 4096x4096; ``benchmarks/sparse.py``): the 31% fewer bytes do not pay for picking x by the
 positions.  torch's semi-structured sparse tensors
 (``torch.sparse.to_sparse_semi_structured``) run on CUDA only; nothing here uses or tests them.

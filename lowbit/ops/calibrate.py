@@ -67,7 +67,7 @@ def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
 def calibrate(reps: int = 15, write: bool = True, log=print, ladder=LADDER) -> dict:
     """Time every threshold that applies here, set the crossovers in this process and
     (``write``) save them where the cpu backend reads them when lowbit is imported
-    (``calibration.cache_path()``); returns the calibration.  About 8 s on 2 cores (Zen 3).
+    (``calibration.cache_path()``); returns the calibration.  About 8 s on 2 cores (Zen 2).
     """
     result = {"format": FORMAT, "machine": machine_key(), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
               "shapes": [list(s) for s in SHAPES], "thresholds": {}}

@@ -368,7 +368,7 @@ def _eager(args) -> bool:
     with no dispatch mode active (make_fx, FlopCounterMode: they must see the op), on
     plain tensors (fake, functional and other traced tensors are subclasses).  The
     dispatcher's Python kernel costs ~20 us a call: 6-8% of a weight-only decode step of
-    the bundled model where the steps run in Python (measured on a Zen 3 without
+    the bundled model where the steps run in Python (measured on a Zen 2 without
     AVX-512), a quarter of a transformers forward under no_grad."""
     if torch.compiler.is_compiling():  # dynamo cannot trace what follows
         return False

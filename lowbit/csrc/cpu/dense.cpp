@@ -1,7 +1,7 @@
 // A float32 nn.Linear for the few rows of a decode step: y = x @ weight.T (+ bias).
 //
 // ATen's at::linear for one row (MKL's sgemv) streams a float32 weight at 12-14 GB/s on a
-// 2-thread Zen 3, where a plain read reaches ~30 GB/s; the bundled model's float lm_head
+// 2-thread Zen 2, where a plain read reaches ~30 GB/s; the bundled model's float lm_head
 // (49152 x 576, 113 MB) alone then costs 8 ms per token.  Here every weight row is read
 // once per call, eight rows at a time, and multiplied with every row of x while it is in L1.
 //

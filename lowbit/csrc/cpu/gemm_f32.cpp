@@ -1,7 +1,7 @@
 // y = x @ w.T in float32 for many rows of x (prefill): AVX2 + FMA register tiles of 6 rows
 // of x by 16 columns of y (12 accumulators, two weight vectors, one broadcast: 15 of the
 // 16 ymm registers), the BLIS layout for 8-lane FMAs.  The weight-only recipes' prefill
-// (kernels/cpu `_tiles`) ran MKL's sgemm on their dequantized weight: on Zen 3 (AVX2, 2
+// (kernels/cpu `_tiles`) ran MKL's sgemm on their dequantized weight: on Zen 2 (AVX2, 2
 // threads) 512 x 576 @ 576 x 1536 took it 6.1 ms, these tiles ~4.8 ms.  For a quantized
 // weight (weight_only_gemm_f32) each panel of 16 rows is dequantized as it is reached,
 // into a buffer of the thread, so no float copy of the weight is written and read back.

@@ -74,7 +74,7 @@ inline void dots(__m256i (&out)[R][2], const int16_t* x, int64_t ldx, const int1
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * COLS * 2));
     __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * COLS * 2 + 16));
     // in registers: GCC folds them into every vpmaddwd as memory operands otherwise, and 2R
-    // loads a step instead of 2 leave the loads the bottleneck (int_tile on Zen 3: 1.5x
+    // loads a step instead of 2 leave the loads the bottleneck (int_tile on Zen 2: 1.5x
     // slower).  Not in block_tile, whose 8 float sums need the registers (there: 1.1x slower).
     if constexpr (PIN) asm("" : "+x"(w0), "+x"(w1));
     for (int r = 0; r < R; ++r) {

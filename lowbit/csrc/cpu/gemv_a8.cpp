@@ -73,7 +73,7 @@ inline float zero_point_term(const S* s, const S* z, const float* xs, int64_t G,
 }
 
 // Weight rows of the next tile (NR rows on) are prefetched as each step reads its own: a tile
-// reads NR rows in parallel, which the hardware prefetcher follows poorly (Zen 3, weights
+// reads NR rows in parallel, which the hardware prefetcher follows poorly (Zen 2, weights
 // from DRAM: 1.7x on 576 x 1536 Q4_0).
 // PAIRS says where a step's two blocks fall: 1, in two groups (groups of 32); 2, in one group
 // (an even number of blocks a group); 0, either (decided each step).  Known at compile time,
@@ -155,7 +155,7 @@ void w8_tile(const int16_t* xq, const float* d, const float* xs, int64_t K, int6
              const uint8_t* w, const S* s, const S* z, bool min, float* y, int64_t ldy) {
   const int64_t nb = K / BLOCK, per_group = group / BLOCK;
   // Rows prefetched ahead.  One activation row takes 8-bit weight rows one at a time (run):
-  // SmolLM2's 49152 x 576 head from DRAM, 2 threads on Zen 3, took 1117 us so (28.5 GB/s,
+  // SmolLM2's 49152 x 576 head from DRAM, 2 threads on Zen 2, took 1117 us so (28.5 GB/s,
   // a plain read of its codes 1014 us) against 1503 us as 4-row tiles; weights in L2 it is
   // the other way, 40 against 33 us for 3072 rows, but a decode step reads them from DRAM.
   constexpr int64_t AHEAD = R == 1 && NR == 1 ? kRowsAhead : NR;

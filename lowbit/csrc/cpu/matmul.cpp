@@ -39,7 +39,7 @@ constexpr bool kHaveAvx512 = true;
 constexpr bool kHaveAvx512 = false;
 #endif
 // The weight-only decode kernels exist in two widths: 16 float lanes (AVX-512) and 8
-// (AVX2 + FMA, most x86-64 CPUs since 2013-2015: the portable path, e.g. an AVX2-only Zen 3).
+// (AVX2 + FMA, most x86-64 CPUs since 2013-2015: the portable path, e.g. an AVX2-only Zen 2).
 // (F16C too, for float16 scales: every CPU with AVX2 has it.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
     defined(__F16C__)

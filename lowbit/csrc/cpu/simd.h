@@ -25,7 +25,7 @@ inline __m256 scale8(const uint16_t* p) {
 
 // Prefetch the bytes of a weight row that is read later, one cache line at a time: the
 // decode kernels that read weight rows one after another take row n + kRowsAhead's as they
-// start row n, as the hardware prefetcher alone falls behind from DRAM (Zen 3, 2 threads,
+// start row n, as the hardware prefetcher alone falls behind from DRAM (Zen 2, 2 threads,
 // SmolLM2's 49152 x 576 int8 head: gemv_f32's rows 1.2x; spread over the row instead, as
 // int8_mm_rows and gemv_a8.cpp's 8-bit rows do it, 1.15x and 1.35x there).
 constexpr int64_t kRowsAhead = 8;

@@ -41,7 +41,7 @@ def load_error() -> str | None:
 # Rows of W dequantized per tile: about 4 MiB of float weight, which stays in the L3
 # between the dequantize and the matmul, or as many rows as x has (a tile no larger than
 # x), so no float copy of W much larger than the activation is ever made.  Fewer, larger
-# tiles mean fewer GEMM calls and copies into y; 1536x576 int4, Zen 3, 2 threads (ms):
+# tiles mean fewer GEMM calls and copies into y; 1536x576 int4, Zen 2, 2 threads (ms):
 #   M=16: 0.90 / 0.72 / 0.66 / 0.52 at 256 KiB / 512 KiB / 1 MiB / 4 MiB (float32 GEMM 0.49)
 #   M=32: 1.04 / 0.88 / 0.82 / 0.66 (0.50);  49152x576 M=32: 32.0 / 27.1 / 24.5 / 21.3 (26.0)
 TILE_BYTES = 4 << 20
@@ -61,7 +61,7 @@ SPLIT_MAX_M = 2
 # M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
 W4A8_ROWS_MAX_M = 4
 # Without AVX-512 VNNI (AVX2: vpmaddubsw + vpmaddwd for the same exact integers), the rows
-# kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 3,
+# kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 2,
 # 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
 # M=512 10.1 vs 5.9; 576x1536 g128 M=64 0.84 vs 1.21, M=128 1.64 vs 1.97, M=512 7.6 vs 5.6.
 # (torch._int_mm per group, the route before: 2.5-7 ms at M=1-16 on those shapes.)  Those
@@ -76,7 +76,7 @@ W4A8_AVX2_ROWS_MAX_M = 16
 # W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
 # 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
 INT8_GEMM_MIN_M = 2
-# Without AVX-512 VNNI (an AVX2-only Zen 3) torch._int_mm has no fast int8 GEMM: 4096 x 576
+# Without AVX-512 VNNI (an AVX2-only Zen 2) torch._int_mm has no fast int8 GEMM: 4096 x 576
 # @ 576 x 1536 takes 1.18 s against 0.05 s for the same float32 GEMM.  int8 x int8
 # products are at most 128 * 128 = 2^14 in magnitude, so every partial sum of a dot
 # product over at most F32_EXACT_K columns is at most 2^24: an integer float32 holds
@@ -96,7 +96,7 @@ INT8_ROWS_MAX_M = 16
 
 # Without AVX-512 (AVX2 + FMA: the 8-lane decode kernels of matmul.cpp, no bf16 dot
 # products) against float32 weight tiles through torch.mm, 1536 x 576, 2 threads, weights
-# cycled through more than the L3, AVX2-only Zen 3 (ms):
+# cycled through more than the L3, AVX2-only Zen 2 (ms):
 #   4-bit: M=4 0.10-0.12 vs 0.52-0.55, M=16 0.34 vs 0.58-0.66, M=64 1.72-1.87 vs 1.17-1.38
 #   8-bit: M=4 0.10 vs 0.36, M=16 0.52 vs 0.48, M=64 1.35 vs 1.23
 # and bf16 tiles lose to float32 ones there at every M (M=64: 6.8-7.2 vs 1.2-1.4 ms).
@@ -106,13 +106,13 @@ AVX2_GEMV_MAX_M = {4: 16, 8: 8}
 #   4-bit: M=1 0.04 vs 0.33-0.37, M=16 0.37-0.47 vs 0.58-0.66, M=64 1.27-1.80 vs 1.17-1.38
 #   8-bit: M=1 0.04 vs 0.27, M=16 0.29 vs 0.48, M=64 0.96 vs 1.23
 A8_ROWS_MAX_M = 16
-# The same after the kernel's prefetch and shift fixes (weights hot, Zen 3, ms): 1536x576
+# The same after the kernel's prefetch and shift fixes (weights hot, Zen 2, ms): 1536x576
 # 4-bit M=64 0.87 vs 1.50, M=128 1.78 vs 2.35, M=256 3.64 vs 3.65; 576x1536 M=128 1.62 vs
 # 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.  Where float32 FMAs are 16 lanes wide (AVX-512)
 # the tiles gain twice as much; not measured there since, so that threshold stays.
 # 4-bit codes beyond it run gemm_a8.cpp (codes unpacked once into panels, vpmaddubsw register
 # tiles); against the rows kernel / the float32 tiles / a float32 F.linear of the same shape
-# (weights hot, Zen 3, 2 threads, ms):
+# (weights hot, Zen 2, 2 threads, ms):
 #   1536x576: M=16 0.19 / 0.40 / 0.99 / 0.42, M=32 0.20 / 0.45 / 0.87 / 0.55,
 #             M=128 0.68 / 1.76 / 1.78 / 1.49, M=512 2.86 / 7.84 / 6.12 / 5.53
 #   576x1536: M=16 0.18 / 0.21 / 0.65 / 0.33, M=512 2.90 / 6.85 / 6.30 / 6.43
@@ -125,7 +125,7 @@ AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
-# AVX2-only Zen 3 (ms):
+# AVX2-only Zen 2 (ms):
 #   49152x576: M=1 3.86 vs 8.58, M=8 7.95 vs 19.1, M=32 19.4 vs 27.5
 #   1536x576:  M=1 0.118 vs 0.268, M=8 0.249 vs 0.409, M=32 0.610 vs 0.663
 #   576x1536:  M=1 0.104 vs 0.200, M=8 0.212 vs 0.376, M=32 0.571 vs 0.622
@@ -201,7 +201,7 @@ def _has_gemv_f32() -> bool:
 
 
 def _gemm_f32() -> bool:
-    # gemm_f32.cpp is AVX2 code, measured against MKL's sgemm on an AVX2 machine (Zen 3: 1.2-1.5x
+    # gemm_f32.cpp is AVX2 code, measured against MKL's sgemm on an AVX2 machine (Zen 2: 1.2-1.5x
     # at prefill shapes); against AVX-512 sgemm it is not measured, so AVX-512 machines keep torch.mm.
     return _C is not None and _C.has_gemm_f32() and not _has_avx512()
 
@@ -381,7 +381,7 @@ class CpuBackend(Backend):
         (float32 at the float32 matmul precision "highest", and on machines without
         AVX-512) through torch.mm; float32 ones on AVX2 machines without AVX-512 run
         gemm_f32.cpp's 6 x 16 FMA register tiles instead (1.2-1.5x MKL's sgemm at prefill
-        shapes on a Zen 3; each output summed in the order of k, within gamma_K) on panels
+        shapes on a Zen 2; each output summed in the order of k, within gamma_K) on panels
         of 16 rows of W dequantized as they are reached (``weight_only_gemm_f32``).  No
         float copy of W larger than x is made (none at all in gemm_f32).
 
@@ -543,7 +543,7 @@ def int8_mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # Float copies of weights (tiles, int8 codes as float32) go into buffers kept per thread
 # and reused: a fresh multi-MiB tensor per matmul is a fresh heap top that glibc hands
 # back to the OS when freed, so every call page-faults its tile in again.  A 512-token
-# prefill on the 2-core Zen 3 next to a dozen loaded models: 0.69-0.82x the float model's
+# prefill on the 2-core Zen 2 next to a dozen loaded models: 0.69-0.82x the float model's
 # speed with fresh tiles, 0.82-0.95x without those page faults.  Larger buffers are not kept.
 SCRATCH_MAX_BYTES = 64 << 20
 _scratch_buffers = threading.local()
@@ -598,7 +598,7 @@ def _tiles(x, codes, scale, zero_point, bits, group_size, cdt, zero_point_min=Fa
                          zero_point_min)
         return torch.mm(xc, w.T).to(x.dtype).reshape(*x.shape[:-1], n)
     # Each tile's GEMM into its columns of y: 512 x 1536 x 576 at 3 tiles took 1.5x the
-    # float32 GEMM computing y.T tile by tile and transposing it (Zen 3); this, 1.05x.
+    # float32 GEMM computing y.T tile by tile and transposing it (Zen 2); this, 1.05x.
     out = torch.empty(x2.shape[0], n, dtype=cdt)
     for n0 in range(0, n, tile):
         n1 = min(n, n0 + tile)
@@ -677,7 +677,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """A float ``nn.Linear`` for the rows of a decode step: ``dense_linear`` where
     ``dense_rows_apply``; more float32 rows (a batch's step) on AVX2 machines through
     gemm_f32.cpp's register tiles (``_gemm_f32``: each output summed in the order of k
-    whatever the number of rows, 1.5-1.8x MKL's sgemm at 17-64 rows on a Zen 3), then
+    whatever the number of rows, 1.5-1.8x MKL's sgemm at 17-64 rows on a Zen 2), then
     the bias; else ``torch.nn.functional.linear``.
 
     Example::
