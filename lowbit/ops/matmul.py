@@ -327,8 +327,8 @@ def _quantize_activations(x2, s: QuantScheme, act_scale, act_zero_point, backend
         q, scale = qt.codes, qt.scale.expand(m)
         zp = (torch.zeros(m, dtype=torch.int32, device=x2.device) if s.symmetric
               else qt.zero_point.to(torch.int32).expand(m))
-    if q.dtype == torch.uint8:  # unsigned codes: shift by 128 to int8, exactly
-        q = (q.to(torch.int16) - 128).to(torch.int8)
+    if q.dtype == torch.uint8:  # unsigned codes shifted by 128 to int8, exactly: u - 128 is u ^ 0x80 as int8
+        q = (q ^ 0x80).view(torch.int8)
         zp = zp - 128
     return q, scale.contiguous(), zp.contiguous()
 

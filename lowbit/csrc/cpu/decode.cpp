@@ -373,7 +373,7 @@ struct Proj {
   at::Tensor int8_activations(const at::Tensor& x) const {
     const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     auto [q, s, z, finite] = quantize_per_token(x2, 8, act == 1);
-    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
+    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
     const int64_t M = q.size(0);
     if (q.scalar_type() == at::kByte) {  // unsigned codes shifted by 128 to int8: u - 128 is u ^ 0x80 as int8
       uint8_t* pq = q.data_ptr<uint8_t>();
@@ -574,7 +574,7 @@ class Group {
     float s;
     int32_t z;
     TORCH_CHECK(quantize_token_into(x, dtype<T>(), K_, 8, symmetric, q, &s, &z),
-                "lowbit decode: the activations contain NaN or Inf");
+                "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
     if (!symmetric) {  // unsigned codes shifted by 128 to int8: u - 128 is u ^ 0x80 as int8
       for (int64_t k = 0; k < K_; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(q[k]) ^ 0x80);
       z -= 128;

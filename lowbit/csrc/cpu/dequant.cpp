@@ -427,6 +427,7 @@ bool quantize_rows(const T* x, Q* q, T* scale_out, int32_t* zp_out, int64_t N, i
       if constexpr (!std::is_same_v<C, double>) s = round_up_scale<T>(s);
       const C zp = symmetric ? C(0) : std::min<C>(std::max<C>(qmin - std::nearbyint(lo / s), qmin), qmax);
       scale_out[r] = static_cast<T>(s);
+      if (!std::isfinite(static_cast<double>(scale_out[r]))) finite = false;  // a range beyond T's
       zp_out[r] = static_cast<int32_t>(zp);
       row_codes<T, C, Q>(xr, q + r * D, D, s, zp, qmin, qmax);
     }

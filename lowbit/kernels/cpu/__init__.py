@@ -344,10 +344,9 @@ class CpuBackend(Backend):
         return word_packing.unpack(packed, bits, packing, signed)
 
     def quantize_per_token(self, x, bits, symmetric):
-        """One pass per row (range, scale, codes); also reports whether x was all finite
-        (and, checked here, every scale)."""
-        q, scale, zp, finite = _C.quantize_per_token(x.contiguous(), bits, symmetric)
-        return q, scale, zp, finite and bool(torch.isfinite(scale).all())
+        """One pass per row (range, scale, codes); also reports whether x and every
+        scale were finite (a finite row whose range overflows the scale's dtype is not)."""
+        return _C.quantize_per_token(x.contiguous(), bits, symmetric)
 
     def dequantize_per_token(self, q, scale, zero_point):
         d = q.shape[1]
