@@ -50,6 +50,18 @@ constexpr bool kHaveAvx512 = false;
 
 constexpr int MB = 4;  // activation rows computed together (each unpacked weight reused MB times)
 
+// f(std::integral_constant<int, GROUP>) with GROUP = group where it is 32, 64 or 128, else 0
+// (the kernels then take the run-time group).
+template <typename F>
+void with_group(int64_t group, F&& f) {
+  switch (group) {
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    default: f(std::integral_constant<int, 0>{});
+  }
+}
+
 #if LOWBIT_GEMV_F32 == 512
 
 // ---- weight-only, float32 accumulation --------------------------------------------------
@@ -421,18 +433,6 @@ inline void add_mins(const S* mn, const float* xs, int64_t M, int64_t G, float* 
   }
 }
 
-// f(std::integral_constant<int, GROUP>) with GROUP = group where it is 32, 64 or 128, else 0
-// (the kernels then take the run-time group).
-template <typename F>
-void with_group(int64_t group, F&& f) {
-  switch (group) {
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    default: f(std::integral_constant<int, 0>{});
-  }
-}
-
 // Rows n0..n1 of one weight (codes wt.w, scales s, zero points z: float32 or float16 bits)
 // times x (prepared once: xa/xb even/odd halves for 4-bit codes, xs group sums), each row's
 // kernel call in one loop.  MIN: the weights are q * s + m (unsigned codes, z holds m): the
@@ -631,9 +631,10 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 
 #ifdef LOWBIT_W4A8
 namespace {
-// Rows n0..n1 of a W4A8 weight (w4a8_gemm_into's operands), the kernel for BYTES and
-// SIGNED chosen once for the range (a call per range rather than per row, as wo_rows).
-template <int BYTES, bool SIGNED>
+// Rows n0..n1 of a W4A8 weight (w4a8_gemm_into's operands), the kernel for BYTES, SIGNED
+// and GROUP (with_group; the AVX2 kernel's group loop, 0 with VNNI) chosen once for the
+// range (a call per range rather than per row, as wo_rows).
+template <int BYTES, bool SIGNED, int GROUP>
 void w4a8_range(const int8_t* pe, const int8_t* po, const int32_t* xsum, const int32_t* pz, int64_t M, int64_t K,
                 int64_t G, int64_t group, const uint8_t* w, int64_t N, const float* s, const int32_t* z, float* py,
                 int64_t n0, int64_t n1) {
@@ -647,13 +648,8 @@ void w4a8_range(const int8_t* pe, const int8_t* po, const int32_t* xsum, const i
       w4a8_rows<R, BYTES>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G, zn,
                           SIGNED, py + m * N + n, N);
 #else
-      auto run = [&](auto size) {
-        w4a8_rows<R, BYTES, SIGNED, decltype(size)::value>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m,
-                                                           K, G, group, wn, s + n * G, zn, SIGNED, py + m * N + n, N);
-      };
-      if (group == 64) run(std::integral_constant<int, 64>{});
-      else if (group == 128) run(std::integral_constant<int, 128>{});
-      else run(std::integral_constant<int, 0>{});
+      w4a8_rows<R, BYTES, SIGNED, GROUP>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn,
+                                         s + n * G, zn, SIGNED, py + m * N + n, N);
 #endif
     };
     int64_t m = 0;
@@ -689,8 +685,15 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     auto rows = [&](auto bytes, auto sign) {
-      w4a8_range<decltype(bytes)::value, decltype(sign)::value>(pe, po, xsum, pz, M, K, G, group, w, N, s, z, py, n0,
-                                                                 n1);
+#ifdef LOWBIT_W4A8_VNNI
+      w4a8_range<decltype(bytes)::value, decltype(sign)::value, 0>(pe, po, xsum, pz, M, K, G, group, w, N, s, z, py,
+                                                                    n0, n1);
+#else
+      with_group(group, [&](auto size) {
+        w4a8_range<decltype(bytes)::value, decltype(sign)::value, decltype(size)::value>(pe, po, xsum, pz, M, K, G,
+                                                                                        group, w, N, s, z, py, n0, n1);
+      });
+#endif
     };
     using T = std::true_type;
     using F = std::false_type;
