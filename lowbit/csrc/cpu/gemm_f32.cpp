@@ -68,15 +68,18 @@ void pack_w(const float* w, int64_t K, int cols, int64_t k0, int64_t kc, float* 
     for (int j = 0; j < TN; ++j) wp[k * TN + j] = j < cols ? w[j * K + k0 + k] : 0.f;
 }
 
-// y[rows, cols] (+)= one tile of x (xp, k-major) times one packed chunk (wp), kc steps.
-void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, int64_t rows, int cols, bool add) {
-  __m256 c[TM][2];
+// y[R rows, cols] (+)= one tile of x (xp, k-major, TM apart) times one packed chunk (wp), kc
+// steps.  R < TM for the last tile of x: its FMAs only (a batch of 32 rows in 6-row tiles
+// would pay for 36; a 2-row tile costs about a third of a full one, as its loads bound it).
+template <int R>
+void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, int cols, bool add) {
+  __m256 c[R][2];
 #pragma GCC unroll 6
-  for (int i = 0; i < TM; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  for (int i = 0; i < R; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 w0 = _mm256_loadu_ps(wp + k * TN), w1 = _mm256_loadu_ps(wp + k * TN + 8);
 #pragma GCC unroll 6
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < R; ++i) {
       const __m256 a = _mm256_broadcast_ss(xp + k * TM + i);
       c[i][0] = _mm256_fmadd_ps(a, w0, c[i][0]);
       c[i][1] = _mm256_fmadd_ps(a, w1, c[i][1]);
@@ -84,9 +87,9 @@ void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, i
   }
   // (every loop over the accumulators has a constant count, fully unrolled: one indexed at
   // run time would keep them in memory, which made the whole loop 2x slower)
-  if (rows == TM && cols == TN) {
+  if (cols == TN) {
 #pragma GCC unroll 6
-    for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < R; ++i) {
       float* yi = y + i * ldy;
       if (add) {
         c[i][0] = _mm256_add_ps(_mm256_loadu_ps(yi), c[i][0]);
@@ -97,15 +100,18 @@ void tile(const float* xp, const float* wp, int64_t kc, float* y, int64_t ldy, i
     }
     return;
   }
-  alignas(32) float buf[TM][TN];
+  alignas(32) float buf[R][TN];
 #pragma GCC unroll 6
-  for (int i = 0; i < TM; ++i) {
+  for (int i = 0; i < R; ++i) {
     _mm256_store_ps(buf[i], c[i][0]);
     _mm256_store_ps(buf[i] + 8, c[i][1]);
   }
-  for (int64_t i = 0; i < rows; ++i)
+  for (int64_t i = 0; i < R; ++i)
     for (int j = 0; j < cols; ++j) y[i * ldy + j] = add ? y[i * ldy + j] + buf[i][j] : buf[i][j];
 }
+
+using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int, bool);
+constexpr TileFn kTiles[TM] = {tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 // y = x @ W.T where rows(n0, cols) gives rows n0 .. n0 + cols - 1 of W as float32, K apart
 // (valid until the next call on the same thread).
@@ -133,7 +139,8 @@ void gemm_rows(const float* x, int64_t M, int64_t K, int64_t N, float* y, Rows r
         const int64_t kc = std::min(KC, K - k0);
         pack_w(w, K, cols, k0, kc, wp);
         for (int64_t t = 0; t < tiles; ++t)
-          tile(xp + t * K * TM + k0 * TM, wp, kc, y + t * TM * N + n0, N, std::min(TM, M - t * TM), cols, k0 > 0);
+          kTiles[std::min(TM, M - t * TM) - 1](xp + t * K * TM + k0 * TM, wp, kc, y + t * TM * N + n0, N, cols,
+                                               k0 > 0);
       }
     }
   });
