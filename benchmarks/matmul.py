@@ -155,9 +155,12 @@ def main() -> None:
     args = ap.parse_args()
     reps = 5 if args.quick else 15
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    # as lowbit.Runner runs: under inference mode lowbit's public functions call the op's
-    # implementation directly, without the dispatcher's ~20 us Python-kernel round trip
-    torch.inference_mode().__enter__()
+    # Weights are made as a user makes them (outside inference mode: tensors with version
+    # counters), the calls timed as lowbit.Runner runs them, under inference mode: there
+    # lowbit's public functions call the op's implementation directly (no dispatcher round
+    # trip of ~20 us), and one row runs the weight's prepared kernel.  (This once entered
+    # inference mode as torch.inference_mode().__enter__(), whose guard object is freed at
+    # once: every figure before was taken outside it.)
     bw = read_bandwidth(reps)
     print(f"read bandwidth (sum of 256 MiB): {bw:.1f} GB/s; threads: {torch.get_num_threads()}; "
           f"lowbit backends: {lowbit.available_backends()}")
@@ -175,7 +178,8 @@ def main() -> None:
                         cold = 0 if args.cache_resident else COLD_BYTES
                         copies = [fn] + [make(w)[0] for _ in range(-(-cold // wbytes) - 1)]
                         turn = iter(range(10**9))
-                        t = timeit(lambda: copies[next(turn) % len(copies)](), reps)
+                        with torch.inference_mode():
+                            t = timeit(lambda: copies[next(turn) % len(copies)](), reps)
                     except Exception as e:  # a peer missing, or refusing this shape or dtype
                         print(f"{name:<36}  n/a ({type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''})")
                         continue

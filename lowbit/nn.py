@@ -17,6 +17,7 @@ from torch import nn
 
 from ._validate import has_values as _has_values
 from .ops import choose_qparams, linear, quantize
+from .ops.matmul import _one_row
 from .ops.quant import _check_qparams
 from .qtensor import QTensor, SplitQTensor
 from .scheme import QuantScheme
@@ -72,8 +73,8 @@ class _QuantWeight(nn.Module):
         self._cached: QTensor | None = None
 
     def qtensor(self) -> QTensor:
-        c = self._cached
-        if c is None or c.codes is not self.codes or c.scale is not self.scale or c.zero_point is not self.zero_point:
+        c, b = self._cached, self._buffers  # the buffers read directly: nn.Module's __getattr__ costs ~1 us each
+        if c is None or c.codes is not b["codes"] or c.scale is not b["scale"] or c.zero_point is not b["zero_point"]:
             c = self._cached = QTensor(self.codes, self.scale, self.zero_point, self.scheme, self.shape)
         return c
 
@@ -211,6 +212,13 @@ class QuantLinear(nn.Module):
         self.set_act_qparams(*act_qparams_from_range(s, min_val, max_val))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if b["act_scale"] is None and b["input_order"] is None and self.backend is None:
+            # dynamic or no activation quantization: one row in eager mode runs the weight's
+            # prepared kernel (lowbit.linear's own shortcut), without the general path's checks
+            y = _one_row(x, self._modules["weight"].qtensor(), self.bias, self.act_scheme)
+            if y is not None:
+                return y
         if self.act_scale is None and self._static_act() is not None:
             raise ValueError(f"activation scale not calibrated: act_scheme '{self.act_scheme}' quantizes the "
                              f"input of this QuantLinear ({self.in_features} -> {self.out_features}) with a "

@@ -59,6 +59,18 @@ class Backend:
         return Plan("reference", "plain PyTorch: the float32 matmul of the dequantized weight" if act is None
                     else "plain PyTorch: dequantized activations and weight, float32 matmul")
 
+    # Bumped when the plans change (a new calibration): what was prepared by an older plan
+    # (``one_row``) is prepared again.
+    plan_epoch = 0
+
+    def one_row(self, weight: QuantScheme, act: QuantScheme | None, codes, scale, zero_point, k: int,
+                dtype: torch.dtype):
+        """A callable that runs ``linear`` for one row of ``dtype`` activations on this
+        weight (its matmul parts) with the same bits as the ops, its weight laid out once,
+        or None (the ops run).  For ``lowbit.linear``'s eager calls at decode size, where
+        the checks and conversions around the kernel cost as much as the kernel."""
+        return None
+
     # -- quantize / dequantize -------------------------------------------------------------
     def choose_qparams(self, x, scheme: QuantScheme):
         return ref.choose_qparams(x, scheme)

@@ -370,13 +370,22 @@ def _eager(args) -> bool:
     dispatcher's Python kernel costs ~20 us a call: 6-8% of a weight-only decode step of
     the bundled model where the steps run in Python (measured on a Zen 2 without
     AVX-512), a quarter of a transformers forward under no_grad."""
+    return eager_mode() and all(type(a) is Tensor for a in args if isinstance(a, Tensor))
+
+
+def eager_mode() -> bool:
+    """``_eager``'s conditions but the arguments' types: no autograd recording, no
+    tracing, no dispatch mode."""
     if torch.compiler.is_compiling():  # dynamo cannot trace what follows
         return False
     if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return False
-    if torch.compiler.is_exporting() or _dispatch_mode() is not None:
-        return False
-    return all(type(a) is Tensor for a in args if isinstance(a, Tensor))
+    return not torch.compiler.is_exporting() and _dispatch_mode() is None
+
+
+def backend_for(device: torch.device):
+    """The backend ``call`` runs an op on with ``backend=None`` for tensors on ``device``."""
+    return kernels.for_device(device.type)
 
 
 def call(op, backend: str | None, device: torch.device, *args):

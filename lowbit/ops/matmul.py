@@ -102,13 +102,34 @@ def quantized_matmul(input: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 # weight_parts of the QTensors in use, by id: a decode step calls linear on the same
 # weights again and again, and rebuilding the views costs about 1.5 us a call.  An entry
 # is kept while its QTensor lives and is valid while no in-place write hit the tensors
-# (their version counters; the parts may be copies).
+# (their version counters; the parts may be copies).  It also holds the weight's prepared
+# one-row linears (``_one_row``), by activation dtype and scheme.
 _PARTS: dict[int, tuple] = {}
 
 
 def _versions(qweight: QTensor):
     zp = qweight.zero_point
     return qweight.codes._version, qweight.scale._version, None if zp is None else zp._version
+
+
+def _cacheable(qweight: QTensor) -> bool:
+    """Eager tensors with version counters: traced ones show their views in the graph, and
+    those made under inference_mode have no counter to tell an in-place write."""
+    if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
+        return False
+    return not (qweight.codes.is_inference() or qweight.scale.is_inference())
+
+
+def _entry(qweight: QTensor) -> tuple:
+    """qweight's ``_PARTS`` entry (weakref, versions, parts, prepared one-row linears)."""
+    key = id(qweight)
+    hit = _PARTS.get(key)
+    if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
+        return hit
+    hit = (weakref.ref(qweight, lambda _, key=key: _PARTS.pop(key, None)), _versions(qweight),
+           _build_weight_parts(qweight), {})
+    _PARTS[key] = hit
+    return hit
 
 
 def weight_parts(qweight: QTensor):
@@ -125,17 +146,63 @@ def weight_parts(qweight: QTensor):
     """
     if not isinstance(qweight, QTensor):
         raise TypeError(f"qweight must be a lowbit.QTensor, got {type(qweight).__name__}")
-    if torch.compiler.is_compiling() or type(qweight.codes) is not torch.Tensor:
-        return _build_weight_parts(qweight)  # traced: the graph shows the views
-    if qweight.codes.is_inference() or qweight.scale.is_inference():
-        return _build_weight_parts(qweight)  # made under inference_mode: no version counter to check
-    key = id(qweight)
-    hit = _PARTS.get(key)
-    if hit is not None and hit[0]() is qweight and hit[1] == _versions(qweight):
-        return hit[2]
-    parts = _build_weight_parts(qweight)
-    _PARTS[key] = (weakref.ref(qweight, lambda _, key=key: _PARTS.pop(key, None)), _versions(qweight), parts)
-    return parts
+    return _entry(qweight)[2] if _cacheable(qweight) else _build_weight_parts(qweight)
+
+
+_FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a module's bias is a Parameter
+
+
+def _one_row(x, qweight, bias, act_scheme):
+    """``linear`` of one row of x on the automatic backend through the weight's prepared
+    one-row callable (``Backend.one_row``, kept in its ``_PARTS`` entry), in eager mode on
+    plain tensors; None where that does not apply, or where the call refuses x (the
+    general path then runs, and says why).  The same kernel and bits as the general path,
+    without its per-call checks and conversions: at the bundled model's shapes those
+    cost as much as the kernel."""
+    if type(x) is not torch.Tensor or type(qweight) is not QTensor or x.dtype not in _FLOAT_ROWS:
+        return None
+    shape, wshape, codes = x.shape, qweight.shape, qweight.codes
+    if (not shape or x.numel() != shape[-1] or len(wshape) != 2 or wshape[1] != shape[-1] or not shape[-1]
+            or x.get_device() != codes.get_device()):
+        return None
+    if bias is not None and (type(bias) not in _PLAIN or bias.shape != wshape[:1] or not bias.is_floating_point()
+                             or bias.get_device() != codes.get_device()):
+        return None
+    if not (library.eager_mode() and type(codes) is torch.Tensor and not codes.is_inference()
+            and not qweight.scale.is_inference()):
+        return None  # as _cacheable: eager_mode says it does not compile
+    backend = library.backend_for(x.device)
+    rows = _entry(qweight)[3]
+    key = (x.dtype, act_scheme, backend.name, backend.plan_epoch)
+    run = rows.get(key, False)
+    if run is False:
+        run = rows[key] = _prepare_row(qweight, act_scheme, x.dtype, backend)
+    if run is None:
+        return None
+    try:
+        y = run(x)
+    except RuntimeError:  # NaN or Inf in x with int8 activations: the general path's error
+        return None
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _prepare_row(qweight: QTensor, act_scheme, dtype: torch.dtype, backend):
+    w, k = qweight.scheme, qweight.shape[1]
+    if w.granularity == "token":
+        return None
+    if act_scheme is None:
+        if not (matmul_form(w, k) or min_form(w, k)):
+            return None
+        act = None
+    else:
+        try:
+            act = as_act_scheme(act_scheme)
+            check_act_weight(w, act, k)
+        except (ValueError, TypeError):
+            return None
+    codes, scale, zp, _, _ = _entry(qweight)[2]
+    return backend.one_row(w, act, codes, scale, zp, k, dtype)
 
 
 def _build_weight_parts(qweight: QTensor):
@@ -247,6 +314,10 @@ def linear(x: torch.Tensor, qweight: QTensor, bias: torch.Tensor | None = None, 
         >>> lowbit.linear(x, w, act_scheme="int8-sym-token").dtype
         torch.bfloat16
     """
+    if backend is None and act_scale is None and act_zero_point is None:
+        y = _one_row(x, qweight, bias, act_scheme)
+        if y is not None:
+            return y
     _validate.tensor("x", x, dtypes=_validate.FLOAT_DTYPES, min_ndim=1)
     if not isinstance(qweight, (QTensor, SplitQTensor)):
         raise TypeError(f"qweight must be a lowbit.QTensor or SplitQTensor, got {type(qweight).__name__}")

@@ -642,6 +642,34 @@ class Group {
   int64_t K_ = 0, bits_ = 0, group_ = 0;
 };
 
+// One projection for one row of x outside a decode step (lowbit.linear's eager path at
+// M = 1): the step's Group, its weight checked and laid out once, called with a tensor.
+// Around a kernel of 20-40 us, lowbit.linear's tensor path spent ~10 us on the Python
+// checks and ATen conversions (bfloat16 x to float32 and back) this does in loops.
+class RowLinear {
+ public:
+  explicit RowLinear(Proj p) : g_({std::move(p)}) {}
+
+  // x [..., K] holding one row, float32/bfloat16/float16/float64: y [..., N] in x's dtype.
+  at::Tensor operator()(const at::Tensor& x) const {
+    const int64_t K = g_.in_features(), N = g_.out_features(0);
+    TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K && x.numel() == K,
+                "lowbit._C.RowLinear: one row of ", K, " values on the CPU expected, got ", x.sizes());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    at::Tensor y = at::empty(shape, x.options());
+    const at::Tensor xc = x.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lowbit_row_linear", [&] {
+      scalar_t* py = y.data_ptr<scalar_t>();
+      g_.run<scalar_t>(xc.data_ptr<scalar_t>(), &py);
+    });
+    return y;
+  }
+
+ private:
+  Group g_;
+};
+
 struct Layer {
   at::Tensor ln1, ln2;
   Group qkv, o, gate_up, down;
@@ -803,6 +831,9 @@ void bind_decode(pybind11::module& m) {
            py::arg("weight"), py::arg("codes"), py::arg("scale"), py::arg("zero_point"), py::arg("bias"),
            py::arg("bits"), py::arg("group"), py::arg("act") = 0, py::arg("kernel") = 0,
            py::arg("zero_point_min") = false);
+  py::class_<RowLinear>(m, "RowLinear")
+      .def(py::init<Proj>())
+      .def("__call__", &RowLinear::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)

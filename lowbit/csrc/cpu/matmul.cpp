@@ -221,15 +221,18 @@ void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t grou
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
     const __m256 zg = _mm256_set1_ps(HAS_ZP ? scale1(z + g) : 0.f);
-    for (int64_t b = 0; b < blocks; b += A)
-      for (int a = 0; a < A; ++a) {  // block b + a into chain a (a constant: the chains stay in registers)
-        if (b + a >= blocks) break;
-        const int64_t off = g * group + (b + a) * 8;
-        const __m128i bytes = bytes8(w + off);
-        __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
-        if constexpr (HAS_ZP) q = _mm256_sub_ps(q, zg);
-        for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
-      }
+    const auto block = [&](int64_t b, int a) {  // block b into chain a (a constant: the chains stay in registers)
+      const int64_t off = g * group + b * 8;
+      const __m128i bytes = bytes8(w + off);
+      __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+      if constexpr (HAS_ZP) q = _mm256_sub_ps(q, zg);
+      for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
+    };
+    int64_t b = 0;
+    for (; b + A <= blocks; b += A)  // whole rounds of the A chains, no exit test per block
+      for (int a = 0; a < A; ++a) block(b + a, a);
+    for (int a = 0; a < A; ++a)  // the last blocks (group / 8 not a multiple of A)
+      if (b + a < blocks) block(b + a, a);
     const __m256 sg = _mm256_set1_ps(scale1(s + g));
     for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
   }

@@ -400,6 +400,15 @@ class CpuBackend(Backend):
         return _C.weight_only_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel),
                                      zero_point_min)
 
+    def one_row(self, weight, act, codes, scale, zero_point, k, dtype):
+        """The decode step's projection (``quant_projection``: decode.cpp's Group, the
+        same kernels and bits as a decode step, which are lowbit.linear's) as a callable
+        ``_C.RowLinear``: x's conversions to float32 and back and the activations'
+        quantization are loops in its call.  Where the plan for one row is a kernel the
+        decode step runs; else None."""
+        p = quant_projection(weight, act, codes, scale, zero_point, None, k, dtype)
+        return None if p is None else _C.RowLinear(p)
+
     def split_matmul(self, x, codes, scale, zero_point, bits, group_size, outliers, high_codes, high_scale,
                      high_zero_point, high_bits, high_group_size):
         """Where the low part's plan is a decode kernel (``gemv_*``), one call of
@@ -753,6 +762,7 @@ def clear_plans() -> None:
     """Forget the cached plans: after a threshold above changed (``calibration.apply``)."""
     for plan in (_weight_only_plan_at, _a8_blocks_plan, _act8_plan):
         plan.cache_clear()
+    CpuBackend.plan_epoch += 1
 
 
 def _load_calibration():
