@@ -221,10 +221,26 @@ def dequantize_weight(codes, scale, zero_point, bits, group_size, k, out_dtype=t
     return (q * by_group(scale)).to(out_dtype)
 
 
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with float32 products and sums, whatever ``torch.set_float32_matmul_precision``
+    says: at "high" or "medium" torch's CPU matmul runs in bf16 where the CPU has bf16 dot
+    products (oneDNN on AVX512-BF16 / AMX: errors of 2^-9 relative), and a reference that
+    moved with that setting would no longer be the float32 result its tests derive bounds
+    from.  (The setting is process-wide; the reference runs it for one matmul.)"""
+    before = torch.get_float32_matmul_precision()
+    if before == "highest":
+        return a @ b
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return a @ b
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min=False):
     """x [..., K] @ dequantize(W).T in float32, rounded once to x's dtype."""
     w = dequantize_weight(codes, scale, zero_point, bits, group_size, x.shape[-1], zero_point_min=zero_point_min)
-    return (x.to(torch.float32) @ w.T).to(x.dtype)
+    return matmul_f32(x.to(torch.float32), w.T).to(x.dtype)
 
 
 def split_weight(codes, scale, zero_point, bits, group_size, k, outliers, high_codes, high_scale,
@@ -241,7 +257,7 @@ def split_matmul(x, codes, scale, zero_point, bits, group_size, outliers, *high)
     """x [..., K] @ W.T for the split weight ``W = low + high placed at the outlier
     columns``: ``split_weight``, one float32 matmul, rounded once to x's dtype."""
     w = split_weight(codes, scale, zero_point, bits, group_size, x.shape[-1], outliers, *high)
-    return (x.to(torch.float32) @ w.T).to(x.dtype)
+    return matmul_f32(x.to(torch.float32), w.T).to(x.dtype)
 
 
 def int8_blocks(x, act_block):
@@ -271,7 +287,7 @@ def linear_qta8a_qga4w(x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_poin
     k = x_q.shape[-1]
     x = (x_q.to(torch.float32) - x_zero_point.to(torch.float32)[:, None]) * x_scale.to(torch.float32)[:, None]
     w = dequantize_weight(w_codes, w_scale, w_zero_point, 4, group_size, k)
-    y = x @ w.T
+    y = matmul_f32(x, w.T)
     return y if bias is None else y + bias.to(torch.float32)
 
 
