@@ -62,86 +62,63 @@ void with_group(int64_t group, F&& f) {
   }
 }
 
-#if LOWBIT_GEMV_F32 == 512
+#ifdef LOWBIT_GEMV_F32
 
-// ---- weight-only, float32 accumulation --------------------------------------------------
-// xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G] group sums of x.
+// ---- weight-only, float32 accumulation ----------------------------------------------------
+// One kernel at two widths: `Lanes` is 16 float lanes (AVX-512) or 8 (AVX2 + FMA), the only
+// place the width shows.  xe/xo: [M, K/2] even/odd activations of each 32-block; xs: [M, G]
+// group sums of x.  4-bit codes take the zero point as z * sum(x) once per group (xs) after
+// the sum of q x; 8-bit codes have it subtracted from each code (q - z, exact in float32)
+// before its product.  The per-group term cancels against the sum of q x, within the same
+// bound (sum (|q| + |z|) |x|, tests/test_matmul.py): the bundled model's logits against the
+// float model on its dequantized weights (int4 g64 with zero points, one row) are 5.9e-5
+// apart with it and 2.0e-5 with q - z, of logits up to 27; without the two subtractions per
+// 16 codes a w4a16-g128-head8 decode step is 1.11x faster (AVX2 EPYC).
 // (A 16-entry vpermps table of (code - z) * s per group measured 1.9x slower on Zen 5:
 // cross-lane permutes of zmm registers are expensive there.)
-template <int R, bool SIGNED, bool HAS_ZP, typename S>
-void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group,
-             const uint8_t* w, const S* s, const S* z, float* y, int64_t ldy) {
-  __m512 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
-  const int64_t blocks = group / 32;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = (g * group + b * 32) / 2;  // byte offset == index into xe/xo
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off)));
-      __m512i lo, hi;
-      if constexpr (SIGNED) {
-        lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
-        hi = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28);
-      } else {
-        lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF));
-        hi = _mm512_srli_epi32(v, 4);
-      }
-      const __m512 flo = _mm512_cvtepi32_ps(lo), fhi = _mm512_cvtepi32_ps(hi);
-      for (int r = 0; r < R; ++r) {
-        dot[r] = _mm512_fmadd_ps(flo, _mm512_loadu_ps(xe + r * (K / 2) + off), dot[r]);
-        dot[r] = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xo + r * (K / 2) + off), dot[r]);
-      }
-    }
-    const __m512 sg = _mm512_set1_ps(scale1(s + g));
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] = std::fma(scale1(s + g) * scale1(z + g), xs[r * G + g], corr[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
-}
-
-template <int R, bool SIGNED, bool HAS_ZP, typename S>
-void w8_rows(const float* x, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
-             const S* s, const S* z, float* y, int64_t ldy) {
-  __m512 total[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm512_setzero_ps(); corr[r] = 0.f; }
-  const int64_t blocks = group / 16;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t off = g * group + b * 16;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + off));
-      const __m512 q = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + r * K + off), dot[r]);
-    }
-    const __m512 sg = _mm512_set1_ps(scale1(s + g));
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm512_fmadd_ps(dot[r], sg, total[r]);
-      if constexpr (HAS_ZP) corr[r] = std::fma(scale1(s + g) * scale1(z + g), xs[r * G + g], corr[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(total[r]) - corr[r];
-}
-
-#elif LOWBIT_GEMV_F32 == 256
-
-// ---- weight-only, float32 accumulation, 8 lanes -------------------------------------------
-// The AVX-512 kernels above at half the width, each 16-byte block of packed codes read as
-// two 8-byte halves.  4-bit codes take the zero point as those do, z * sum(x) once per group
-// (xs) after the sum of q x; 8-bit codes have it subtracted from each code (q - z, exact in
-// float32) before its product.  The per-group term cancels against the sum of q x, within
-// the same bound (sum (|q| + |z|) |x|, tests/test_matmul.py): the bundled model's logits
-// against the float model on its dequantized weights (int4 g64 with zero points, one row)
-// are 5.9e-5 apart with it and 2.0e-5 with q - z, of logits up to 27; without the two
-// subtractions per 16 codes a w4a16-g128-head8 decode step is 1.11x faster (AVX2 EPYC).
-
-inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+#if LOWBIT_GEMV_F32 == 512
+struct Lanes {
+  static constexpr int N = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static I widen(__m128i b, bool is_signed) { return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static I sll(I v, int n) { return _mm512_slli_epi32(v, n); }
+  static I sra(I v, int n) { return _mm512_srai_epi32(v, n); }
+  static I srl(I v, int n) { return _mm512_srli_epi32(v, n); }
+  static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xF)); }
+};
+#else
+struct Lanes {
+  static constexpr int N = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static float sum(F v) { return fsum8(v); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static I widen(__m128i b, bool is_signed) { return is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static I sll(I v, int n) { return _mm256_slli_epi32(v, n); }
+  static I sra(I v, int n) { return _mm256_srai_epi32(v, n); }
+  static I srl(I v, int n) { return _mm256_srli_epi32(v, n); }
+  static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xF)); }
+};
+#endif
+using F = Lanes::F;
+constexpr int L = Lanes::N;
 
 // One activation row alone would chain every FMA of a group on the one before it (4-5
 // cycles of latency each): it gets A = 4 independent accumulators (summed per group),
@@ -149,9 +126,9 @@ inline __m128i bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cas
 template <int R>
 constexpr int kChains = R == 1 ? 4 : 1;
 template <int A>
-inline __m256 sum_of(const __m256* d) {
+inline F sum_of(const F* d) {
   if constexpr (A == 1) return d[0];
-  else return _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
+  else return Lanes::add(Lanes::add(d[0], d[1]), Lanes::add(d[2], d[3]));
 }
 
 // R activation rows x W weight rows (row_bytes apart; their scales and zero points G apart,
@@ -159,90 +136,83 @@ inline __m256 sum_of(const __m256* d) {
 // chains per weight row, and takes two weight rows at once where it can (W = 2: four chains,
 // the x loads shared): every weight row is summed in the same order whether it runs alone or
 // in a pair.  GROUP: the group size where it is a common one (32, 64, 128), so that the
-// block loop has a constant count and unrolls; 0: any multiple of 32.
+// block loop has a constant count and unrolls; 0: any multiple of 32.  A 32-block's 16 code
+// bytes are read L at a time (one step at 16 lanes, two at 8).
 template <int R, int W, bool SIGNED, bool HAS_ZP, int GROUP, typename S>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
              int64_t row_bytes, const S* s, const S* z, float* y, int64_t ldy) {
   constexpr int C = R == 1 ? 2 : 1;
   const int64_t size = GROUP ? GROUP : group;
-  __m256 total[R][W];
+  F total[R][W];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) total[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < W; ++j) total[r][j] = Lanes::zero();
   float corr[R][W] = {};
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[R][W][C];
+    F dot[R][W][C];
     for (int j = 0; j < W; ++j) {
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) dot[r][j][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) dot[r][j][c] = Lanes::zero();
     }
     for (int64_t b = 0; b < size / 32; ++b)
-      for (int half = 0; half < 2; ++half) {
-        const int64_t off = (g * size + b * 32) / 2 + 8 * half;  // byte offset == index into xe/xo
+      for (int part = 0; part < 16 / L; ++part) {
+        const int64_t off = (g * size + b * 32) / 2 + L * part;  // byte offset == index into xe/xo
         for (int j = 0; j < W; ++j) {
-          const __m256i v = _mm256_cvtepu8_epi32(bytes8(w + j * row_bytes + off));
-          __m256i lo, hi;
-          if constexpr (SIGNED) {
-            lo = _mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28);
-            hi = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 28);
-          } else {
-            lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
-            hi = _mm256_srli_epi32(v, 4);
-          }
-          const __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
+          const Lanes::I v = Lanes::widen(Lanes::bytes(w + j * row_bytes + off), false);
+          const Lanes::I lo = SIGNED ? Lanes::sra(Lanes::sll(v, 28), 28) : Lanes::low4(v);
+          const Lanes::I hi = SIGNED ? Lanes::sra(Lanes::sll(v, 24), 28) : Lanes::srl(v, 4);
+          const F flo = Lanes::cvt(lo), fhi = Lanes::cvt(hi);
           for (int r = 0; r < R; ++r) {
-            dot[r][j][0] = _mm256_fmadd_ps(flo, _mm256_loadu_ps(xe + r * (K / 2) + off), dot[r][j][0]);
-            dot[r][j][C - 1] = _mm256_fmadd_ps(fhi, _mm256_loadu_ps(xo + r * (K / 2) + off), dot[r][j][C - 1]);
+            dot[r][j][0] = Lanes::fma(flo, Lanes::load(xe + r * (K / 2) + off), dot[r][j][0]);
+            dot[r][j][C - 1] = Lanes::fma(fhi, Lanes::load(xo + r * (K / 2) + off), dot[r][j][C - 1]);
           }
         }
       }
     for (int j = 0; j < W; ++j) {
       const float sj = scale1(s + j * G + g);
-      const __m256 sg = _mm256_set1_ps(sj);
+      const F sg = Lanes::set1(sj);
       for (int r = 0; r < R; ++r) {
-        const __m256 d = C == 2 ? _mm256_add_ps(dot[r][j][0], dot[r][j][C - 1]) : dot[r][j][0];
-        total[r][j] = _mm256_fmadd_ps(d, sg, total[r][j]);
+        const F d = C == 2 ? Lanes::add(dot[r][j][0], dot[r][j][C - 1]) : dot[r][j][0];
+        total[r][j] = Lanes::fma(d, sg, total[r][j]);
         if constexpr (HAS_ZP) corr[r][j] = std::fma(sj * scale1(z + j * G + g), xs[r * G + g], corr[r][j]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) y[r * ldy + j] = fsum8(total[r][j]) - corr[r][j];
+    for (int j = 0; j < W; ++j) y[r * ldy + j] = Lanes::sum(total[r][j]) - corr[r][j];
 }
 
 // Inlined into wo_rows: as a call per row (GCC kept it one) each row's horizontal sum and
 // the call ended before the next row's loads could start; inlined, 1536 x 576 int8 at one
 // row and thread, cache-resident, 63 -> 56 us (AVX2 EPYC).  (The prefetch of the rows
 // ahead costs ~7% there, but a decode step streaming its weights from DRAM is ~1.1x
-// slower without it.)
+// slower without it.)  Blocks of L codes: group is a multiple of 16.
 template <int R, bool SIGNED, bool HAS_ZP, typename S>
-__attribute__((always_inline)) inline void w8_rows(const float* x, const float* xs, int64_t K, int64_t G,
-                                                   int64_t group, const uint8_t* w, const S* s, const S* z, float* y,
-                                                   int64_t ldy) {
+__attribute__((always_inline)) inline void w8_rows(const float* x, int64_t K, int64_t G, int64_t group,
+                                                   const uint8_t* w, const S* s, const S* z, float* y, int64_t ldy) {
   constexpr int A = kChains<R>;
-  __m256 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-  const int64_t blocks = group / 8;
+  F total[R];
+  for (int r = 0; r < R; ++r) total[r] = Lanes::zero();
+  const int64_t blocks = group / L;
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[R][A];
+    F dot[R][A];
     for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) dot[r][a] = _mm256_setzero_ps();
-    const __m256 zg = _mm256_set1_ps(HAS_ZP ? scale1(z + g) : 0.f);
+      for (int a = 0; a < A; ++a) dot[r][a] = Lanes::zero();
+    const F zg = Lanes::set1(HAS_ZP ? scale1(z + g) : 0.f);
     const auto block = [&](int64_t b, int a) {  // block b into chain a (a constant: the chains stay in registers)
-      const int64_t off = g * group + b * 8;
-      const __m128i bytes = bytes8(w + off);
-      __m256 q = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
-      if constexpr (HAS_ZP) q = _mm256_sub_ps(q, zg);
-      for (int r = 0; r < R; ++r) dot[r][a] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + r * K + off), dot[r][a]);
+      const int64_t off = g * group + b * L;
+      F q = Lanes::cvt(Lanes::widen(Lanes::bytes(w + off), SIGNED));
+      if constexpr (HAS_ZP) q = Lanes::sub(q, zg);
+      for (int r = 0; r < R; ++r) dot[r][a] = Lanes::fma(q, Lanes::load(x + r * K + off), dot[r][a]);
     };
     int64_t b = 0;
     for (; b + A <= blocks; b += A)  // whole rounds of the A chains, no exit test per block
       for (int a = 0; a < A; ++a) block(b + a, a);
-    for (int a = 0; a < A; ++a)  // the last blocks (group / 8 not a multiple of A)
+    for (int a = 0; a < A; ++a)  // the last blocks (group / L not a multiple of A)
       if (b + a < blocks) block(b + a, a);
-    const __m256 sg = _mm256_set1_ps(scale1(s + g));
-    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(sum_of<A>(dot[r]), sg, total[r]);
+    const F sg = Lanes::set1(scale1(s + g));
+    for (int r = 0; r < R; ++r) total[r] = Lanes::fma(sum_of<A>(dot[r]), sg, total[r]);
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = fsum8(total[r]);
+  for (int r = 0; r < R; ++r) y[r * ldy] = Lanes::sum(total[r]);
 }
 #endif
 
@@ -454,15 +424,14 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
   const int64_t row_bytes = bits == 4 ? K / 2 : K, N = wt.N, full = M - M % MB;
   float* y = wt.y;
   for (int64_t n = n0; n < n1;) {
-    // AVX2, 4-bit codes: rows n and n + 1 in one call where both are in the range
-    const int64_t rows = LOWBIT_GEMV_F32 == 256 && bits == 4 && n + 1 < n1 ? 2 : 1;
+    // 4-bit codes: rows n and n + 1 in one call where both are in the range
+    const int64_t rows = bits == 4 && n + 1 < n1 ? 2 : 1;
     const uint8_t* wn = wt.w + n * row_bytes;
     for (int64_t j = 0; j < rows; ++j)
       if (n + j + kRowsAhead < N) prefetch_row(wn + (j + kRowsAhead) * row_bytes, row_bytes);
     const S* sn = s + n * G;
     const S* zn = HAS_ZP ? z + n * G : nullptr;
     if (bits == 4) {
-#if LOWBIT_GEMV_F32 == 256
       auto w4 = [&](auto r, auto nw, int64_t m, int64_t j) {  // r rows of x from m, nw weight rows from n + j
         w4_rows<decltype(r)::value, decltype(nw)::value, SIGNED, HAS_ZP, GROUP>(
             xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn + j * row_bytes, row_bytes, sn + j * G,
@@ -473,19 +442,11 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
         for (int64_t m = 0; m < full; m += MB) w4(std::integral_constant<int, MB>{}, One{}, m, j);
       for (int64_t m = full; m < M; ++m)
         rows == 2 ? w4(One{}, std::integral_constant<int, 2>{}, m, 0) : w4(One{}, One{}, m, 0);
-#else
-      for (int64_t m = 0; m < full; m += MB)
-        w4_rows<MB, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn,
-                                    y + m * N + n, N);
-      for (int64_t m = full; m < M; ++m)
-        w4_rows<1, SIGNED, HAS_ZP>(xa + m * (K / 2), xb + m * (K / 2), xs + m * G, K, G, group, wn, sn, zn,
-                                   y + m * N + n, N);
-#endif
     } else {
       for (int64_t m = 0; m < full; m += MB)
-        w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        w8_rows<MB, SIGNED, HAS_ZP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
       for (int64_t m = full; m < M; ++m)
-        w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, xs + m * G, K, G, group, wn, sn, zn, y + m * N + n, N);
+        w8_rows<1, SIGNED, HAS_ZP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
     }
     if constexpr (MIN)
       for (int64_t j = 0; j < rows; ++j) add_mins(z + (n + j) * G, xs, M, G, y + n + j, N);
@@ -509,7 +470,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
       const PackedWeight& wt = weights[i];
       const int64_t n0 = r - first[i], n1 = std::min(r1, first[i + 1]) - first[i];
       with_scales(wt, [&](auto s, auto z) {  // s, z: float32 or float16 bits
-        with_group(bits == 4 && LOWBIT_GEMV_F32 == 256 ? group : 0, [&](auto size) {
+        with_group(bits == 4 ? group : 0, [&](auto size) {
           wo_rows<SIGNED, HAS_ZP, MIN, decltype(size)::value>(xa, xb, xs, M, K, G, group, bits, wt, s, z, n0, n1);
         });
       });
@@ -582,7 +543,7 @@ void gemv_f32_into(const float* px, int64_t M, int64_t K, int64_t bits, int64_t 
   const bool has_zp = weights[0].z != nullptr, zero_point_min = weights[0].min;
   thread_local std::vector<float> xs_keep, xa_keep, xb_keep;
   float* xs = grown(xs_keep, M * G);  // read by the kernels that take z * sum(x) per group, and by add_mins
-  if ((has_zp && (bits == 4 || LOWBIT_GEMV_F32 == 512)) || zero_point_min)  // group sums of x
+  if ((has_zp && bits == 4) || zero_point_min)  // group sums of x
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
       for (int64_t k = 0; k < group; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(px + i * group + k));
