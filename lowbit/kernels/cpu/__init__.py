@@ -45,6 +45,10 @@ def load_error() -> str | None:
 #   M=16: 0.90 / 0.72 / 0.66 / 0.52 at 256 KiB / 512 KiB / 1 MiB / 4 MiB (float32 GEMM 0.49)
 #   M=32: 1.04 / 0.88 / 0.82 / 0.66 (0.50);  49152x576 M=32: 32.0 / 27.1 / 24.5 / 21.3 (26.0)
 TILE_BYTES = 4 << 20
+# Where torch's bf16 GEMM runs on AMX tiles (oneDNN) it beats gemm_bf16.cpp by far, so bf16
+# GEMMs go to dequantized bf16 tiles and torch.mm there (``_amx``); 512 rows, AVX-512 Xeon
+# with AMX, 2 threads (ms): 1536x576 int4 g64 7.40 vs 1.46 (bf16 F.linear on the float
+# weight: 1.07), int8 5.76 vs 0.61; 576x1536 int4 6.59 vs 0.80.
 # The decode kernels (gemv_bf16.cpp, matmul.cpp: the packed weight unpacked in registers
 # for every 4 rows) against the GEMM (gemm_bf16.cpp: unpacked once per call into bf16
 # panels), 4096x4096, 2 threads, weights cold, Zen 5 (ms):
@@ -74,7 +78,9 @@ W4A8_ROWS_MAX_M = 4
 #                  M=512 4.2 / 11.9 / 7.8 / 6.1
 W4A8_AVX2_ROWS_MAX_M = 16
 # W8A8 for one row: torch._int_mm's GEMV beats gemm_int8.cpp (4096x4096 on Zen 5: 0.17 vs
-# 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).
+# 0.46 ms); from two rows on it is 4x slower (1.32 vs 0.34 ms).  gemm_int8.cpp's int8_mm_rows
+# beats both at one row on an AVX-512 Xeon (Sapphire Rapids class, 2 threads, us):
+# 1536x576 41 vs 69 (_int_mm), 576x1536 37 vs 49, SmolLM2's 49152x576 head 1342 vs 2670.
 INT8_GEMM_MIN_M = 2
 # Without AVX-512 VNNI (an AVX2-only Zen 2) torch._int_mm has no fast int8 GEMM: 4096 x 576
 # @ 576 x 1536 takes 1.18 s against 0.05 s for the same float32 GEMM.  int8 x int8
@@ -200,6 +206,16 @@ def _has_gemv_f32() -> bool:
     return _C is not None and _C.has_gemv_f32()
 
 
+@lru_cache(maxsize=1)
+def _amx() -> bool:
+    """Whether torch's bf16 GEMMs run on AMX tiles here (oneDNN's brg_matmul:
+    avx10_1_512_amx): the CPU has them and the OS grants a process their state (torch asks)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+    except (AttributeError, RuntimeError):  # a torch without these private helpers: as if none
+        return False
+
+
 def _gemm_f32() -> bool:
     # gemm_f32.cpp is AVX2 code, measured against MKL's sgemm on an AVX2 machine (Zen 2: 1.2-1.5x
     # at prefill shapes); against AVX-512 sgemm it is not measured, so AVX-512 machines keep torch.mm.
@@ -237,7 +253,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
                 return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
             return Plan("gemv_bf16", f"up to {rows} rows: packed weight, bf16 dot products")
         return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
-    if bf16 and not exact and _C is not None and _C.gemm_bf16_supported(k, group):
+    if bf16 and not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
@@ -246,6 +262,9 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
             return Plan("tiles_f32", f"panels of 16 weight rows dequantized to float32 as they are reached, "
                                      f"gemm_f32.cpp's 6 x 16 FMA register tiles ({why})")
         return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, torch.mm ({why})")
+    if _amx():
+        return Plan("tiles_bf16", "weight tiles dequantized to bf16, torch.mm on AMX tiles (oneDNN): 4-10x "
+                                  "gemm_bf16.cpp's AVX512-BF16 panels")
     return Plan("tiles_bf16", "L2-sized weight tiles dequantized, torch.mm (no AVX-512 kernel for this group size)")
 
 
@@ -287,6 +306,9 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
+        if m < INT8_GEMM_MIN_M and _C is not None and _C.has_int8_rows():
+            return Plan("int8_rows", "one row: int8 widened to int16, vpmaddwd, exact int32 sums (torch._int_mm's "
+                                     "GEMV: 1.2-2x slower)")
         if not _has_avx512() and _C is not None and _C.has_int8_rows():
             if m <= INT8_ROWS_MAX_M:
                 return Plan("int8_rows", f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: int8 widened to "
