@@ -53,7 +53,7 @@ def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
     rows = []
     try:
         for m in ladder:
-            xs = [torch.randn(m, k, generator=gen) for _, k in SHAPES]
+            xs = [torch.randn(m, k, generator=gen).to(getattr(torch, t.dtype)) for _, k in SHAPES]
             sides = {}
             for side, value in (("rows", LARGE), ("gemm", 0)):
                 t.set(cpu, value)

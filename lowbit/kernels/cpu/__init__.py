@@ -60,6 +60,12 @@ TILE_BYTES = 4 << 20
 # GEMV_MAX_M rows (M=4 0.62 vs 1.18 ms for float32 tiles through torch.mm, M=8 1.85 vs 1.49).
 GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
+# 4-bit weights with bf16 x: gemv_bf16 up to this many rows, then the GEMM path (gemm_bf16,
+# or bf16 tiles through torch.mm on AMX).  4 on Zen 5 (above); on an AVX-512 Xeon with AMX
+# against the AMX tiles, 2 threads (us, 1536x576 / 576x1536 int4 g64): M=4 125/111 vs
+# 349/330, M=8 232/198 vs 345/335, M=16 459/383 vs 359/363, M=32 843/746 vs 374/382.
+# Calibrated per machine (``calibration.py``).
+GEMV_BF16_MAX_M = 4
 # W4A8 beyond a few rows: gemm_int8.cpp's panels (codes unpacked once per call, not once
 # per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
 # M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
@@ -150,7 +156,7 @@ def _gemv_max_m(bits: int, dtype: torch.dtype, exact: bool) -> int:
         return GEMV_MAX_M
     if bits == 8:
         return 1
-    return 4 if dtype == torch.bfloat16 else SPLIT_MAX_M
+    return GEMV_BF16_MAX_M if dtype == torch.bfloat16 else SPLIT_MAX_M
 
 
 def float32_exact(dtype: torch.dtype) -> bool:

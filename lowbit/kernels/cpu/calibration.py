@@ -41,8 +41,8 @@ BUILT_IN: dict[str, int] = {}                # each threshold's value in the cod
 class Threshold:
     """One threshold of the plan: the module constant (``key``: an item of a dict
     constant), the matmul it decides (weight and activation schemes; no weight scheme: a
-    float32 nn.Linear in a decode step), and on which machines the plan reads it
-    (``avx512``: True, False, or None for both)."""
+    float32 nn.Linear in a decode step) and the dtype of its activations, and on which
+    machines the plan reads it (``avx512``: True, False, or None for both)."""
 
     name: str
     constant: str
@@ -50,6 +50,7 @@ class Threshold:
     weight: str | None
     act: str | None
     avx512: bool | None
+    dtype: str = "float32"
 
     def get(self, mod) -> int:
         value = getattr(mod, self.constant)
@@ -73,6 +74,7 @@ THRESHOLDS = (
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
     Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
     Threshold("dense float32 rows", "DENSE_ROWS_MAX_M", None, None, None, None),
+    Threshold("gemv bf16 (AVX-512)", "GEMV_BF16_MAX_M", None, "int4-asym-g64-f16", None, True, "bfloat16"),
 )
 
 
@@ -104,6 +106,8 @@ def applies(t: Threshold) -> bool:
         return False
     if t.weight is None:
         return _C.has_dense_rows()
+    if t.constant == "GEMV_BF16_MAX_M":
+        return _C.gemv_bf16_supported(576, 64)
     if t.constant == "INT8_ROWS_MAX_M":
         return _C.has_int8_rows()
     if t.constant.startswith("W4A8"):
