@@ -312,15 +312,15 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
-        if m < INT8_GEMM_MIN_M and _C is not None and _C.has_int8_rows():
-            return Plan("int8_rows", "one row: int8 widened to int16, vpmaddwd, exact int32 sums (torch._int_mm's "
-                                     "GEMV: 1.2-2x slower)")
-        if not _has_avx512() and _C is not None and _C.has_int8_rows():
-            if m <= INT8_ROWS_MAX_M:
-                return Plan("int8_rows", f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: int8 widened to "
-                                         "int16, vpmaddwd, exact int32 sums")
-            return Plan("int8_panels", f"over {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: the weight widened "
-                                       "once into int16 panels, vpmaddwd register tiles, exact int32 sums")
+        if _C is not None and _C.has_int8_rows():
+            avx512 = _has_avx512()
+            if m < INT8_GEMM_MIN_M or (not avx512 and m <= INT8_ROWS_MAX_M):
+                where = ("one row (torch._int_mm's GEMV: 1.2-2x slower)" if avx512
+                         else f"up to {INT8_ROWS_MAX_M} rows without AVX-512 VNNI")
+                return Plan("int8_rows", f"{where}: int8 widened to int16, vpmaddwd, exact int32 sums")
+            if not avx512:
+                return Plan("int8_panels", f"over {INT8_ROWS_MAX_M} rows without AVX-512 VNNI: the weight widened "
+                                           "once into int16 panels, vpmaddwd register tiles, exact int32 sums")
         if m >= INT8_GEMM_MIN_M and not _has_avx512():
             return Plan("int_mm_f32", f"no AVX-512 VNNI: int8 products exact in float32 GEMMs over K chunks of "
                                       f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
