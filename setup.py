@@ -22,7 +22,8 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
                                    "lowbit/csrc/cpu/gemv_a8.cpp", "lowbit/csrc/cpu/gemm_a8.cpp",
                                    "lowbit/csrc/cpu/gemm_i16.cpp", "lowbit/csrc/cpu/dense.cpp",
                                    "lowbit/csrc/cpu/decode.cpp", "lowbit/csrc/cpu/gptq.cpp",
-                                   "lowbit/csrc/cpu/ggml.cpp", "lowbit/csrc/cpu/gemm_f32.cpp"],
+                                   "lowbit/csrc/cpu/ggml.cpp", "lowbit/csrc/cpu/gemm_f32.cpp",
+                                   "lowbit/csrc/cpu/gemm_amx.cpp"],
                      depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h",
                               "lowbit/csrc/cpu/a8_blocks.h"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])

@@ -124,7 +124,7 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
     assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
-    beyond = "a8_tiles" if cpu._has_avx512() else "a8_gemm"
+    beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_tiles"
     for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
         assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
@@ -328,3 +328,51 @@ def test_packed_scales_keep_float16_only_where_it_is_exact():
     with pytest.raises(RuntimeError, match="zero_point must be contiguous, of scale's shape and dtype"):
         cpu._C.linear_a8_blocks(torch.randn(1, 64), torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, 2).half(),
                                 torch.ones(2, 2), 4, 32, False)
+
+
+def _needs_amx():
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+
+
+@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
+                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
+                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
+                                       ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192),
+                                       ("int4-sym-g32-f16", 1536)])
+@pytest.mark.parametrize("m, n", [(1, 1), (3, 40), (16, 16), (17, 33), (70, 15), (129, 70)])
+def test_amx_gemm_gives_the_bits_of_the_avx2_panel_gemm(scheme, k, m, n):
+    # gemm_amx.cpp runs gemm_a8.cpp's / gemm_i16.cpp's float operations lane for lane on the
+    # same exact block dot products, so the two agree bit for bit: tiles of 16 rows and
+    # their tail, half panels of 16 columns and a last one cut short, K % 64 == 32 tails,
+    # groups of one or several blocks, signed / unsigned / "min" codes, float16 scales.
+    _needs_amx()
+    _needs_gemm()
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(m * 1000 + n + k)
+    codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k), scheme))
+    s, zp = cpu._C.packed_scales(scale, zero_point)
+    x = torch.randn(m, k) * 3
+    min_form = "zpmin" in scheme
+    panel = cpu._C.gemm_a8_blocks if bits == 4 else cpu._C.gemm_a8_blocks8
+    y_avx2, ok_avx2 = panel(x, codes.contiguous(), s, zp, group, min_form)
+    y_amx, ok_amx = cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), s, zp, bits, group, min_form)
+    assert ok_avx2 and ok_amx
+    assert torch.equal(y_amx, y_avx2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad):
+    _needs_amx()
+    from lowbit.ops.matmul import weight_parts
+
+    codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(16, 64), "int4-sym-g32"))
+    x = torch.randn(20, 64)
+    x[19, 5] = bad
+    _, ok = cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 4, group, False)
+    assert not ok
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 2, group, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu._C.gemm_a8_blocks_amx(torch.randn(4, 48), codes.contiguous(), scale.float(), None, 4, 48, False)

@@ -1,5 +1,5 @@
 // Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
-// gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gemm_a8.cpp, gemm_i16.cpp, dense.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
+// gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gemm_a8.cpp, gemm_i16.cpp, gemm_amx.cpp, dense.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
 // The instruction-set extensions this build was compiled for (-march=native at install).
@@ -65,6 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "linear_a8_blocks for many rows and 8-bit codes: int16 panels of the codes, vpmaddwd register tiles");
   m.def("gemm_a8_blocks8_many", &gemm_a8_blocks8_many,
         "gemm_a8_blocks8 of one x with several weights of one kind: x quantized once, one parallel region");
+  m.def("has_amx_int8", &has_amx_int8, "whether AMX int8 tiles run here (compiled in, CPUID, kernel permission)");
+  m.def("gemm_a8_blocks_amx", &gemm_a8_blocks_amx,
+        "gemm_a8_blocks / gemm_a8_blocks8 on AMX int8 tiles (tdpbsud / tdpbssd per block), the same bits");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
   m.def("has_dense_rows", &has_dense_rows, "whether dense_rows (float32 FMAs, AVX2 or AVX-512) was compiled in");

@@ -160,6 +160,12 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
 std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                              const c10::optional<at::Tensor>& zero_point, int64_t group,
                                              bool zero_point_min);
+// gemm_amx.cpp
+// Whether AMX int8 tiles run here: compiled in, in CPUID, and the kernel's permission granted.
+bool has_amx_int8();
+std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                                const c10::optional<at::Tensor>& zero_point, int64_t bits,
+                                                int64_t group, bool zero_point_min);
 // dense.cpp
 bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

@@ -304,6 +304,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
         how = "u8 panels, vpmaddubsw" if bits == 4 else "int16 panels, vpmaddwd"
         return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into {how} "
                                "register tiles")
+    if _C.has_amx_int8():
+        return Plan("a8_amx", f"over {rows} rows: int8 blocks of x, AMX int8 tiles per block (tdpbsud / tdpbssd), "
+                              "exact block dot products: 2.5-3x the float32 tiles")
     return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
 
 
@@ -342,7 +345,7 @@ class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels",
-               "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_tiles")
+               "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
@@ -457,7 +460,9 @@ class CpuBackend(Backend):
         of 32 (the reference's codes and scales, bit for bit), integer dot products per block
         (exact), each scaled by its block's float32 scale, per-group sums scaled by the
         weight's; beyond, on AVX2 machines gemm_a8.cpp (4-bit) or gemm_i16.cpp (8-bit): the
-        same blocks and exact block dot products, the codes unpacked once into panels; else the blocks
+        same blocks and exact block dot products, the codes unpacked once into panels; where
+        AMX runs, gemm_amx.cpp: the same block dot products on int8 tiles, the bits of those
+        panel GEMMs; else the blocks
         dequantized (the reference's float32 values) and multiplied with float32 weight
         tiles (``_tiles``).  The codes and scales are the
         reference's; the float32 roundings differ (order of the sums, one product of the
@@ -481,6 +486,8 @@ class CpuBackend(Backend):
             if kernel == "a8_gemm":
                 gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
                 y, ok = gemm(x2, codes.contiguous(), s, zp, group_size, zero_point_min)
+            elif kernel == "a8_amx":
+                y, ok = _C.gemm_a8_blocks_amx(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
             else:
                 y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
         y = y if y.dtype == x.dtype else y.to(x.dtype)

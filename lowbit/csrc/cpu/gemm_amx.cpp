@@ -1,0 +1,262 @@
+// Many rows of activations in int8 blocks of 32 (a8_blocks.h) times 4- or 8-bit weight
+// codes on AMX tiles (Sapphire Rapids and later Xeons): the arithmetic of gemm_a8.cpp and
+// gemm_i16.cpp, bit for bit, for prefills and large batches.
+//
+//   y[m, n] = sum_b (d[m, b] * s[n, g(b)]) * dot_b[m, n]  -  sum_g sz[n, g] * xs[m, g]
+//
+// dot_b is block b's exact integer dot product of the activation codes and the weight codes
+// u (4-bit: u = q + 8 for signed codes, sz = 8 s; else the codes as stored, sz = s z, or -m
+// in the "min" domain; signed 8-bit codes as int8, no zero-point term).  One tdpbsud
+// (int8 x uint8) or tdpbssd (int8 x int8) multiplies a 16 x 32 tile of activation codes
+// (16 rows, one block) by an 8 x 64 tile of codes (16 weight rows, 4 consecutive k per
+// dword: the panel layout panel[k / 4][column][4]) into 16 x 16 exact int32 sums, 8192
+// multiply-adds per instruction against 64 for a 512-bit vpdpbusd.  Each block's sums
+// leave the tiles (tilestored) and enter float32 as gemm_a8.cpp's do: one conversion, one
+// product d * s and one FMA per block, in block order, so every lane runs the same IEEE
+// operations in the same order as the AVX2 kernels' lanes.
+//
+// A tile of 16 activation rows x 16 weight rows keeps its float accumulators in registers
+// while block b + 1's tile product runs beside block b's floats.  Tiles need the kernel's
+// permission (arch_prctl ARCH_REQ_XCOMP_PERM), asked once by has_amx_int8().
+
+#include "a8_blocks.h"
+#include "kernels.h"
+#include "panels.h"
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define LOWBIT_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef LOWBIT_AMX
+using a8::BLOCK;
+constexpr int TILE = 16;         // rows of an A or C tile, columns of a B or C tile
+constexpr int COLS = 2 * TILE;   // weight rows per panel (two halves of 16)
+
+// Two tile sets, one per block in flight: tmm0-1 C (16 x 16 int32), tmm4-5 A (16 rows x 32
+// int8, one block), tmm6-7 B (8 dword rows x 16 columns of 4 codes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 2; ++t) c.rows[t] = TILE, c.colsb[t] = TILE * 4;
+  for (int t = 4; t < 6; ++t) c.rows[t] = TILE, c.colsb[t] = BLOCK;
+  for (int t = 6; t < 8; ++t) c.rows[t] = BLOCK / 4, c.colsb[t] = TILE * 4;
+  _tile_loadconfig(&c);
+}
+
+// 64 codes of weight row `row` from element k (32 past a K % 64 == 32 tail: the rest zero),
+// one byte each in k order: 4-bit codes (byte i holds element 2i in its low nibble) as u8,
+// signed ones as q + 8; 8-bit codes as stored.
+inline __m512i row_codes(const uint8_t* row, int64_t k, int64_t K, int bits, bool is_signed) {
+  const int64_t n = std::min<int64_t>(64, K - k);
+  if (bits == 8) return _mm512_maskz_loadu_epi8(n == 64 ? ~0ULL : (1ULL << n) - 1, row + k);
+  const __m128i low = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(is_signed ? 0x08 : 0x00);
+  __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int h = 0; h < n / 32; ++h) {  // 16 bytes: 32 codes
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2 + 16 * h));
+    const __m128i lo = _mm_xor_si128(_mm_and_si128(raw, low), flip);
+    const __m128i hi = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low), flip);
+    half[h] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+}
+
+// Weight rows [n0, n0 + 32) (rows past N repeat row N - 1: computed, never stored) into two
+// B panels of 16 columns, panel + h * K * 16 for half h, each [k / 4][column][4].
+void pack_codes(const PackedWeight& wt, int64_t K, int bits, int64_t n0, uint8_t* panel) {
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  for (int h = 0; h < 2; ++h) {
+    uint8_t* out = panel + h * K * TILE;
+    const uint8_t* rows[TILE];
+    for (int i = 0; i < TILE; ++i) rows[i] = wt.w + std::min<int64_t>(n0 + TILE * h + i, wt.N - 1) * row_bytes;
+    for (int64_t k = 0; k < K; k += 64) {
+      __m512i r[16];
+      for (int i = 0; i < TILE; ++i) r[i] = row_codes(rows[i], k, K, bits, !wt.z);
+      transpose16(r);  // r[j]: dword j (values k + 4j .. k + 4j + 3) of the 16 rows
+      for (int j = 0; j < 16 && k + 4 * j < K; ++j) _mm512_storeu_si512(out + (k / 4 + j) * 64, r[j]);
+    }
+  }
+}
+
+// The AMX half of one block: tile C = tile A (16 activation rows, block b) x tile B (block b
+// of one half panel), exact int32.  A macro: GCC's tile intrinsics take the tile numbers as
+// tokens of their assembly.
+#define LOWBIT_BLOCK_DOTS(C, A, B, b)                                \
+  do {                                                               \
+    _tile_zero(C);                                                   \
+    _tile_loadd(A, xq + (b) * BLOCK, K);                             \
+    _tile_loadd(B, half_panel + (b) * BLOCK * TILE, TILE * 4);       \
+    if constexpr (SIGNED_B) _tile_dpbssd(C, A, B);                   \
+    else _tile_dpbsud(C, A, B);                                      \
+  } while (0)
+
+// The float half of one block: acc[r] = fma(cvt(dot), d[r, b] * s, acc[r]) for 16 rows.
+inline void block_floats(__m512 (&acc)[TILE], const int32_t* c, const float* d, int64_t nb, int64_t b, __m512 s) {
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TILE)),
+                             _mm512_mul_ps(_mm512_set1_ps(d[r * nb + b]), s), acc[r]);
+}
+
+// 16 activation rows (codes xq [16][K], rows past M zero) x 16 weight rows (one half panel,
+// its scales sp and zero-point factors sz [g][COLS] at the half's first column): the blocks
+// in order, block b + 1's tile product issued before block b's floats (two tile sets,
+// alternating) so the tiles and the vector units work at once; then y = acc - the
+// zero-point term for the first `rows` rows and `cols` columns.
+template <bool SIGNED_B>
+void tile16(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t per_group,
+            const uint8_t* half_panel, const float* sp, const float* sz, float zscale, float* y, int64_t ldy,
+            int rows, int cols, int32_t* c) {
+  const int64_t nb = K / BLOCK;
+  __m512 acc[TILE];
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  LOWBIT_BLOCK_DOTS(0, 4, 6, 0);
+  for (int64_t b = 0; b < nb; b += 2) {  // block b in tiles 0/4/6, block b + 1 in 1/5/7
+    if (b + 1 < nb) LOWBIT_BLOCK_DOTS(1, 5, 7, b + 1);
+    _tile_stored(0, c, TILE * 4);
+    block_floats(acc, c, d, nb, b, _mm512_loadu_ps(sp + b / per_group * COLS));
+    if (b + 1 >= nb) break;
+    if (b + 2 < nb) LOWBIT_BLOCK_DOTS(0, 4, 6, b + 2);
+    _tile_stored(1, c + TILE * TILE, TILE * 4);
+    block_floats(acc, c + TILE * TILE, d, nb, b + 1, _mm512_loadu_ps(sp + (b + 1) / per_group * COLS));
+  }
+  // the zero-point sums of all 16 rows (rows past M have zero sums), 4 FMA chains at a
+  // time; every index a constant, so acc stays in registers
+  __m512 out[TILE];
+#pragma GCC unroll 4
+  for (int r0 = 0; r0 < TILE; r0 += 4) {
+    __m512 z[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (sz) {
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 f = _mm512_loadu_ps(sz + g * COLS);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) z[i] = _mm512_fmadd_ps(f, _mm512_set1_ps(xs[(r0 + i) * G + g]), z[i]);
+      }
+      if (zscale != 1.f)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) z[i] = _mm512_mul_ps(z[i], _mm512_set1_ps(zscale));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) out[r0 + i] = _mm512_sub_ps(acc[r0 + i], z[i]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, out[r]);
+}
+#undef LOWBIT_BLOCK_DOTS
+
+// x [M, K] quantized once (rows padded to a multiple of 16 with zero codes), then every
+// panel of 32 weight rows times every 16 rows, panels and row ranges split between
+// threads as the other panel GEMMs (PanelWork).  False (nothing written) if x held NaN or Inf.
+bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const PackedWeight& wt) {
+  const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK, N = wt.N;
+  const int64_t Mp = (M + TILE - 1) / TILE * TILE;
+  std::vector<int8_t> q(Mp * K, 0);
+  std::vector<float> d(Mp * nb, 0.f), xs(Mp * G, 0.f);
+  std::vector<char> ok(M);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      ok[m] = a8::quantize_row<int8_t>(x + m * K, K, group, false, q.data() + m * K, d.data() + m * nb,
+                                      xs.data() + m * G);
+  });
+  if (!std::all_of(ok.begin(), ok.end(), [](char f) { return f; })) return false;
+  const bool signed_b = bits == 8 && !wt.z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
+  const float zscale = bits == 4 && !wt.z ? 8.f : 1.f;
+  const bool has_term = bits == 4 || wt.z;
+  const int64_t panels = (N + COLS - 1) / COLS;
+  const PanelWork work(panels, M, TILE, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    PanelBuffer panel(K * COLS / 4);
+    std::vector<float> sp(G * COLS), sz(G * COLS);
+    alignas(64) int32_t c[2 * TILE * TILE];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
+      const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
+      pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(panel.data));
+      pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
+      pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) {
+        return !wt.z ? wt.scale(n * G + g) : wt.min ? -wt.zero(n * G + g) : wt.scale(n * G + g) * wt.zero(n * G + g);
+      });
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+        for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+          const int hc = std::min(TILE, cols - TILE * h);
+          const float* szp = has_term ? sz.data() + TILE * h : nullptr;
+          const uint8_t* hp = pb + h * K * TILE;
+          float* ym = wt.y + m * N + n0 + TILE * h;
+          if (signed_b)
+            tile16<true>(q.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, hp,
+                         sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
+          else
+            tile16<false>(q.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, hp,
+                          sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+#endif
+
+}  // namespace
+
+bool has_amx_int8() {
+#ifdef LOWBIT_AMX
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // the kernel's names
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
+// x float32 [M, K]; codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K] (8-bit), scale float32
+// or float16 [N, G] (packed_scales), zero_point of scale's dtype or none (signed codes).
+// Returns float32 [M, N] and whether x was finite (if not, nothing is written: the caller
+// raises).  The bits of gemm_a8_blocks (4-bit) and gemm_a8_blocks8 (8-bit).
+std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                                const c10::optional<at::Tensor>& zero_point, int64_t bits,
+                                                int64_t group, bool zero_point_min) {
+  TORCH_CHECK(has_amx_int8(), "lowbit._C.gemm_a8_blocks_amx needs AMX (amx-tile, amx-int8) and the kernel's "
+                              "permission to use its tiles");
+  TORCH_CHECK(bits == 4 || bits == 8, "lowbit._C.gemm_a8_blocks_amx: bits must be 4 or 8");
+  a8::check_x("lowbit._C.gemm_a8_blocks_amx", x, group);
+  std::vector<at::Tensor> ys;
+  const std::vector<PackedWeight> weights = packed_weights("lowbit._C.gemm_a8_blocks_amx", x, {codes}, {scale},
+                                                           {zero_point}, bits, group, ys, zero_point_min);
+  bool finite = true;
+#ifdef LOWBIT_AMX
+  if (x.size(0) > 0 && weights[0].N > 0)
+    finite = run(x.data_ptr<float>(), x.size(0), x.size(1), group, static_cast<int>(bits), weights[0]);
+#endif
+  return {ys[0], finite};
+}
