@@ -88,6 +88,13 @@ W4A8_AVX2_ROWS_MAX_M = 16
 # beats both at one row on an AVX-512 Xeon (Sapphire Rapids class, 2 threads, us):
 # 1536x576 41 vs 69 (_int_mm), 576x1536 37 vs 49, SmolLM2's 49152x576 head 1342 vs 2670.
 INT8_GEMM_MIN_M = 2
+# Where AMX runs, torch._int_mm (oneDNN's AMX int8) with the composed epilogue gives the same
+# bits as gemm_int8.cpp and is faster from 32 rows on; AVX-512 Xeon with AMX, 2 threads
+# (ms, fused gemm_int8 vs composed _int_mm):
+#   1536x576: M=16 0.050 vs 0.074, M=32 0.084 vs 0.068, M=128 0.200 vs 0.143, M=512 0.72 vs 0.55
+#   576x1536: M=16 0.061 vs 0.049, M=32 0.087 vs 0.061, M=128 0.239 vs 0.128, M=512 0.88 vs 0.30
+#   576x576:  M=32 0.037 vs 0.037, M=512 0.33 vs 0.14;  192x576 M=512 0.14 vs 0.06
+AMX_INT_MM_MIN_M = 32
 # Without AVX-512 VNNI (an AVX2-only Zen 2) torch._int_mm has no fast int8 GEMM: 4096 x 576
 # @ 576 x 1536 takes 1.18 s against 0.05 s for the same float32 GEMM.  int8 x int8
 # products are at most 128 * 128 = 2^14 in magnitude, so every partial sum of a dot
@@ -313,6 +320,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
 @lru_cache(maxsize=4096)
 def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
+        if m >= AMX_INT_MM_MIN_M and _has_avx512() and _amx():
+            return Plan("int_mm", f"from {AMX_INT_MM_MIN_M} rows where AMX runs: torch._int_mm (oneDNN's AMX int8), "
+                                  "zero-point correction, row x column epilogue: 1.2-2.9x gemm_int8.cpp")
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
         if _C is not None and _C.has_int8_rows():
