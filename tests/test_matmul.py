@@ -492,13 +492,36 @@ def test_cpu_w4a8_kernel_refuses_zero_points_its_int32_terms_cannot_hold():
     w = lowbit.quantize(torch.randn(8, 64), "int4-asym-g32")
     codes, scale, zp = w.codes, w.scale.float().contiguous(), w.zero_point.int().contiguous()
     x_q = torch.zeros(2, 64, dtype=torch.int8)
-    for kernel in (cpu._C.w4a8_gemm, cpu._C.w4a8_gemm_panels):  # the rows and the many-row entry
+    kernels = [cpu._C.w4a8_gemm, cpu._C.w4a8_gemm_panels]  # the rows and the many-row entry
+    if cpu._C.has_amx_int8():
+        kernels.append(cpu._C.w4a8_gemm_amx)
+    for kernel in kernels:
         ok = kernel(x_q, torch.tensor([3, -2**20], dtype=torch.int32), codes, scale, zp, 32)
         assert ok.shape == (2, 8)  # 15 * 32 * 2^20 < 2^30; 15 * 32 * 2^22 is not
         with pytest.raises(RuntimeError, match="x_zp"):
             kernel(x_q, torch.tensor([3, 2**22], dtype=torch.int32), codes, scale, zp, 32)
         with pytest.raises(RuntimeError, match="x_zp must be contiguous int32"):
             kernel(x_q, torch.tensor([3], dtype=torch.int32), codes, scale, zp, 32)
+
+
+@pytest.mark.parametrize("m, n, k, group", [(1, 1, 64, 32), (5, 40, 96, 32), (17, 33, 288, 96), (40, 70, 576, 64),
+                                           (129, 24, 1536, 128), (16, 16, 576, 576)])
+@pytest.mark.parametrize("zp", [True, False])
+def test_cpu_w4a8_amx_gives_the_bits_of_the_vnni_panels(m, n, k, group, zp):
+    # gemm_amx.cpp's W4A8 computes gemm_int8.cpp's exact group integers on AMX tiles (tile
+    # products of 64 values, or 32 for groups of an odd number of 32s) and the same float
+    # FMA per group and column in group order: the same bits.  Tiles of 16 rows and a tail,
+    # half panels of 16 columns and a last one cut short.
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x_q = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+    x_zp = torch.randint(-300, 300, (m,), generator=g, dtype=torch.int32)
+    codes = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32)
+    scale = torch.rand(n, k // group, generator=g)
+    w_zp = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.int32) if zp else None
+    expected = cpu._C.w4a8_gemm_panels(x_q, x_zp, codes, scale, w_zp, group)
+    assert torch.equal(cpu._C.w4a8_gemm_amx(x_q, x_zp, codes, scale, w_zp, group), expected)
 
 
 def test_w4a8_qta8o_is_the_written_reference():

@@ -1,6 +1,8 @@
-// Many rows of activations in int8 blocks of 32 (a8_blocks.h) times 4- or 8-bit weight
-// codes on AMX tiles (Sapphire Rapids and later Xeons): the arithmetic of gemm_a8.cpp and
-// gemm_i16.cpp, bit for bit, for prefills and large batches.
+// Many rows of int8 activations times weight codes on AMX tiles (Sapphire Rapids and later
+// Xeons), for prefills and large batches: activations in int8 blocks of 32 (a8_blocks.h)
+// times 4- or 8-bit codes, the arithmetic of gemm_a8.cpp and gemm_i16.cpp bit for bit
+// (gemm_a8_blocks_amx); and W4A8, per-token activations times 4-bit codes in groups, the
+// arithmetic of gemm_int8.cpp's w4a8_gemm_panels bit for bit (w4a8_gemm_amx, below).
 //
 //   y[m, n] = sum_b (d[m, b] * s[n, g(b)]) * dot_b[m, n]  -  sum_g sz[n, g] * xs[m, g]
 //
@@ -57,11 +59,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles() {
+// kstep: values of K per tile product (32: one activation block; 64 where whole groups of
+// a W4A8 weight allow).
+void configure_tiles(int kstep) {
   TileConfig c;
   for (int t = 0; t < 2; ++t) c.rows[t] = TILE, c.colsb[t] = TILE * 4;
-  for (int t = 4; t < 6; ++t) c.rows[t] = TILE, c.colsb[t] = BLOCK;
-  for (int t = 6; t < 8; ++t) c.rows[t] = BLOCK / 4, c.colsb[t] = TILE * 4;
+  for (int t = 4; t < 6; ++t) c.rows[t] = TILE, c.colsb[t] = static_cast<uint16_t>(kstep);
+  for (int t = 6; t < 8; ++t) c.rows[t] = static_cast<uint8_t>(kstep / 4), c.colsb[t] = TILE * 4;
   _tile_loadconfig(&c);
 }
 
@@ -187,7 +191,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
   const int64_t panels = (N + COLS - 1) / COLS;
   const PanelWork work(panels, M, TILE, at::get_num_threads());
   at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    configure_tiles();
+    configure_tiles(BLOCK);
     PanelBuffer panel(K * COLS / 4);
     std::vector<float> sp(G * COLS), sz(G * COLS);
     alignas(64) int32_t c[2 * TILE * TILE];
@@ -220,6 +224,118 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
     _tile_release();
   });
   return true;
+}
+
+// ---- W4A8: per-token int8 activations with zero points, 4-bit codes in groups ----------
+// w4a8_gemm_panels' integers, exact per group (gemm_int8.cpp), on tiles:
+//   int_g = sum_{k in g} x u - z (sum_{k in g} x - |g| xz) - xz sum_{k in g} u
+//   y = sum_g fma(float(int_g), s)  in group order, from zero
+// Groups are whole tile products of kstep (64, or 32 for groups of an odd number of 32s),
+// summed in the C tile, so the floats enter once per group, not once per 32 values.
+
+// Column sums of the codes u per group, usum[g][c] for one half panel's 16 columns.
+void code_sums(const uint8_t* half_panel, int64_t K, int64_t group, int32_t* usum) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t q = g * group / 4; q < (g + 1) * group / 4; ++q)
+      sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512(half_panel + q * 64), ones);
+    _mm512_storeu_si512(usum + g * TILE, sum);
+  }
+}
+
+// The tile products of group g into tile C (A, B: the tiles its steps load).
+#define LOWBIT_GROUP_DOTS(C, A, B, g)                                                   \
+  do {                                                                                  \
+    _tile_zero(C);                                                                      \
+    for (int64_t k = (g) * group; k < ((g) + 1) * group; k += kstep) {                  \
+      _tile_loadd(A, xq + k, K);                                                        \
+      _tile_loadd(B, half_panel + k * TILE, TILE * 4);                                  \
+      _tile_dpbsud(C, A, B);                                                            \
+    }                                                                                   \
+  } while (0)
+
+// The floats of group g for 16 rows: acc[r] = fma(float(int_g), s, acc[r]).
+inline void group_floats(__m512 (&acc)[TILE], const int32_t* c, const int32_t* xg, const int32_t* xz, int64_t G,
+                         int64_t g, __m512 s, __m512i z, __m512i us) {
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) {
+    __m512i i = _mm512_load_si512(c + r * TILE);
+    i = _mm512_sub_epi32(i, _mm512_mullo_epi32(z, _mm512_set1_epi32(xg[r * G + g])));
+    i = _mm512_sub_epi32(i, _mm512_mullo_epi32(us, _mm512_set1_epi32(xz[r])));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), s, acc[r]);
+  }
+}
+
+// 16 rows of x_q (padded with zeros past M) x one half panel (16 weight rows): the groups in
+// order, group g + 1's tile products issued before group g's floats, as tile16.
+void w4a8_tile16(const int8_t* xq, const int32_t* xg, const int32_t* xz, int64_t K, int64_t G, int64_t group,
+                 int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* zp, const int32_t* usum,
+                 float* y, int64_t ldy, int rows, int cols, int32_t* c) {
+  __m512 acc[TILE];
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  const auto floats = [&](const int32_t* cg, int64_t g) {
+    group_floats(acc, cg, xg, xz, G, g, _mm512_loadu_ps(sp + g * COLS),
+                 _mm512_loadu_si512(zp + g * COLS), _mm512_loadu_si512(usum + g * TILE));
+  };
+  LOWBIT_GROUP_DOTS(0, 4, 6, 0);
+  for (int64_t g = 0; g < G; g += 2) {  // group g in tiles 0/4/6, group g + 1 in 1/5/7
+    if (g + 1 < G) LOWBIT_GROUP_DOTS(1, 5, 7, g + 1);
+    _tile_stored(0, c, TILE * 4);
+    floats(c, g);
+    if (g + 1 >= G) break;
+    if (g + 2 < G) LOWBIT_GROUP_DOTS(0, 4, 6, g + 2);
+    _tile_stored(1, c + TILE * TILE, TILE * 4);
+    floats(c + TILE * TILE, g + 1);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+#undef LOWBIT_GROUP_DOTS
+
+void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+              const float* s, const int32_t* z, int64_t group, float* y) {
+  const int64_t G = K / group, Mp = (M + TILE - 1) / TILE * TILE;
+  const int64_t kstep = group % 64 == 0 ? 64 : 32;
+  std::vector<int8_t> xq(Mp * K, 0);
+  std::vector<int32_t> xz(Mp, 0), xg(Mp * G, 0);
+  std::copy(x_q, x_q + M * K, xq.begin());
+  std::copy(x_zp, x_zp + M, xz.begin());
+  for (int64_t m = 0; m < M; ++m)  // per row and group: sum x - |g| xz (exact: check_w4a8_zero_points)
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t t = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xq[m * K + k];
+      xg[m * G + g] = t - static_cast<int32_t>(group) * xz[m];
+    }
+  const PackedWeight wt{w, s, z, N, y};
+  const int64_t panels = (N + COLS - 1) / COLS;
+  const PanelWork work(panels, M, TILE, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles(static_cast<int>(kstep));
+    PanelBuffer panel(K * COLS / 4);
+    std::vector<float> sp(G * COLS);
+    std::vector<int32_t> zp(G * COLS), usum(2 * G * TILE);
+    alignas(64) int32_t c[2 * TILE * TILE];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
+      const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
+      pack_codes(wt, K, 4, n0, reinterpret_cast<uint8_t*>(panel.data));
+      pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
+      pack_groups<COLS>(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
+      for (int h = 0; h < 2; ++h) code_sums(pb + h * K * TILE, K, group, usum.data() + h * G * TILE);
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+        for (int h = 0; h < 2 && TILE * h < cols; ++h)
+          w4a8_tile16(xq.data() + m * K, xg.data() + m * G, xz.data() + m, K, G, group, kstep, pb + h * K * TILE,
+                      sp.data() + TILE * h, zp.data() + TILE * h, usum.data() + h * G * TILE, y + m * N + n0 + TILE * h,
+                      N, rows, std::min(TILE, cols - TILE * h), c);
+      }
+    }
+    _tile_release();
+  });
 }
 #endif
 
@@ -259,4 +375,33 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
     finite = run(x.data_ptr<float>(), x.size(0), x.size(1), group, static_cast<int>(bits), weights[0]);
 #endif
   return {ys[0], finite};
+}
+
+// w4a8_gemm_panels' contract and bits (x_scale and bias applied by the caller): x_q int8
+// [M, K]; x_zp int32 [M]; codes int32 [N, K/8]; w_scale float32 [N, G]; w_zp int32 [N, G]
+// or none (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g.
+at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                         const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
+  TORCH_CHECK(has_amx_int8(), "lowbit._C.w4a8_gemm_amx needs AMX (amx-tile, amx-int8) and the kernel's "
+                              "permission to use its tiles");
+  TORCH_CHECK(x_q.dim() == 2 && x_q.scalar_type() == at::kChar && x_q.is_contiguous(),
+              "lowbit._C.w4a8_gemm_amx: contiguous int8 x_q [M, K] expected");
+  const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0,
+              "lowbit._C.w4a8_gemm_amx: group must be a multiple of 32 dividing K");
+  check_w4a8_zero_points("lowbit._C.w4a8_gemm_amx", x_q, x_zp, group);
+  const int64_t G = K / group;
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kInt && codes.is_contiguous() && codes.size(1) * 8 == K &&
+                  w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.dim() == 2 &&
+                  w_scale.size(0) == N && w_scale.size(1) == G &&
+                  (!w_zp || (w_zp->scalar_type() == at::kInt && w_zp->is_contiguous() && w_zp->sizes() == w_scale.sizes())),
+              "lowbit._C.w4a8_gemm_amx: contiguous codes int32 [N, K/8], float32 scales and int32 zero points "
+              "[N, K/group] expected");
+  at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
+#ifdef LOWBIT_AMX
+  if (M > 0 && N > 0)
+    w4a8_run(x_q.data_ptr<int8_t>(), x_zp.data_ptr<int32_t>(), M, K, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
+             N, w_scale.data_ptr<float>(), w_zp ? w_zp->data_ptr<int32_t>() : nullptr, group, y.data_ptr<float>());
+#endif
+  return y;
 }

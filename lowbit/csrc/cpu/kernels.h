@@ -166,6 +166,8 @@ bool has_amx_int8();
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                                 int64_t group, bool zero_point_min);
+at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
+                         const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // dense.cpp
 bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);

@@ -70,6 +70,11 @@ GEMV_BF16_MAX_M = 4
 # per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
 # M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
 W4A8_ROWS_MAX_M = 4
+# Where AMX runs, beyond those rows gemm_amx.cpp's w4a8_gemm_amx (the same integers on int8
+# tiles, floats once per group) against the panels and a bf16 F.linear of the shape, AVX-512
+# Xeon with AMX, 2 threads (ms):
+#   1536x576 g64:  M=32 0.37 / 0.16 / 0.16, M=128 0.83 / 0.34 / 0.29, M=512 3.0 / 1.5 / 1.1
+#   576x1536 g128: M=32 0.39 / 0.12 / 0.17, M=128 1.17 / 0.30 / 0.41, M=512 4.1 / 1.1 / 1.2
 # Without AVX-512 VNNI (AVX2: vpmaddubsw + vpmaddwd for the same exact integers), the rows
 # kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 2,
 # 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
@@ -339,6 +344,9 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
                                       f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
         return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
     if _has_avx512() and group % 32 == 0:
+        if m > W4A8_ROWS_MAX_M and _C.has_amx_int8():
+            return Plan("w4a8_amx", f"over {W4A8_ROWS_MAX_M} rows where AMX runs: u4 codes unpacked once into "
+                                    "AMX int8 tiles, a group per tile sum: 2-3.7x the vpdpbusd panels")
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
             return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
         return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
@@ -355,7 +363,7 @@ class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels",
-               "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
+               "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
@@ -536,13 +544,14 @@ class CpuBackend(Backend):
         all exact in int32 (|g| * 255 * 15 << 2^31); sum x_q w_q is an int8 GEMM per group.
         ``w4a8_rows`` (matmul.cpp: vpdpbusd, or vpmaddubsw / vpmaddwd on AVX2) and
         ``w4a8_panels`` (many rows: gemm_int8.cpp's vpdpbusd panels, or gemm_a8.cpp's
-        vpmaddubsw panels on AVX2) compute these integers exactly.
+        vpmaddubsw panels on AVX2) and ``w4a8_amx`` (many rows where AMX runs:
+        gemm_amx.cpp's int8 tiles, the bits of the VNNI panels) compute these integers exactly.
         """
         m, k = x_q.shape
         kernel = _act8_plan(4, group_size, m, k).kernel
         if kernel != "w4a8_int_mm":
             zp = None if w_zero_point is None else w_zero_point.to(torch.int32).contiguous()
-            run = _C.w4a8_gemm_panels if kernel == "w4a8_panels" else _C.w4a8_gemm
+            run = {"w4a8_panels": _C.w4a8_gemm_panels, "w4a8_amx": _C.w4a8_gemm_amx}.get(kernel, _C.w4a8_gemm)
             y = run(x_q.contiguous(), x_zero_point.to(torch.int32).contiguous(), w_codes.contiguous(),
                     w_scale.to(torch.float32).contiguous(), zp, group_size)
             y = y * x_scale.to(torch.float32)[:, None]
