@@ -150,6 +150,7 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
     _needs_gemm()
     monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", 0)
+    monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "_a8_gemm", lambda: True)
     cpu.clear_plans()
     try:

@@ -75,6 +75,8 @@ W4A8_ROWS_MAX_M = 4
 # Xeon with AMX, 2 threads (ms):
 #   1536x576 g64:  M=32 0.37 / 0.16 / 0.16, M=128 0.83 / 0.34 / 0.29, M=512 3.0 / 1.5 / 1.1
 #   576x1536 g128: M=32 0.39 / 0.12 / 0.17, M=128 1.17 / 0.30 / 0.41, M=512 4.1 / 1.1 / 1.2
+# and the rows kernel against it (us): 1536x576 M=4 59 / 79, M=6 123 / 82; 576x1536 M=4 42 / 75,
+# M=6 75 / 75, M=8 73 / 76: the same threshold.
 # Without AVX-512 VNNI (AVX2: vpmaddubsw + vpmaddwd for the same exact integers), the rows
 # kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 2,
 # 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
@@ -146,6 +148,12 @@ A8_ROWS_MAX_M = 16
 #   1536x576: M=16 0.25 / 0.25 / 0.48, M=32 0.44 / 0.43 / 0.63, M=512 6.3 / 7.7 / 5.6
 #   576x1536: M=16 0.25 / 0.22 / 0.40, M=32 0.44 / 0.51 / 0.59, M=512 6.4 / 8.5 / 5.2
 AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
+# Where AMX runs, the GEMM path beyond the rows kernel is gemm_amx.cpp's int8 tiles; the rows
+# kernel against it, AVX-512 Xeon with AMX, 2 threads (us):
+#   4-bit 1536x576 g64:  M=2 36 / 89, M=4 64 / 91, M=8 120 / 94, M=16 235 / 103, M=32 515 / 162
+#   4-bit 576x1536 g128: M=2 32 / 83, M=4 56 / 84, M=8 107 / 89, M=16 210 / 101
+#   8-bit 1536x576:      M=2 55 / 52, M=4 76 / 54, M=8 146 / 60, M=16 287 / 64
+AMX_A8_ROWS_MAX_M = {4: 6, 8: 1}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
@@ -295,7 +303,13 @@ def a8_rows_max_m(bits: int) -> int:
         >>> a8_rows_max_m(4) >= 1 and a8_rows_max_m(8) >= 1
         True
     """
-    return A8_ROWS_MAX_M if _has_avx512() else AVX2_A8_ROWS_MAX_M.get(bits, 0)
+    if not _has_avx512():
+        return AVX2_A8_ROWS_MAX_M.get(bits, 0)
+    return AMX_A8_ROWS_MAX_M.get(bits, 0) if _has_amx_int8() else A8_ROWS_MAX_M
+
+
+def _has_amx_int8() -> bool:
+    return _C is not None and _C.has_amx_int8()
 
 
 def _a8_gemm() -> bool:
@@ -316,7 +330,7 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
         how = "u8 panels, vpmaddubsw" if bits == 4 else "int16 panels, vpmaddwd"
         return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into {how} "
                                "register tiles")
-    if _C.has_amx_int8():
+    if _has_amx_int8():
         return Plan("a8_amx", f"over {rows} rows: int8 blocks of x, AMX int8 tiles per block (tdpbsud / tdpbssd), "
                               "exact block dot products: 2.5-3x the float32 tiles")
     return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
@@ -344,7 +358,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
                                       f"{F32_EXACT_K}, zero-point correction, row x column epilogue")
         return Plan("int_mm", "torch._int_mm, zero-point correction, row x column epilogue")
     if _has_avx512() and group % 32 == 0:
-        if m > W4A8_ROWS_MAX_M and _C.has_amx_int8():
+        if m > W4A8_ROWS_MAX_M and _has_amx_int8():
             return Plan("w4a8_amx", f"over {W4A8_ROWS_MAX_M} rows where AMX runs: u4 codes unpacked once into "
                                     "AMX int8 tiles, a group per tile sum: 2-3.7x the vpdpbusd panels")
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):

@@ -32,7 +32,9 @@ import torch
 # 2: the a8 blocks threshold per weight bits, and GEMM sides that changed (gemm_a8.cpp,
 # gemm_i16.cpp); 3: the weight-only and float32 GEMM sides on AVX2 run gemm_f32.cpp, not
 # MKL's sgemm.  A file of an older format measured other kernels and is not used.
-FORMAT = 3
+# 4: on AMX machines the GEMM sides of the int8-activation thresholds run AMX int8 tiles
+# (gemm_amx.cpp), and the a8 blocks have thresholds of their own there.
+FORMAT = 4
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
@@ -70,6 +72,8 @@ THRESHOLDS = (
     Threshold("a8 blocks 4-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", False),
     Threshold("a8 blocks 8-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", False),
     Threshold("a8 blocks (AVX-512)", "A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", True),
+    Threshold("a8 blocks 4-bit (AMX)", "AMX_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", True),
+    Threshold("a8 blocks 8-bit (AMX)", "AMX_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True),
     Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
     Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
@@ -112,8 +116,8 @@ def applies(t: Threshold) -> bool:
         return _C.has_int8_rows()
     if t.constant.startswith("W4A8"):
         return _C.has_w4a8_rows()
-    if t.act == "int8-sym-g32":
-        return _C.has_a8_blocks()
+    if t.act == "int8-sym-g32":  # the AMX thresholds where AMX runs, A8_ROWS_MAX_M elsewhere
+        return _C.has_a8_blocks() and t.constant.startswith("AMX_") == _C.has_amx_int8()
     return _C.has_gemv_f32()
 
 
