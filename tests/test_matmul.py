@@ -6,6 +6,7 @@ import torch
 import lowbit
 from lowbit.kernels import cpu, get_backend, reference
 from lowbit.ops import linear, quantized_matmul
+from lowbit.scheme import QuantScheme
 
 from .conftest import BACKENDS, FAST_BACKENDS, skip_large_for_interpreter
 
@@ -55,7 +56,7 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     # Which kernel the backend runs: its plan, the one the kernels follow (on a machine
     # without AVX-512 every 4/8-bit call on cpu runs weight tiles).
     kernel = get_backend(backend).plan(s, None, m, k, x.dtype).kernel
-    bf16_tiles = backend == "cpu" and kernel in ("gemm_bf16", "tiles_bf16")
+    bf16_tiles = backend == "cpu" and kernel in ("gemm_bf16", "gemm_bf16_amx", "tiles_bf16")
     bf16_dots = backend == "cpu" and kernel.startswith("gemv_bf16")  # or float32 FMAs: a tighter subset
     a = abs_products(x, qt)
     a_sums = abs_products(x, qt, offset=136.0) if bf16_dots else a  # what the float32 sums add up
@@ -783,3 +784,17 @@ def test_cpu_scratch_buffers_made_in_inference_mode_serve_calls_outside_it():
     with torch.inference_mode():
         first = (cpu.int8_mm_f32(a, a), linear(x, w, backend="cpu"))
     assert torch.equal(cpu.int8_mm_f32(a, a), first[0]) and torch.equal(linear(x, w, backend="cpu"), first[1])
+
+
+def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
+    # the rows of test_weight_only_gemm_rows_matches_the_reference past the decode kernels run
+    # weight_only_gemm_bf16_amx here (its 32-row steps, a 16-row half step, the bf16 panels),
+    # and bf16 tiles through torch.mm beyond AMX_BF16_GEMM_MAX_M rows
+    if not cpu.available() or not cpu._C.has_amx_bf16() or not cpu._amx():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    plan = get_backend("cpu").plan
+    w = QuantScheme.parse("int4-asym-g64")
+    assert plan(w, None, 20, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
+    assert plan(QuantScheme.parse("int8-sym"), None, 129, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
+    assert plan(w, None, cpu.AMX_BF16_GEMM_MAX_M + 1, 576, torch.bfloat16).kernel == "tiles_bf16"
+    assert plan(QuantScheme.parse("int4-asym-g32-zpmin-f16"), None, 20, 576, torch.bfloat16).kernel != "gemm_bf16_amx"

@@ -68,6 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx_int8", &has_amx_int8, "whether AMX int8 tiles run here (compiled in, CPUID, kernel permission)");
   m.def("gemm_a8_blocks_amx", &gemm_a8_blocks_amx,
         "gemm_a8_blocks / gemm_a8_blocks8 on AMX int8 tiles (tdpbsud / tdpbssd per block), the same bits");
+  m.def("has_amx_bf16", &has_amx_bf16, "whether AMX bf16 tiles run here (compiled in, CPUID, kernel permission)");
+  m.def("weight_only_gemm_bf16_amx", &weight_only_gemm_bf16_amx,
+        "weight_only_gemm_bf16's panels multiplied on AMX bf16 tiles (tdpbf16ps)");
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbsud, a group per C tile), the same bits");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");

@@ -341,14 +341,35 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
 
 }  // namespace
 
-bool has_amx_int8() {
 #ifdef LOWBIT_AMX
-  static const bool ready = [] {
+namespace {
+// CPUID leaf 7's EDX bits: 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8; then the kernel's
+// permission for the tile data (asked once per process, for every thread).
+bool amx_ready(unsigned bit) {
+  static const bool permitted = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // the kernel's names
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
+  unsigned a, b, c, d;
+  return permitted && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << bit));
+}
+}  // namespace
+#endif
+
+bool has_amx_int8() {
+#ifdef LOWBIT_AMX
+  static const bool ready = amx_ready(25);
+  return ready;
+#else
+  return false;
+#endif
+}
+
+bool has_amx_bf16() {
+#if defined(LOWBIT_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  static const bool ready = amx_ready(22);
   return ready;
 #else
   return false;

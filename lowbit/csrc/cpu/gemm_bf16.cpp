@@ -36,6 +36,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define LOWBIT_HAVE_BF16_GEMM 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LOWBIT_AMX_BF16 1
+#endif
 #endif
 
 namespace {
@@ -138,6 +141,100 @@ constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
 }
 constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
 
+#ifdef LOWBIT_AMX_BF16
+// The same panels on AMX tiles (weight_only_gemm_bf16_amx): a step is 32 rows x 32 columns,
+// two A tiles (16 rows x 16 pairs of x), two B tiles (16 pairs x 16 columns: panel rows
+// read with the panel's stride) and four C tiles of float32 sums, 16 x 16 x 32
+// multiply-adds per tdpbf16ps.  Like vdpbf16ps, tdpbf16ps reads bf16 denormals as zero and
+// flushes denormal sums.
+constexpr int AMX_ROWS = 32;
+// Values of K per chunk: the C tiles sum a whole chunk, so fewer chunks mean fewer passes
+// of the float sums through y; a 2048-value chunk's panel is 256 KiB (in L2).
+constexpr int64_t AMX_KC_MAX = 2048;
+
+void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;  // C 0-3, A 4-5, B 6-7: 16 x 64 bytes
+  _tile_loadconfig(&c);
+}
+
+// Rows [0, rows) (rows <= 32; x readable for 32 rows, ldx bytes apart) x the panel's ncols
+// columns over kp pairs (a multiple of 16): y (+)= x . panel.  buf: 32 x 32 float32.
+void amx_tile(const uint16_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* y, int64_t ldy, int rows,
+              int ncols, bool accumulate, float* buf) {
+  const bool two = rows > 16;
+  for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t q = 0; q < kp; q += 16) {
+      _tile_loadd(4, x + 2 * q, ldx);
+      _tile_loadd(6, panel + q * NP + 32 * h, NP * 4);
+      _tile_loadd(7, panel + q * NP + 32 * h + 16, NP * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, reinterpret_cast<const char*>(x + 2 * q) + 16 * ldx, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, buf, 128);
+    _tile_stored(1, buf + 16, 128);
+    if (two) {
+      _tile_stored(2, buf + 16 * 32, 128);
+      _tile_stored(3, buf + 16 * 32 + 16, 128);
+    }
+    for (int v = 0; v < 2; ++v) {
+      const int left = ncols - 32 * h - 16 * v;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      for (int r = 0; r < rows; ++r) {
+        float* out = y + r * ldy + 32 * h + 16 * v;
+        __m512 s = _mm512_loadu_ps(buf + r * 32 + 16 * v);
+        if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, out));
+        _mm512_mask_storeu_ps(out, mask, s);
+      }
+    }
+  }
+}
+
+// gemm() below with the AMX step: x bf16 [Mp, K], Mp a multiple of 32 (rows past M zero).
+template <int BITS, bool SIGNED, bool HAS_ZP>
+void gemm_amx(const uint16_t* xb, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
+              int64_t Npad, int64_t group, float* y) {
+  const int64_t panels = Npad / NP;
+  const int64_t chunks = (K + AMX_KC_MAX - 1) / AMX_KC_MAX;
+  const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
+  const PanelWork work(panels, M, AMX_ROWS, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
+    amx_configure();
+    PanelBuffer buf(KC / 2 * NP);
+    uint32_t* panel = buf.data;
+    alignas(64) float out[32 * 32];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
+      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
+        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel, next_n0,
+                                         k0 + kc < K ? k0 + kc : 0);
+        for (int64_t m = m0; m < m1; m += AMX_ROWS)
+          amx_tile(xb + m * K + k0, K * 2, panel, kc / 2, y + m * N + n0, N,
+                   static_cast<int>(std::min<int64_t>(AMX_ROWS, m1 - m)), ncols, k0 > 0, out);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 template <int BITS, bool SIGNED, bool HAS_ZP>
 void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
           int64_t Npad, int64_t group, float* y) {
@@ -211,6 +308,48 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
 #define LOWBIT_GEMM(B, S, Z) gemm<B, S, Z>(pa, w, s, z, M, N, K, Npad, group, py)
+  if (bits == 4) {
+    if (z) LOWBIT_GEMM(4, false, true); else LOWBIT_GEMM(4, true, false);
+  } else {
+    if (z) LOWBIT_GEMM(8, false, true); else LOWBIT_GEMM(8, true, false);
+  }
+#undef LOWBIT_GEMM
+#endif
+  return y;
+}
+
+// weight_only_gemm_bf16 on AMX tiles (tdpbf16ps), where has_amx_bf16(): the same panels and
+// contract, the sums of each K chunk in the tiles' order.
+at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
+                              "permission to use its tiles");
+  TORCH_CHECK(gemm_bf16_supported(x.size(1), group), "lowbit._C.weight_only_gemm_bf16_amx: unsupported K/group");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
+                  scale.scalar_type() == at::kFloat,
+              "lowbit._C.weight_only_gemm_bf16_amx: contiguous x [M, K] and float32 scale expected");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef LOWBIT_AMX_BF16
+  if (M == 0 || N == 0) return y;
+  const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  at::Tensor xb = at::zeros({Mp, K}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).copy_(x);  // round to nearest even, as torch does
+  const int64_t Npad = (N + NP - 1) / NP * NP;
+  auto transposed = [&](const at::Tensor& t) {
+    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(at::kFloat));
+    out.narrow(1, 0, N).copy_(t.t());
+    return out;
+  };
+  const at::Tensor st = transposed(scale);
+  at::Tensor zt;
+  if (zero_point.has_value()) zt = transposed(*zero_point);
+  const uint16_t* pa = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = st.data_ptr<float>();
+  const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
+  float* py = y.data_ptr<float>();
+#define LOWBIT_GEMM(B, S, Z) gemm_amx<B, S, Z>(pa, w, s, z, M, N, K, Npad, group, py)
   if (bits == 4) {
     if (z) LOWBIT_GEMM(4, false, true); else LOWBIT_GEMM(4, true, false);
   } else {

@@ -108,7 +108,7 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
                                               int64_t bits, int64_t group, bool zero_point_min);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
 // which lowbit.kernels.cpu's plan returns).
-enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3 };
+enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4 };
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
@@ -163,6 +163,8 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tens
 // gemm_amx.cpp
 // Whether AMX int8 tiles run here: compiled in, in CPUID, and the kernel's permission granted.
 bool has_amx_int8();
+// Whether AMX bf16 tiles run here (weight_only_gemm_bf16_amx in gemm_bf16.cpp).
+bool has_amx_bf16();
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                                 int64_t group, bool zero_point_min);
@@ -179,6 +181,8 @@ at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, c
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // gemm_f32.cpp
 bool has_gemm_f32();
 // y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).

@@ -45,6 +45,14 @@ def load_error() -> str | None:
 #   M=16: 0.90 / 0.72 / 0.66 / 0.52 at 256 KiB / 512 KiB / 1 MiB / 4 MiB (float32 GEMM 0.49)
 #   M=32: 1.04 / 0.88 / 0.82 / 0.66 (0.50);  49152x576 M=32: 32.0 / 27.1 / 24.5 / 21.3 (26.0)
 TILE_BYTES = 4 << 20
+# Where AMX runs, gemm_bf16.cpp's panels multiplied on AMX bf16 tiles (weight_only_gemm_bf16_amx:
+# the weight dequantized once per call into L2-sized panels) against bf16 tiles through
+# torch.mm and a bf16 F.linear of the float weight, AVX-512 Xeon with AMX, 2 threads (ms):
+#   1536x576 g64 4-bit: M=8 0.13 / 0.29 / 0.07, M=32 0.16 / 0.31 / 0.10, M=128 0.25 / 0.39 / 0.16,
+#                       M=512 0.69 / 0.66 / 0.42
+#   576x1536 g128:      M=8 0.12 / 0.21 / 0.07, M=128 0.25 / 0.32 / 0.16, M=512 0.72 / 0.61 / 0.44
+#   1536x576 8-bit:     M=8 0.08 / 0.17 / 0.07, M=128 0.19 / 0.29 / 0.16, M=512 0.63 / 0.61 / 0.64
+AMX_BF16_GEMM_MAX_M = 256
 # Where torch's bf16 GEMM runs on AMX tiles (oneDNN) it beats gemm_bf16.cpp by far, so bf16
 # GEMMs go to dequantized bf16 tiles and torch.mm there (``_amx``); 512 rows, AVX-512 Xeon
 # with AMX, 2 threads (ms): 1536x576 int4 g64 7.40 vs 1.46 (bf16 F.linear on the float
@@ -288,6 +296,10 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
             return Plan("tiles_f32", f"panels of 16 weight rows dequantized to float32 as they are reached, "
                                      f"gemm_f32.cpp's 6 x 16 FMA register tiles ({why})")
         return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, torch.mm ({why})")
+    if (bf16 and m <= AMX_BF16_GEMM_MAX_M and _C is not None and _C.has_amx_bf16()
+            and _C.gemm_bf16_supported(k, group)):
+        return Plan("gemm_bf16_amx", f"up to {AMX_BF16_GEMM_MAX_M} rows where AMX runs: bf16 panels of the weight, "
+                                     "AMX bf16 tiles (1.2-2.3x bf16 tiles through torch.mm)")
     if _amx():
         return Plan("tiles_bf16", "weight tiles dequantized to bf16, torch.mm on AMX tiles (oneDNN): 4-10x "
                                   "gemm_bf16.cpp's AVX512-BF16 panels")
@@ -375,7 +387,8 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 
 class CpuBackend(Backend):
     name = "cpu"
-    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "tiles_f32", "tiles_bf16",
+    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "tiles_f32",
+               "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
 

@@ -32,8 +32,8 @@ import torch
 # 2: the a8 blocks threshold per weight bits, and GEMM sides that changed (gemm_a8.cpp,
 # gemm_i16.cpp); 3: the weight-only and float32 GEMM sides on AVX2 run gemm_f32.cpp, not
 # MKL's sgemm.  A file of an older format measured other kernels and is not used.
-# 4: on AMX machines the GEMM sides of the int8-activation thresholds run AMX int8 tiles
-# (gemm_amx.cpp), and the a8 blocks have thresholds of their own there.
+# 4: on AMX machines the GEMM sides run AMX tiles (int8: gemm_amx.cpp; bf16 weight-only:
+# gemm_bf16.cpp's weight_only_gemm_bf16_amx), and the a8 blocks have thresholds of their own there.
 FORMAT = 4
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
