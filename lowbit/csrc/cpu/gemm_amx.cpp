@@ -49,24 +49,13 @@ using a8::BLOCK;
 constexpr int TILE = 16;         // rows of an A or C tile, columns of a B or C tile
 constexpr int COLS = 2 * TILE;   // weight rows per panel (two halves of 16)
 
-// Two tile sets, one per block in flight: tmm0-1 C (16 x 16 int32), tmm4-5 A (16 rows x 32
-// int8, one block), tmm6-7 B (8 dword rows x 16 columns of 4 codes).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// kstep: values of K per tile product (32: one activation block; 64 where whole groups of
-// a W4A8 weight allow).
+// Two tile sets, one per block in flight: tmm0-1 C (16 x 16 int32), tmm4-5 A (16 rows x
+// kstep int8), tmm6-7 B (kstep / 4 dword rows x 16 columns of 4 codes); kstep: values of K
+// per tile product (32: one activation block; 64 where whole groups of a W4A8 weight allow).
 void configure_tiles(int kstep) {
-  TileConfig c;
-  for (int t = 0; t < 2; ++t) c.rows[t] = TILE, c.colsb[t] = TILE * 4;
-  for (int t = 4; t < 6; ++t) c.rows[t] = TILE, c.colsb[t] = static_cast<uint16_t>(kstep);
-  for (int t = 6; t < 8; ++t) c.rows[t] = static_cast<uint8_t>(kstep / 4), c.colsb[t] = TILE * 4;
-  _tile_loadconfig(&c);
+  const uint8_t b = static_cast<uint8_t>(kstep / 4);
+  const uint16_t a = static_cast<uint16_t>(kstep);
+  load_tile_config({TILE, TILE, 0, 0, TILE, TILE, b, b}, {TILE * 4, TILE * 4, 0, 0, a, a, TILE * 4, TILE * 4});
 }
 
 // 64 codes of weight row `row` from element k (32 past a K % 64 == 32 tail: the rest zero),

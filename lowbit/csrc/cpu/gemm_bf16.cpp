@@ -152,14 +152,8 @@ constexpr int AMX_ROWS = 32;
 // of the float sums through y; a 2048-value chunk's panel is 256 KiB (in L2).
 constexpr int64_t AMX_KC_MAX = 2048;
 
-void amx_configure() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;  // C 0-3, A 4-5, B 6-7: 16 x 64 bytes
-  _tile_loadconfig(&c);
+void amx_configure() {  // C 0-3, A 4-5, B 6-7: 16 rows of 64 bytes each
+  load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 // Rows [0, rows) (rows <= 32; x readable for 32 rows, ldx bytes apart) x the panel's ncols

@@ -127,3 +127,17 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 #endif
+
+#if defined(__AMX_TILE__)
+// An AMX tile configuration (palette 1): tile t gets rows[t] rows of colsb[t] bytes (0: unused).
+// Loaded by each thread before its first tile instruction (the configuration is per thread).
+inline void load_tile_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+  _tile_loadconfig(&c);
+}
+#endif
