@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -273,21 +274,29 @@ bool gemm_bf16_supported(int64_t K, int64_t group) {
 #endif
 }
 
-// x float32/bfloat16/float16 [M, K] (rounded to bf16); codes int8/uint8 [N, K] or int32
-// [N, K/8]; scale, zero_point float32 [N, G].  Returns float32 [M, N].
-at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  TORCH_CHECK(gemm_bf16_supported(x.size(1), group), "lowbit._C.weight_only_gemm_bf16: unsupported K/group");
-  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
+namespace {
+// The two entries below: their checks, x rounded to bf16 (padded with zero rows to a multiple
+// of AMX_ROWS for the AMX step), scale and zero point transposed to [G][Npad] (lane i of a
+// vector load is column i's value), then the GEMM for the weight's kind.
+at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool amx) {
+  TORCH_CHECK(gemm_bf16_supported(x.size(1), group), who, ": unsupported K/group");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat,
-              "lowbit._C.weight_only_gemm_bf16: contiguous x and float32 scale expected");
+              who, ": contiguous x [M, K] and float32 scale expected");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // round to nearest even, as torch does
+  at::Tensor xb;  // rounded to nearest even, as torch does
+#ifdef LOWBIT_AMX_BF16
+  if (amx) {
+    xb = at::zeros({(M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, K}, x.options().dtype(at::kBFloat16));
+    xb.narrow(0, 0, M).copy_(x);
+  }
+#endif
+  if (!xb.defined()) xb = x.to(at::kBFloat16).contiguous();
   const int64_t Npad = (N + NP - 1) / NP * NP;
-  // [G][Npad]: lane i of a vector load is column i's value
   auto transposed = [&](const at::Tensor& t) {
     at::Tensor out = at::zeros({G, Npad}, t.options().dtype(at::kFloat));
     out.narrow(1, 0, N).copy_(t.t());
@@ -296,20 +305,38 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
   const at::Tensor st = transposed(scale);
   at::Tensor zt;
   if (zero_point.has_value()) zt = transposed(*zero_point);
-  const uint32_t* pa = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+  const void* pa = xb.data_ptr();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = st.data_ptr<float>();
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
-#define LOWBIT_GEMM(B, S, Z) gemm<B, S, Z>(pa, w, s, z, M, N, K, Npad, group, py)
+  const auto run = [&](auto bits_c, auto signed_c, auto zp_c) {
+    constexpr int B = decltype(bits_c)::value;
+    constexpr bool S = decltype(signed_c)::value, Z = decltype(zp_c)::value;
+#ifdef LOWBIT_AMX_BF16
+    if (amx) return gemm_amx<B, S, Z>(static_cast<const uint16_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+#endif
+    gemm<B, S, Z>(static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
   if (bits == 4) {
-    if (z) LOWBIT_GEMM(4, false, true); else LOWBIT_GEMM(4, true, false);
+    if (z) run(std::integral_constant<int, 4>{}, F{}, T{}); else run(std::integral_constant<int, 4>{}, T{}, F{});
   } else {
-    if (z) LOWBIT_GEMM(8, false, true); else LOWBIT_GEMM(8, true, false);
+    if (z) run(std::integral_constant<int, 8>{}, F{}, T{}); else run(std::integral_constant<int, 8>{}, T{}, F{});
   }
-#undef LOWBIT_GEMM
+#else
+  (void)amx, (void)bits, (void)zero_point, (void)G;
 #endif
   return y;
+}
+}  // namespace
+
+// x float32/bfloat16/float16 [M, K] (rounded to bf16); codes int8/uint8 [N, K] or int32
+// [N, K/8]; scale, zero_point float32 [N, G].  Returns float32 [M, N].
+at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, false);
 }
 
 // weight_only_gemm_bf16 on AMX tiles (tdpbf16ps), where has_amx_bf16(): the same panels and
@@ -318,38 +345,5 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
                                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
   TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
                               "permission to use its tiles");
-  TORCH_CHECK(gemm_bf16_supported(x.size(1), group), "lowbit._C.weight_only_gemm_bf16_amx: unsupported K/group");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
-                  scale.scalar_type() == at::kFloat,
-              "lowbit._C.weight_only_gemm_bf16_amx: contiguous x [M, K] and float32 scale expected");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-#ifdef LOWBIT_AMX_BF16
-  if (M == 0 || N == 0) return y;
-  const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-  at::Tensor xb = at::zeros({Mp, K}, x.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, M).copy_(x);  // round to nearest even, as torch does
-  const int64_t Npad = (N + NP - 1) / NP * NP;
-  auto transposed = [&](const at::Tensor& t) {
-    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(at::kFloat));
-    out.narrow(1, 0, N).copy_(t.t());
-    return out;
-  };
-  const at::Tensor st = transposed(scale);
-  at::Tensor zt;
-  if (zero_point.has_value()) zt = transposed(*zero_point);
-  const uint16_t* pa = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = st.data_ptr<float>();
-  const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
-#define LOWBIT_GEMM(B, S, Z) gemm_amx<B, S, Z>(pa, w, s, z, M, N, K, Npad, group, py)
-  if (bits == 4) {
-    if (z) LOWBIT_GEMM(4, false, true); else LOWBIT_GEMM(4, true, false);
-  } else {
-    if (z) LOWBIT_GEMM(8, false, true); else LOWBIT_GEMM(8, true, false);
-  }
-#undef LOWBIT_GEMM
-#endif
-  return y;
+  return panel_gemm("lowbit._C.weight_only_gemm_bf16_amx", x, codes, scale, zero_point, bits, group, true);
 }
