@@ -138,6 +138,10 @@ inline void load_tile_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8
     uint8_t rows[16] = {};
   } c;
   for (int t = 0; t < 8; ++t) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+  // GCC 12 does not count ldtilecfg as a read of the whole 64 bytes and dropped these stores
+  // (seen: only the palette byte written, then SIGILL on the first tile instruction); the
+  // empty asm with a memory clobber keeps them
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 #endif
