@@ -199,66 +199,70 @@ void amx_tile(const uint16_t* x, int64_t ldx, const uint32_t* panel, int64_t kp,
   }
 }
 
-// gemm() below with the AMX step: x bf16 [Mp, K], Mp a multiple of 32 (rows past M zero).
-template <int BITS, bool SIGNED, bool HAS_ZP>
-void gemm_amx(const uint16_t* xb, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
-              int64_t Npad, int64_t group, float* y) {
+#endif
+
+// The loop of both GEMMs: every panel of NP weight rows and every part of the activation
+// rows (PanelWork, tiles of tile_rows rows) split between threads; per thread start(), then
+// for each of its items and each chunk of K (equal chunks of at most kc_max values, whole
+// 32-blocks) the chunk dequantized into the thread's panel and step(panel, m0, m1, n0, k0,
+// kc, ncols) for the item's rows [m0, m1); then finish().  The codes of the next chunk (or
+// item) arrive while this one is multiplied.
+template <int BITS, bool SIGNED, bool HAS_ZP, typename Start, typename Step, typename Finish>
+void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K, int64_t Npad,
+                int64_t group, int64_t kc_max, int64_t tile_rows, Start start, Step step, Finish finish) {
   const int64_t panels = Npad / NP;
-  const int64_t chunks = (K + AMX_KC_MAX - 1) / AMX_KC_MAX;
+  const int64_t chunks = (K + kc_max - 1) / kc_max;
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
-  const PanelWork work(panels, M, AMX_ROWS, at::get_num_threads());
+  const PanelWork work(panels, M, tile_rows, at::get_num_threads());
   at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    amx_configure();
+    start();
     PanelBuffer buf(KC / 2 * NP);
-    uint32_t* panel = buf.data;
-    alignas(64) float out[32 * 32];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel, next_n0,
+        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
                                          k0 + kc < K ? k0 + kc : 0);
-        for (int64_t m = m0; m < m1; m += AMX_ROWS)
-          amx_tile(xb + m * K + k0, K * 2, panel, kc / 2, y + m * N + n0, N,
-                   static_cast<int>(std::min<int64_t>(AMX_ROWS, m1 - m)), ncols, k0 > 0, out);
+        step(static_cast<const uint32_t*>(buf.data), m0, m1, n0, k0, kc, ncols);
       }
     }
-    _tile_release();
+    finish();
   });
 }
-#endif
 
 template <int BITS, bool SIGNED, bool HAS_ZP>
 void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
           int64_t Npad, int64_t group, float* y) {
-  const int64_t panels = Npad / NP;
-  // K in equal chunks of at most KC_MAX values (whole 32-blocks)
-  const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
-  const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
   const int64_t ldx = K / 2;
-  const PanelWork work(panels, M, MR, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    PanelBuffer buf(KC / 2 * NP);
-    uint32_t* panel = buf.data;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
-      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        // the codes of the next chunk (or item) arrive while this one is multiplied
-        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, panel, next_n0,
-                                         k0 + kc < K ? k0 + kc : 0);
+  each_chunk<BITS, SIGNED, HAS_ZP>(
+      w, st, zt, M, N, K, Npad, group, KC_MAX, MR, [] {},
+      [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, y + m * N + n0, N, ncols, k0 > 0);
         }
-      }
-    }
-  });
+      },
+      [] {});
 }
+
+#ifdef LOWBIT_AMX_BF16
+// gemm() with the AMX step: x bf16 [Mp, K], Mp a multiple of 32 (rows past M zero).
+template <int BITS, bool SIGNED, bool HAS_ZP>
+void gemm_amx(const uint16_t* xb, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
+              int64_t Npad, int64_t group, float* y) {
+  each_chunk<BITS, SIGNED, HAS_ZP>(
+      w, st, zt, M, N, K, Npad, group, AMX_KC_MAX, AMX_ROWS, [] { amx_configure(); },
+      [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
+        alignas(64) float out[AMX_ROWS * 32];
+        for (int64_t m = m0; m < m1; m += AMX_ROWS)
+          amx_tile(xb + m * K + k0, K * 2, panel, kc / 2, y + m * N + n0, N,
+                   static_cast<int>(std::min<int64_t>(AMX_ROWS, m1 - m)), ncols, k0 > 0, out);
+      },
+      [] { _tile_release(); });
+}
+#endif
 #endif
 
 }  // namespace
@@ -284,7 +288,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat,
               who, ": contiguous x [M, K] and float32 scale expected");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
@@ -294,17 +298,14 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     xb = at::zeros({(M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, K}, x.options().dtype(at::kBFloat16));
     xb.narrow(0, 0, M).copy_(x);
   }
+#else
+  (void)amx;  // where AMX is not compiled in, has_amx_bf16() refused the AMX entry
 #endif
   if (!xb.defined()) xb = x.to(at::kBFloat16).contiguous();
   const int64_t Npad = (N + NP - 1) / NP * NP;
-  auto transposed = [&](const at::Tensor& t) {
-    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(at::kFloat));
-    out.narrow(1, 0, N).copy_(t.t());
-    return out;
-  };
-  const at::Tensor st = transposed(scale);
+  const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
   at::Tensor zt;
-  if (zero_point.has_value()) zt = transposed(*zero_point);
+  if (zero_point.has_value()) zt = groups_by_column(*zero_point, Npad, at::kFloat);
   const void* pa = xb.data_ptr();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = st.data_ptr<float>();
@@ -326,7 +327,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     if (z) run(std::integral_constant<int, 8>{}, F{}, T{}); else run(std::integral_constant<int, 8>{}, T{}, F{});
   }
 #else
-  (void)amx, (void)bits, (void)zero_point, (void)G;
+  (void)amx, (void)bits, (void)zero_point, (void)K;
 #endif
   return y;
 }

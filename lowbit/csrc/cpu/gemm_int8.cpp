@@ -366,13 +366,8 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
   const at::Tensor xr = xc.view({M, K / 8, 4, 2}).transpose(2, 3).contiguous();
   const at::Tensor xz = x_zp.to(at::kInt).contiguous();
   const at::Tensor xg = (xc.view({M, G, group}).sum(-1, false, at::kInt) - xz.unsqueeze(1) * group).to(at::kInt).contiguous();
-  auto transposed = [&](const at::Tensor& t, at::ScalarType dt) {
-    at::Tensor out = at::zeros({G, Npad}, t.options().dtype(dt));
-    out.narrow(1, 0, N).copy_(t.t());
-    return out;
-  };
-  const at::Tensor st = transposed(w_scale, at::kFloat);
-  const at::Tensor zt = w_zp.has_value() ? transposed(*w_zp, at::kInt) : at::Tensor();
+  const at::Tensor st = groups_by_column(w_scale, Npad, at::kFloat);
+  const at::Tensor zt = w_zp.has_value() ? groups_by_column(*w_zp, Npad, at::kInt) : at::Tensor();
   // chunks of whole groups, about 1024 values (the panel: 64 KiB)
   const int64_t KC = std::max<int64_t>(1, 1024 / group) * group;
   const uint32_t* px = reinterpret_cast<const uint32_t*>(xr.data_ptr());

@@ -3,6 +3,7 @@
 // out per panel (pack_groups), and for the AVX-512 ones the panel layout, its register tile
 // and the 16 x 16 transpose that lays 16 rows of a weight out as the 16 lanes of a vector.
 #pragma once
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -77,6 +78,14 @@ template <int COLS, typename T, typename F>
 void pack_groups(int64_t N, int64_t G, int64_t n0, T* out, F value) {
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < COLS; ++c) out[g * COLS + c] = value(std::min<int64_t>(n0 + c, N - 1), g);
+}
+
+// Per-group values t [N, G] (scales, zero points) as [G][Npad] of dtype, zeros past column N:
+// lane i of a vector load at column c is column c + i's value.
+inline at::Tensor groups_by_column(const at::Tensor& t, int64_t Npad, at::ScalarType dtype) {
+  at::Tensor out = at::zeros({t.size(1), Npad}, t.options().dtype(dtype));
+  out.narrow(1, 0, t.size(0)).copy_(t.t());
+  return out;
 }
 
 #if defined(__AVX512F__)

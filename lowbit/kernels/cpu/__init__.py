@@ -264,6 +264,10 @@ def _has_a8_blocks() -> bool:
     return _C is not None and _C.has_a8_blocks()
 
 
+def _has_amx_int8() -> bool:
+    return _C is not None and _C.has_amx_int8()
+
+
 def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype, zero_point_min: bool = False) -> Plan:
     return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision(), zero_point_min)
 
@@ -319,9 +323,6 @@ def a8_rows_max_m(bits: int) -> int:
         return AVX2_A8_ROWS_MAX_M.get(bits, 0)
     return AMX_A8_ROWS_MAX_M.get(bits, 0) if _has_amx_int8() else A8_ROWS_MAX_M
 
-
-def _has_amx_int8() -> bool:
-    return _C is not None and _C.has_amx_int8()
 
 
 def _a8_gemm() -> bool:
