@@ -138,14 +138,16 @@ inline void check_x(const char* who, const at::Tensor& x, int64_t group) {
 }
 
 // x [M, K] quantized row by row (quantize_row, in order, rows in parallel): codes q [M][K],
-// block scales d [M][K / 32], group sums xs [M][K / group], and whether x was finite.
+// block scales d [M][K / 32], group sums xs [M][K / group], and whether x was finite.  With
+// `padded` > M the arrays hold that many rows, those past M zero (tiles that read whole
+// 16-row blocks).
 template <typename Q>
 struct Rows {
   std::vector<Q> q;
   std::vector<float> d, xs;
   bool finite = true;
-  Rows(const float* x, int64_t M, int64_t K, int64_t group)
-      : q(M * K), d(M * (K / BLOCK)), xs(M * (K / group)) {
+  Rows(const float* x, int64_t M, int64_t K, int64_t group, int64_t padded = 0)
+      : q(std::max(M, padded) * K), d(std::max(M, padded) * (K / BLOCK)), xs(std::max(M, padded) * (K / group)) {
     const int64_t nb = K / BLOCK, G = K / group;
     std::vector<char> ok(M);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -155,6 +157,13 @@ struct Rows {
     finite = std::all_of(ok.begin(), ok.end(), [](char f) { return f; });
   }
 };
+
+// The factor of the zero-point term of weight value i (per row and group): s z, or s again
+// for signed codes (the kernel scales that term by its offset), or -m in the "min" domain
+// (q * s + m: the term subtracted is then -m times the group sums).
+inline float zero_factor(const PackedWeight& wt, int64_t i) {
+  return !wt.z ? wt.scale(i) : wt.min ? -wt.zero(i) : wt.scale(i) * wt.zero(i);
+}
 
 // The loop of the many-row kernels (gemm_a8.cpp, gemm_i16.cpp): x [M, K] in blocks
 // (Rows<Q>), then every weight in panels of COLS of its rows (each_panel), each thread
@@ -182,9 +191,7 @@ bool blocks_by_panels(const float* x, int64_t M, int64_t K, int64_t group, const
         const PackedWeight& wt = weights[j];
         pack_codes(wt, n0, t.panel.data());
         pack_groups<COLS>(wt.N, G, n0, t.s.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
-        pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) {
-          return !wt.z ? wt.scale(n * G + g) : wt.min ? -wt.zero(n * G + g) : wt.scale(n * G + g) * wt.zero(n * G + g);
-        });
+        pack_groups<COLS>(wt.N, G, n0, t.sz.data(), [&](int64_t n, int64_t g) { return zero_factor(wt, n * G + g); });
       },
       [&](auto r, size_t j, int64_t m, int64_t n0, int cols, Scratch& t) {
         const PackedWeight& wt = weights[j];

@@ -164,16 +164,10 @@ void tile16(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_
 // threads as the other panel GEMMs (PanelWork).  False (nothing written) if x held NaN or Inf.
 bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const PackedWeight& wt) {
   const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK, N = wt.N;
-  const int64_t Mp = (M + TILE - 1) / TILE * TILE;
-  std::vector<int8_t> q(Mp * K, 0);
-  std::vector<float> d(Mp * nb, 0.f), xs(Mp * G, 0.f);
-  std::vector<char> ok(M);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      ok[m] = a8::quantize_row<int8_t>(x + m * K, K, group, false, q.data() + m * K, d.data() + m * nb,
-                                      xs.data() + m * G);
-  });
-  if (!std::all_of(ok.begin(), ok.end(), [](char f) { return f; })) return false;
+  const a8::Rows<int8_t> x8(x, M, K, group, (M + TILE - 1) / TILE * TILE);
+  if (!x8.finite) return false;
+  const int8_t* q = x8.q.data();
+  const float *d = x8.d.data(), *xs = x8.xs.data();
   const bool signed_b = bits == 8 && !wt.z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
   const float zscale = bits == 4 && !wt.z ? 8.f : 1.f;
   const bool has_term = bits == 4 || wt.z;
@@ -190,9 +184,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
       const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
       pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(panel.data));
       pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
-      pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) {
-        return !wt.z ? wt.scale(n * G + g) : wt.min ? -wt.zero(n * G + g) : wt.scale(n * G + g) * wt.zero(n * G + g);
-      });
+      pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) { return a8::zero_factor(wt, n * G + g); });
       const int64_t m_end = std::min(M, (part + 1) * work.rows);
       for (int64_t m = part * work.rows; m < m_end; m += TILE) {
         const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
@@ -202,10 +194,10 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
           const uint8_t* hp = pb + h * K * TILE;
           float* ym = wt.y + m * N + n0 + TILE * h;
           if (signed_b)
-            tile16<true>(q.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, hp,
+            tile16<true>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
                          sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
           else
-            tile16<false>(q.data() + m * K, d.data() + m * nb, xs.data() + m * G, K, G, per_group, hp,
+            tile16<false>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
                           sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
         }
       }
