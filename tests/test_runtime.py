@@ -128,11 +128,53 @@ def test_dense_rows_matches_float64_and_gives_each_row_the_same_bits_at_any_row_
 
 
 @pytest.mark.skipif(not hasattr(cpu._C, "has_dense_rows") or not cpu._C.has_dense_rows(), reason="needs AVX2 + FMA")
+@pytest.mark.parametrize("n, k", [(49, 576), (8, 40), (3, 7), (33, 1537)])
+def test_dense_rows_in_bfloat16_is_the_float32_sum_of_the_bf16_values_rounded_once(n, k):
+    x, w, b = (torch.randn(*s).bfloat16() for s in ((9, k), (n, k), (n,)))
+    out = cpu._C.dense_rows(x, w, b)
+    assert out.dtype == torch.bfloat16
+    # the bf16 values widened exactly, products exact in float32, float32 sums in any order
+    # (gamma_{k+1}, the bias included), then one rounding to bf16: half a bf16 ulp of the
+    # float32 result, u = 2^-8 relative (so within u (1 + gamma) |exact| + gamma sum|x w|)
+    want = x.double() @ w.double().T + b.double()
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    tol = gamma(k + 1) * mag * (1 + 2.0**-8) + 2.0**-8 * want.abs()
+    assert bool(((out.double() - want).abs() <= tol).all())
+    # the float32 kernel on the same values, rounded once, gives these bits
+    assert torch.equal(cpu._C.dense_rows(x.float(), w.float(), b.float()).bfloat16(), out)
+    for m in range(1, 10):  # every row count, and every row alone: the same bits
+        assert torch.equal(cpu._C.dense_rows(x[:m], w, b), out[:m])
+        assert torch.equal(cpu._C.dense_rows(x[m - 1:m], w, b), out[m - 1:m])
+
+
+def test_step_linear_runs_dense_rows_for_bfloat16_up_to_its_own_row_count(monkeypatch):
+    if not cpu.dense_rows_max_m(torch.bfloat16):
+        pytest.skip("no dense_rows in this build")
+    calls = []
+    real = cpu.dense_linear
+    monkeypatch.setattr(cpu, "dense_linear", lambda x, w, b: calls.append((x.shape[0], x.dtype)) or real(x, w, b))
+    w = torch.randn(24, 64).bfloat16()
+    rows = cpu.dense_rows_max_m(torch.bfloat16)
+    for m in (1, rows, rows + 1):
+        x = torch.randn(m, 64).bfloat16()
+        y = cpu.step_linear(x, w, None)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 24)
+    assert calls == [(1, torch.bfloat16), (rows, torch.bfloat16)]  # beyond: torch's linear
+    assert cpu.dense_rows_max_m(torch.float16) == 0  # no float16 rows: torch's linear
+    calls.clear()
+    assert cpu.step_linear(torch.randn(1, 64).half(), w.half(), None).dtype == torch.float16
+    assert calls == []
+
+
+@pytest.mark.skipif(not hasattr(cpu._C, "has_dense_rows") or not cpu._C.has_dense_rows(), reason="needs AVX2 + FMA")
 @pytest.mark.parametrize("x, w, b, match", [
     (torch.randn(2, 8).double(), torch.randn(4, 8), None, "x must be a float32"),
     (torch.randn(8), torch.randn(4, 8), None, "x must be a float32"),
     (torch.randn(2, 8), torch.randn(4, 9), None, r"weight must be a float32 CPU tensor \[N, 8\]"),
     (torch.randn(2, 8), torch.randn(4, 8).half(), None, "weight must be"),
+    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, r"weight must be a float32 CPU tensor \[N, 8\] \(x's dtype\)"),
+    (torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(4), r"bias must be bfloat16 \[4\]"),
+    (torch.randn(2, 8).half(), torch.randn(4, 8).half(), None, "x must be a float32 or bfloat16"),
     (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), r"bias must be float32 \[4\]"),
 ])
 def test_dense_rows_refuses_what_is_not_a_float32_linear(x, w, b, match):

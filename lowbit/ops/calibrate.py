@@ -44,7 +44,8 @@ def measure(t: Threshold, ladder=LADDER, reps: int = 5) -> list[dict]:
     threshold is restored after."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for n, k in SHAPES]
-    if t.weight is None:  # a float32 nn.Linear in a decode step
+    if t.weight is None:  # a float nn.Linear in a decode step, weight and x of t.dtype
+        weights = [w.to(getattr(torch, t.dtype)) for w in weights]
         run = lambda x, w: cpu.step_linear(x, w, None)  # noqa: E731
     else:
         weights = [quantize(w, t.weight) for w in weights]

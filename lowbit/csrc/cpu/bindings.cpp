@@ -74,9 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbsud, a group per C tile), the same bits");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
-  m.def("has_dense_rows", &has_dense_rows, "whether dense_rows (float32 FMAs, AVX2 or AVX-512) was compiled in");
+  m.def("has_dense_rows", &has_dense_rows, "whether dense_rows (float32 FMAs on float32 or bf16 values, AVX2 or AVX-512) was compiled in");
   m.def("dense_rows", &dense_rows,
-        "float32 x [M, K] @ float32 weight [N, K].T (+ bias) for a few rows, each row summed in one order whatever M");
+        "x [M, K] @ weight [N, K].T (+ bias), float32 or bfloat16, for a few rows, each row summed in one order whatever M");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
   m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");

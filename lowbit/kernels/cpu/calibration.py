@@ -43,7 +43,7 @@ BUILT_IN: dict[str, int] = {}                # each threshold's value in the cod
 class Threshold:
     """One threshold of the plan: the module constant (``key``: an item of a dict
     constant), the matmul it decides (weight and activation schemes; no weight scheme: a
-    float32 nn.Linear in a decode step) and the dtype of its activations, and on which
+    float nn.Linear of ``dtype`` in a decode step) and the dtype of its activations, and on which
     machines the plan reads it (``avx512``: True, False, or None for both)."""
 
     name: str
@@ -78,6 +78,7 @@ THRESHOLDS = (
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
     Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
     Threshold("dense float32 rows", "DENSE_ROWS_MAX_M", None, None, None, None),
+    Threshold("dense bfloat16 rows", "DENSE_BF16_ROWS_MAX_M", None, None, None, None, "bfloat16"),
     Threshold("gemv bf16 (AVX-512)", "GEMV_BF16_MAX_M", None, "int4-asym-g64-f16", None, True, "bfloat16"),
 )
 
