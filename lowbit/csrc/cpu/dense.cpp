@@ -94,7 +94,7 @@ inline void dot_tile(const float* x, const W* w, int64_t K, float* y, int64_t ld
 // 1.28x, 1536 x 576 1.25x; float32 M=4 1.06-1.08x but M=1 0.84-0.93x (18 KiB a block
 // fetched at once), so float32 rows leave it to the hardware.
 template <typename W>
-void rows(const float* px, const W* pw, const float* pb, float* py, int64_t M, int64_t K, int64_t N) {
+void linear_rows(const float* px, const W* pw, const float* pb, float* py, int64_t M, int64_t K, int64_t N) {
   constexpr int64_t R = 8;
   static_assert(R == kRowsAhead, "a block of R rows prefetches the next block");
   at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
@@ -155,9 +155,9 @@ at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::
   const at::Tensor bc = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* pb = bias ? bc.data_ptr<float>() : nullptr;
   if (dt == at::kFloat)
-    rows(xc.data_ptr<float>(), wc.data_ptr<float>(), pb, y.data_ptr<float>(), M, K, N);
+    linear_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), pb, y.data_ptr<float>(), M, K, N);
   else
-    rows(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr()), pb, y.data_ptr<float>(), M, K, N);
+    linear_rows(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr()), pb, y.data_ptr<float>(), M, K, N);
 #endif
   return dt == at::kFloat ? y : y.to(dt);
 }
