@@ -75,7 +75,6 @@ struct Z {
     v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 2]), 2);
     return _mm512_insertf32x4(v, _mm_set1_ps(s[g + 3]), 3);
   }
-  static float sum(F v) { return _mm512_reduce_add_ps(v); }
 };
 
 // 256-bit block: 64 values, 32 packed bytes, float lanes t = 0..7 (the tail of K % 128 == 64).
@@ -98,11 +97,6 @@ struct Y {
     if (group % 64 == 0) return _mm256_set1_ps(s[p / group]);
     const int64_t g = p / 32;
     return _mm256_insertf32x4(_mm256_set1_ps(s[g]), _mm_set1_ps(s[g + 1]), 1);
-  }
-  static float sum(F v) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
 };
 
@@ -144,11 +138,19 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
   const int64_t full = K / 128 * 128;
   for (int64_t p = 0; p < full; p += 128) block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, s, p, group, tz);
   if (full < K) block<Y, R, SIGNED, SPLIT>(w, xh + full, xl + full, K, s, full, group, ty);
+  // The offset term, 16 groups per vector, taken from the dot products' lanes before their
+  // one reduction (a scalar loop over the groups and two reductions per row were a third
+  // of a row's work at K = 576).
   for (int r = 0; r < R; ++r) {
-    float corr = 0.f;
+    __m512 t = _mm512_add_ps(tz[r], _mm512_zextps256_ps512(ty[r]));
     const float* xs = xsum + r * G;
-    for (int64_t g = 0; g < G; ++g) corr += s[g] * ((HAS_ZP ? z[g] : SIGNED ? 8.f : 0.f) + 128.f) * xs[g];
-    y[r * ldy] = Z::sum(tz[r]) + Y::sum(ty[r]) - corr;
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 in = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+      const __m512 offset = HAS_ZP ? _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + g), _mm512_set1_ps(128.f))
+                                   : _mm512_set1_ps(SIGNED ? 136.f : 128.f);
+      t = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + g), offset), _mm512_maskz_loadu_ps(in, xs + g), t);
+    }
+    y[r * ldy] = _mm512_reduce_add_ps(t);
   }
 }
 
