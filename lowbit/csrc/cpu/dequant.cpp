@@ -71,6 +71,34 @@ inline void store(const Acc* src, Out* dst, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LOWBIT_NIBBLES_BF16 1
+// nw u32x8 words of 4-bit codes (value j of a word: bits 4j..4j+3) to bf16, 16 values a
+// vector: the scalar loop's float32 arithmetic, (q - z) * s or q * s, and to_bf16_bits'
+// rounding (nearest, ties to even, NaN as 0x7FC0) in integer lanes, so the same bits;
+// the tiles_bf16 prefill's dequantization took a quarter of its time in the scalar loop
+// (1536 x 576 g64 at 512 rows, AMX Xeon: 0.24 ms of 1.04).
+template <bool SIGNED, bool HAS_ZP>
+inline void nibbles_to_bf16(const int32_t* words, int64_t nw, float s, float z, uint16_t* dst) {
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8), one = _mm512_set1_epi32(1);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+  for (int64_t w = 0; w + 2 <= nw; w += 2) {
+    const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(words + w));
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, _mm512_castsi128_si512(pair)), shift), low);
+    if constexpr (SIGNED) q = _mm512_sub_epi32(_mm512_xor_si512(q, eight), eight);  // sign-extend 4 bits
+    const __m512 qf = _mm512_cvtepi32_ps(q);
+    const __m512 v = HAS_ZP ? _mm512_mul_ps(_mm512_sub_ps(qf, zv), sv) : _mm512_mul_ps(qf, sv);
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * w), _mm512_cvtepi32_epi16(b));
+  }
+}
+#endif
+
 template <typename Word, int BITS, bool SIGNED, bool HAS_ZP, typename Acc, typename Out, bool MIN_FORM = false>
 void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, int64_t R,
                   int64_t K, int64_t group, int64_t rows_per_scale) {
@@ -91,6 +119,15 @@ void dequant_rows(const Word* codes, const Acc* scale, const Acc* zp, Out* out, 
           const int64_t nw = std::min(CHUNK_WORDS, words_per_group - w0);
           const Word* cw = c + g * words_per_group + w0;
           Out* dst = o + g * group + w0 * C::PER;
+#ifdef LOWBIT_NIBBLES_BF16
+          if constexpr (BITS == 4 && std::is_same_v<Word, int32_t> && std::is_same_v<Out, c10::BFloat16> &&
+                        std::is_same_v<Acc, float> && !MIN_FORM) {
+            if (nw % 2 == 0) {
+              nibbles_to_bf16<SIGNED, HAS_ZP>(cw, nw, s, z, reinterpret_cast<uint16_t*>(dst));
+              continue;
+            }
+          }
+#endif
           // float32/float64 output is written directly; 16-bit output goes through buf.
           Acc* vals = std::is_same_v<Out, Acc> ? reinterpret_cast<Acc*>(dst) : buf;
           for (int64_t w = 0; w < nw; ++w) {
