@@ -21,12 +21,7 @@ namespace {
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 template <>
-inline float to_f(c10::BFloat16 v) {  // a shift, which the compiler vectorizes
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float to_f(c10::BFloat16 v) { return bf16_value(v.x); }  // a shift, which the compiler vectorizes
 
 // sum_i a[i] * b[i] in float32: 16 independent partial sums (one AVX-512 register, so the
 // compiler vectorizes it), then the tail, then the partial sums in order.

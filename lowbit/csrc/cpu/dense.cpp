@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -55,12 +54,7 @@ inline F fload(const uint16_t* p) {  // 8 bf16 widened to float32 (<< 16: exact)
 
 #ifdef LOWBIT_DENSE
 inline float value(float w) { return w; }
-inline float value(uint16_t w) {  // a bf16's float32
-  const uint32_t u = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float value(uint16_t w) { return bf16_value(w); }
 
 // MR rows of x (row stride K) times R weight rows w (row stride K, float32 or bf16 bits):
 // y[i * ldy + r] = sum_k x[i, k] * w[r, k], one accumulator per output, so every output

@@ -39,12 +39,6 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch does
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // 512-bit block: 128 values, 64 packed bytes, float lanes t = 0..15.
 struct Z {

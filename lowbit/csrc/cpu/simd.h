@@ -5,6 +5,14 @@
 #include <cstdint>
 #include <cstring>
 
+// The float32 value of bf16 bits (the high half of a float32: exact).
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
 // PackedWeight::half) converted to float32, exactly, with F16C: one value, two (the low half
 // of a __m128), or eight.
