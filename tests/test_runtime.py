@@ -161,6 +161,7 @@ def test_step_linear_runs_dense_rows_for_bfloat16_up_to_its_own_row_count(monkey
         assert y.dtype == torch.bfloat16 and y.shape == (m, 24)
     assert calls == [(1, torch.bfloat16), (rows, torch.bfloat16)]  # beyond: torch's linear
     assert cpu.dense_rows_max_m(torch.float16) == 0  # no float16 rows: torch's linear
+    assert not cpu.dense_rows_apply(w.half(), 0)  # not even for no rows
     calls.clear()
     assert cpu.step_linear(torch.randn(1, 64).half(), w.half(), None).dtype == torch.float16
     assert calls == []

@@ -331,7 +331,6 @@ def a8_rows_max_m(bits: int) -> int:
     return AMX_A8_ROWS_MAX_M.get(bits, 0) if _has_amx_int8() else A8_ROWS_MAX_M
 
 
-
 def _a8_gemm() -> bool:
     # gemm_a8.cpp / gemm_i16.cpp are AVX2 code, measured against float32 tiles of 8 lanes;
     # against AVX-512's 16 they are not measured, so AVX-512 machines keep their tiles.
@@ -752,7 +751,8 @@ def dense_rows_apply(weight: torch.Tensor, rows: int) -> bool:
     weight run ``_C.dense_rows`` (float32 or bfloat16 on CPU, up to ``dense_rows_max_m``
     rows of its dtype), not ``torch.nn.functional.linear``.  A prefill never does: its
     logits stay bit-identical to transformers' forward."""
-    return weight.device.type == "cpu" and rows <= dense_rows_max_m(weight.dtype)
+    most = dense_rows_max_m(weight.dtype)
+    return weight.device.type == "cpu" and most > 0 and rows <= most
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
