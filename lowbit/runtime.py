@@ -119,7 +119,7 @@ class Runner:
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
         self._native = os.environ.get("LOWBIT_NATIVE_DECODE", "1") != "0"  # read once, at construction
-        self._decoders: dict = {}  # float32 matmul precision -> native decode step or None
+        self._decoders: dict = {}  # (float32 matmul precision, rows) -> native decode step or None
         native = cpu.decode_available() and self.device.type == "cpu"
         self._attend = cpu.decode_attention if native else None
         self._attend_rows = cpu.decode_attention_rows if native else None
@@ -130,12 +130,17 @@ class Runner:
 
     @property
     def _decoder(self):
-        """The C++ decode step for the current float32 matmul precision (the kernels'
-        plan depends on it), or None: every step then runs the Python path."""
-        precision = torch.get_float32_matmul_precision()
-        if precision not in self._decoders:
-            self._decoders[precision] = _native_decoder(self)
-        return self._decoders[precision]
+        """The C++ decode step of one token for the current float32 matmul precision (the
+        kernels' plan depends on it), or None: every step then runs the Python path."""
+        return self._rows_decoder(1)
+
+    def _rows_decoder(self, rows: int):
+        """The C++ decode step of ``rows`` tokens (a batch's step: its projections on the
+        kernels planned for that many rows), or None: the Python path."""
+        key = (torch.get_float32_matmul_precision(), rows)
+        if key not in self._decoders:
+            self._decoders[key] = _native_decoder(self, rows)
+        return self._decoders[key]
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated), at most the
@@ -391,12 +396,17 @@ class Runner:
         cache (ids: their tokens); appends them to the cache."""
         positions = cache.lengths[rows]
         n, H, hd = ids.shape[0], self.heads, self.head_dim
+        cos, sin = self._rope_at(positions)
+        decoder = self._rows_decoder(n)
+        if decoder is not None:  # the whole step in one C++ call, the same ops and bits as below
+            logits = decoder.step_rows(self.embed(ids), cos, sin, cache.keys, cache.values, rows, positions)
+            cache.lengths[rows] += 1
+            return logits
         slots = cache.slots(rows, positions)
         seen_positions = positions + 1
         if self._attend_rows is None:  # masked SDPA over the longest cache any running sequence has
             span = int(seen_positions.max())
             seen = torch.arange(span, device=self.device) <= positions[:, None]   # [n, span]
-        cos, sin = self._rope_at(positions)
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
             q, k, v = self._attention_inputs(L, self._rms(h, L.ln1, rows=True), cos, sin, step=True)
@@ -541,11 +551,11 @@ def _act_overrides(r: Runner, act_compute: str | None) -> dict:
     return out
 
 
-def _native_decoder(r: Runner):
-    """The C++ decode step for this model, when every projection is a float nn.Linear of
-    the model's dtype or a QuantLinear whose one-row plan on the cpu backend is a kernel
-    the decode step runs (``kernels.cpu.quant_projection``), on CPU; else None.
-    LOWBIT_NATIVE_DECODE=0 turns it off."""
+def _native_decoder(r: Runner, rows: int = 1):
+    """The C++ decode step of ``rows`` tokens for this model, when every projection is a
+    float nn.Linear of the model's dtype or a QuantLinear whose plan for that many rows on
+    the cpu backend is a kernel the decode step runs (``kernels.cpu.quant_projection``), on
+    CPU; else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
     from .kernels import resolve
     from .nn import QuantLinear
     from .ops.matmul import as_act_scheme, weight_parts
@@ -557,7 +567,7 @@ def _native_decoder(r: Runner):
 
     def proj(m):
         if type(m) is nn.Linear and m.weight.dtype == r.dtype:
-            return cpu.float_projection(m.weight, m.bias)
+            return cpu.float_projection(m.weight, m.bias, rows)
         if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu" or m.input_order is not None:
             return None  # the decode step has no input permutation: the Python path runs it
         codes, scale, zp, _, _ = weight_parts(m.qweight)
@@ -568,7 +578,7 @@ def _native_decoder(r: Runner):
             check_act_weight(w, act, m.in_features)
         except ValueError:
             return None  # lowbit.linear refuses these; the Python path says why
-        return cpu.quant_projection(w, act, codes, scale, zp, m.bias, m.in_features, r.dtype)
+        return cpu.quant_projection(w, act, codes, scale, zp, m.bias, m.in_features, r.dtype, rows)
 
     d = cpu.new_decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling)
     for L in r.layers:

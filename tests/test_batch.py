@@ -6,6 +6,7 @@ import torch
 
 import lowbit
 from lowbit.kernels import cpu
+from lowbit.nn import QuantLinear
 from lowbit.runtime import BatchGeneration, Runner, _BatchCache
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Once upon a time, in a"]
@@ -74,6 +75,7 @@ def test_batch_attention_without_the_cpu_kernel_gives_the_same_tokens(smol, prom
     r = Runner(smol[0])
     want = [s.tokens for s in r.generate(prompts, 12).sequences]
     r._attend_rows = None  # as on a GPU: masked SDPA over every running sequence's cache
+    r._native, r._decoders = False, {}  # not the C++ step (its own attention)
     assert [s.tokens for s in r.generate(prompts, 12).sequences] == want
 
 
@@ -124,3 +126,83 @@ def test_batch_refuses_a_prompt_past_max_positions_and_names_it(smol):
     ids = [torch.tensor([1, 2]), torch.zeros(8190, dtype=torch.long)]
     with pytest.raises(ValueError, match="prompt 1 .* max_position_embeddings=8192"):
         Runner(smol[0]).generate(ids, 8)
+
+
+# -- the C++ decode step of a batch ------------------------------------------------------------
+
+def _batch_step_covers(model, dtype, rows: int) -> bool:
+    """Whether the cpu plan for ``rows`` rows of every quantized projection is a kernel the
+    C++ decode step runs (the rule lowbit.runtime follows)."""
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            act = None if mod.act_scheme is None else lowbit.QuantScheme.parse(mod.act_scheme)
+            if act is not None and act.granularity == "tensor":
+                return False
+            if cpu.BACKEND.plan(mod.qweight.scheme, act, rows, mod.in_features, dtype).kernel not in cpu.DECODE_KERNELS:
+                return False
+    return True
+
+
+def _same_batch_steps(model, prompts, steps, monkeypatch):
+    """A batch's prefill, then decode steps of fewer and fewer running sequences (every
+    other one drops out: rows that are not 0..N-1, at ragged positions) through the C++
+    step and the Python path: the same logits and caches, bit for bit."""
+    native = Runner(model)
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
+    python = Runner(model)
+    caches = [_BatchCache.empty(r, len(prompts), max(p.numel() for p in prompts) + steps) for r in (native, python)]
+    with torch.inference_mode():
+        for r, c in zip((native, python), caches):
+            r._prefill_batch(prompts, c)
+        rows, ran = torch.arange(len(prompts)), []
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            ids = torch.randint(0, model.config.vocab_size, (rows.numel(),), generator=gen)
+            if native._rows_decoder(rows.numel()) is not None:
+                ran.append(rows.numel())
+            a, b = (r._decode_batch(ids, rows, c) for r, c in zip((native, python), caches))
+            assert torch.equal(a, b), f"{rows.numel()} rows"
+            rows = rows[1::2] if rows.numel() > 1 else rows
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values))
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    return native, ran
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a16", "w8a8", "w8a8-asym", "w4a8-g128", "w4a8-sym",
+                                    "q4_0-a8", "q8_0-a8", "q4_1-a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, monkeypatch):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+    with torch.no_grad():  # biases that are not zero
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token"),
+              "w4a8-sym": lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token"),
+              "q4_1-a8": lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")}.get(recipe, recipe)
+    if recipe is not None:
+        m = lowbit.quantize_model(m, recipe, inplace=False)
+    # 40 rows, then 20, 10, 5, 2, 1: past the row kernels' limits and AMX's, then below them
+    prompts = [torch.randint(0, 96, (3 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    native, ran = _same_batch_steps(m, prompts, 6, monkeypatch)
+    for n in (40, 20, 10, 5, 2, 1):  # the C++ step ran wherever the plans allow it
+        assert (n in ran) == _batch_step_covers(m, dtype, n), n
+    if dtype != torch.float16 or recipe is None:  # float16 x has no int8-block or W4A8 kernel for every plan
+        assert ran, "the C++ step never ran"
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w8a8", "w4a16-g64", "w4a16-g128-head8"])
+def test_native_batch_step_on_the_bundled_model(recipe, prompts, monkeypatch):
+    m = lowbit.load_model(dtype=torch.bfloat16)[0]
+    if recipe is not None:
+        m = lowbit.quantize_model(m, recipe, inplace=False)
+    _, ran = _same_batch_steps(m, prompts * 9, 3, monkeypatch)  # 36 sequences, then 18 and 9
+    assert ran == [n for n in (36, 18, 9) if _batch_step_covers(m, torch.bfloat16, n)]

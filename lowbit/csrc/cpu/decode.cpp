@@ -212,6 +212,21 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
   }
 }
 
+// attend for N new tokens of a batch, one each over its own sequence's cache: token j's q
+// [H, hd] at q + j H hd over the first positions[j] + 1 positions of sequence rows[j] of
+// caches [B, KV, cap, hd], out likewise; the tokens spread over the threads (attend inside
+// runs on one), each token's bits as attend alone.
+template <typename T>
+void attend_rows(const T* q, const T* k, const T* v, T* out, const int64_t* rows, const int64_t* positions,
+                 int64_t N, int64_t H, int64_t KV, int64_t cap, int64_t hd, float scale) {
+  const int64_t seq = KV * cap * hd;
+  at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      attend<T>(q + j * H * hd, k + rows[j] * seq, v + rows[j] * seq, out + j * H * hd, H, KV, cap, positions[j] + 1,
+                hd, scale);
+  });
+}
+
 template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -322,31 +337,29 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_rows", [&] {
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = keys.data_ptr<scalar_t>(), *vp = values.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t seq = KV * cap * hd;
-    at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j)
-        attend<scalar_t>(qp + j * H * hd, kp + r[j] * seq, vp + r[j] * seq, op + j * H * hd, H, KV, cap, len[j],
-                         hd, static_cast<float>(scale));
-    });
+    std::vector<int64_t> last(len, len + N);  // the position of each token: its length - 1
+    for (int64_t& n : last) n -= 1;
+    attend_rows<scalar_t>(qp, kp, vp, op, r, last.data(), N, H, KV, cap, hd, static_cast<float>(scale));
   });
   return out;
 }
 
 namespace {
 
-// A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, else at::linear,
-// as lowbit.kernels.cpu.dense_linear decides for one row), a weight-only quantized one
-// (lowbit.linear's parts: codes, scales [N, G] and zero points as packed_scales gives them,
-// bits, group, and the weight_only_matmul kernel lowbit.kernels.cpu's plan chose for one
-// row; zero_point_min: the "min" domain's q * s + m; bias added after),
-// one with 8-bit activations in blocks of 32 (act 3: linear_a8_blocks, the weight as for
-// weight-only), or one with 8-bit per-token activations (act 1:
-// symmetric, 2: asymmetric): W8A8 (int8
-// codes [N, K], scale [N] float32) or W4A8 (u32x8 codes, scale [N, G] float32, int32 zero
-// points or none).  The 8-bit paths are lowbit.linear's for one row, op for op: per-token
-// quantization, unsigned codes shifted to int8, then torch._int_mm (kernel 0) or
-// int8_mm_rows (kernel 1: the plan's int8_rows, AVX2 without VNNI) and the row x column
-// epilogue (W8A8) or w4a8_gemm and the row scale (W4A8), the bias added in x's dtype.
+// A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, 2: gemm_f32 then the
+// bias, else at::linear, as lowbit.kernels.cpu.step_linear decides for the step's rows), a
+// weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and zero points as
+// packed_scales gives them, bits, group, and the weight_only_matmul kernel lowbit.kernels.cpu's
+// plan chose for the step's rows; zero_point_min: the "min" domain's q * s + m; bias added
+// after), one with 8-bit activations in blocks of 32 (act 3, the weight as for weight-only;
+// kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8), or
+// one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8 codes
+// [N, K], scale [N] float32; kernel 0: torch._int_mm, 1: int8_mm_rows, 2: int8_linear, the
+// epilogue and bias fused, 3: int8_mm_panels) or W4A8 (u32x8 codes, scale [N, G] float32,
+// int32 zero points or none; kernel 0: w4a8_gemm, 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
+// The paths are lowbit.linear's, op for op: per-token quantization, unsigned codes shifted to
+// int8, the integer product, then the row x column epilogue (W8A8) or the row scale (W4A8),
+// the bias added in x's dtype.  lowbit.kernels.cpu.quant_projection names the kernels.
 struct Proj {
   at::Tensor weight, codes, scale;
   c10::optional<at::Tensor> zero_point, bias;
@@ -354,12 +367,22 @@ struct Proj {
   bool zero_point_min = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (!codes.defined()) return kernel == 1 ? dense_rows(x, weight, bias) : at::linear(x, weight, bias);
+    if (!codes.defined()) {
+      if (kernel == 1) return dense_rows(x, weight, bias);
+      if (kernel != 2) return at::linear(x, weight, bias);
+      const at::Tensor y = gemm_f32(x, weight);
+      return bias ? y + *bias : y;
+    }
+    if (act && act != 3 && bits == 8 && kernel == 2) return int8_linear_fused(x);  // the bias in its epilogue
     at::Tensor y = act == 3 ? int8_blocks(x)
                    : act   ? int8_activations(x)
                            : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel, zero_point_min);
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
+
+  // W8A8 on gemm_int8.cpp's int8_linear: per-token codes as int8_activations makes them,
+  // the zero-point correction, epilogue and bias in the kernel (the composed path's bits).
+  at::Tensor int8_linear_fused(const at::Tensor& x) const;
 
   at::Tensor int8_blocks(const at::Tensor& x) const;
 
@@ -367,24 +390,20 @@ struct Proj {
   // integers and the same float32 products: the same bits): 8 ops a projection were ~10 us.
   at::Tensor int8_activations(const at::Tensor& x) const {
     const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
-    auto [q, s, z, finite] = quantize_per_token(x2, 8, act == 1);
-    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+    auto [q, s, z] = token_codes(x2);
     const int64_t M = q.size(0);
-    if (q.scalar_type() == at::kByte) {  // unsigned codes shifted by 128 to int8: u - 128 is u ^ 0x80 as int8
-      uint8_t* pq = q.data_ptr<uint8_t>();
-      for (int64_t i = 0; i < q.numel(); ++i) pq[i] ^= 0x80;
-      q = q.view(at::kChar);
-      int32_t* pz = z.data_ptr<int32_t>();
-      for (int64_t m = 0; m < M; ++m) pz[m] -= 128;
-    }
     const at::Tensor s32 = as_float(s);
     at::Tensor y;
     if (bits == 8) {
-      at::Tensor acc = kernel == 1 ? int8_mm_rows(q, codes) : at::_int_mm(q, codes.t());
+      at::Tensor acc = kernel == 1   ? int8_mm_rows(q, codes)
+                       : kernel == 3 ? int8_mm_panels(q, codes)
+                                     : at::_int_mm(q, codes.t());
       if (act == 2) acc = acc - z.unsqueeze(1) * codes.sum(1, false, at::kInt).unsqueeze(0);
       y = dequantize_rowcol(acc, s32, scale, x.scalar_type());
     } else {
-      y = w4a8_gemm(q, z, codes, scale, zero_point, group);  // times the row scales, as lowbit.linear
+      y = kernel == 1   ? w4a8_gemm_panels(q, z, codes, scale, zero_point, group)
+          : kernel == 2 ? w4a8_gemm_amx(q, z, codes, scale, zero_point, group)
+                        : w4a8_gemm(q, z, codes, scale, zero_point, group);  // times the row scales, as lowbit.linear
       float* py = y.data_ptr<float>();
       const float* ps = s32.data_ptr<float>();
       const int64_t N = y.size(1);
@@ -396,7 +415,32 @@ struct Proj {
     shape.back() = codes.size(0);
     return y.view(shape);
   }
+
+  // x2 [M, K] quantized per token to 8 bits as lowbit.linear does (unsigned codes shifted
+  // by 128 to int8: u - 128 is u ^ 0x80 as int8): int8 codes, scales, int32 zero points.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> token_codes(const at::Tensor& x2) const {
+    auto [q, s, z, finite] = quantize_per_token(x2, 8, act == 1);
+    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+    if (q.scalar_type() == at::kByte) {
+      uint8_t* pq = q.data_ptr<uint8_t>();
+      for (int64_t i = 0; i < q.numel(); ++i) pq[i] ^= 0x80;
+      q = q.view(at::kChar);
+      int32_t* pz = z.data_ptr<int32_t>();
+      for (int64_t m = 0; m < q.size(0); ++m) pz[m] -= 128;
+    }
+    return {q, s, z};
+  }
 };
+
+at::Tensor Proj::int8_linear_fused(const at::Tensor& x) const {
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  auto [q, s, z] = token_codes(x2);
+  const c10::optional<at::Tensor> zp = act == 2 ? c10::optional<at::Tensor>(z) : c10::nullopt;
+  const at::Tensor y = int8_linear(q, zp, codes, s, scale, bias, x.scalar_type());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = codes.size(0);
+  return y.view(shape);
+}
 
 // Projections of the same input with activations in int8 blocks and the same kind of
 // weight (bits, group, zero points or not) run as one call: x is quantized once and one
@@ -404,7 +448,7 @@ struct Proj {
 // as one call each, so the same bits.
 bool share_blocks(const std::vector<const Proj*>& ps) {
   for (const Proj* p : ps)
-    if (!p->codes.defined() || p->act != 3 || p->bits != ps[0]->bits || p->group != ps[0]->group ||
+    if (!p->codes.defined() || p->act != 3 || p->kernel != 0 || p->bits != ps[0]->bits || p->group != ps[0]->group ||
         p->zero_point.has_value() != ps[0]->zero_point.has_value() || p->zero_point_min != ps[0]->zero_point_min)
       return false;
   return true;
@@ -413,7 +457,10 @@ bool share_blocks(const std::vector<const Proj*>& ps) {
 // x through the int8-block kernel (linear_a8_blocks), bias not added; outputs in x's dtype.
 at::Tensor Proj::int8_blocks(const at::Tensor& x) const {
   const at::Tensor x2 = as_float(x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}));
-  auto [y, finite] = linear_a8_blocks(x2, codes, scale, zero_point, bits, group, zero_point_min);
+  auto [y, finite] = kernel == 1 ? gemm_a8_blocks_amx(x2, codes, scale, zero_point, bits, group, zero_point_min)
+                     : kernel == 2 ? (bits == 4 ? gemm_a8_blocks(x2, codes, scale, zero_point, group, zero_point_min)
+                                                : gemm_a8_blocks8(x2, codes, scale, zero_point, group, zero_point_min))
+                                   : linear_a8_blocks(x2, codes, scale, zero_point, bits, group, zero_point_min);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
   if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -493,37 +540,39 @@ class Group {
     return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);
   }
 
-  // x [K] in T through every projection: ys[i] [out_features(i)] in T, bias added, as
-  // Proj gives them.
+  // x [M, K] in T through every projection: ys[i] [M, out_features(i)] in T, bias added, as
+  // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row; more
+  // rows go through Proj's tensor path, the same arithmetic.
   template <typename T>
-  void run(const T* x, T* const* ys) const {
-    if (kind_ == kTensors || (kind_ == kTokens && std::is_same<T, double>::value)) return run_tensors(x, ys);
+  void run(const T* x, T* const* ys, int64_t M = 1) const {
+    if (kind_ == kTensors || (kind_ == kTokens && (std::is_same<T, double>::value || M != 1)))
+      return run_tensors(x, ys, M);
     if (kind_ == kTokens) return run_tokens(x, ys);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
     const float* xf = reinterpret_cast<const float*>(x);
     if constexpr (!f32) {  // float32 x, as as_float gives it (exact)
-      float* buf = grown(xf_keep, K_);
-      for (int64_t k = 0; k < K_; ++k) buf[k] = to_f(x[k]);
+      float* buf = grown(xf_keep, M * K_);
+      for (int64_t k = 0; k < M * K_; ++k) buf[k] = to_f(x[k]);
       xf = buf;
     }
     w.assign(w_.begin(), w_.end());
     int64_t total = 0;
     for (size_t i = 0; i < w.size(); ++i) total += w[i].N;
-    float* yf = f32 ? nullptr : grown(yf_keep, total);
-    for (size_t i = 0, off = 0; i < w.size(); off += w[i].N, ++i)
+    float* yf = f32 ? nullptr : grown(yf_keep, M * total);
+    for (size_t i = 0, off = 0; i < w.size(); off += M * w[i].N, ++i)
       w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + off;
     if (kind_ == kBlocks) {
-      TORCH_CHECK(a8_blocks_into(xf, 1, K_, bits_, group_, w), "lowbit decode: the activations contain NaN or Inf");
+      TORCH_CHECK(a8_blocks_into(xf, M, K_, bits_, group_, w), "lowbit decode: the activations contain NaN or Inf");
     } else {
-      gemv_f32_into(xf, 1, K_, bits_, group_, w);
+      gemv_f32_into(xf, M, K_, bits_, group_, w);
     }
     for (size_t i = 0; i < w.size(); ++i) {
       const int64_t N = w[i].N;
       if constexpr (!f32)  // rounded to T, as .to(x's dtype)
-        for (int64_t n = 0; n < N; ++n) ys[i][n] = static_cast<T>(w[i].y[n]);
-      add_bias(i, ys[i]);
+        for (int64_t n = 0; n < M * N; ++n) ys[i][n] = static_cast<T>(w[i].y[n]);
+      for (int64_t m = 0; m < M; ++m) add_bias(i, ys[i] + m * N);
     }
   }
 
@@ -547,7 +596,7 @@ class Group {
           return false;
       } else {  // W4A8: u32x8 codes [N, K / 8], scales and int32 zero points [N, K / group]
         const bool zp = p->zero_point.has_value();
-        if (p0.bits != 4 || !has_w4a8_rows() || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
+        if (p0.bits != 4 || p->kernel != 0 || !has_w4a8_rows() || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
             p->group % 32 != 0 || K % p->group != 0 || 128 * 15 * p->group >= (int64_t(1) << 30) ||
             p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
             zp != p0.zero_point.has_value() ||
@@ -614,14 +663,14 @@ class Group {
   }
 
   template <typename T>
-  void run_tensors(const T* x, T* const* ys) const {
-    const at::Tensor xt = at::from_blob(const_cast<T*>(x), {1, in_features()}, at::TensorOptions().dtype(dtype<T>()));
+  void run_tensors(const T* x, T* const* ys, int64_t M) const {
+    const at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, in_features()}, at::TensorOptions().dtype(dtype<T>()));
     for (size_t i = 0; i < ps_.size(); ++i) {
       const at::Tensor y = ps_[i](xt).contiguous();
-      TORCH_CHECK(y.scalar_type() == dtype<T>() && y.numel() == out_features(i),
-                  "lowbit decode: a projection gave ", y.sizes(), " ", y.scalar_type(), "; expected ",
+      TORCH_CHECK(y.scalar_type() == dtype<T>() && y.numel() == M * out_features(i),
+                  "lowbit decode: a projection gave ", y.sizes(), " ", y.scalar_type(), "; expected ", M, " x ",
                   out_features(i), " values of the model's dtype");
-      std::memcpy(ys[i], y.data_ptr<T>(), out_features(i) * sizeof(T));
+      std::memcpy(ys[i], y.data_ptr<T>(), M * out_features(i) * sizeof(T));
     }
   }
 
@@ -697,44 +746,90 @@ class Decoder {
     head_.emplace(std::move(head));
   }
 
-  // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos.
+  // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos; keys
+  // and values: each layer's cache [kv_heads, capacity, head_dim].  Returns logits [1, vocab].
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, int64_t pos) const {
-    TORCH_CHECK(head_.has_value(), "lowbit decode: set_head first");
-    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
     TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.size(1) == hidden_, "lowbit decode: h must be [1, hidden]");
     TORCH_CHECK(pos >= 0, "lowbit decode: pos must be >= 0");
-    TORCH_CHECK(cos.numel() == head_dim_ && sin.numel() == head_dim_ && cos.scalar_type() == h.scalar_type() &&
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
+    for (size_t i = 0; i < keys.size(); ++i)
+      TORCH_CHECK(keys[i].dim() == 3 && values[i].dim() == 3 && pos < keys[i].size(1),
+                  "lowbit decode: the KV cache must be contiguous [kv_heads, capacity, head_dim] in h's dtype, "
+                  "with room for position ", pos);
+    const int64_t zero = 0;
+    return steps(h, cos, sin, keys, values, &zero, &pos, 1);
+  }
+
+  // A batch's decode step: h [N, hidden], one new token of each of N sequences; cos/sin
+  // [N, 1, head_dim] of their positions; keys and values: each layer's caches [B, kv_heads,
+  // capacity, head_dim]; token j is sequence rows[j]'s, at position positions[j] (distinct
+  // rows).  Each row through the same ops as step() (the projections on the kernels their
+  // Proj names, planned for N rows), its attention over its own cache.  Logits [N, vocab].
+  at::Tensor step_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
+                       std::vector<at::Tensor> values, const at::Tensor& rows, const at::Tensor& positions) const {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.size(0) >= 1, "lowbit decode: h must be [N, hidden]");
+    const int64_t N = h.size(0);
+    TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
+                    positions.dim() == 1 && rows.size(0) == N && positions.size(0) == N,
+                "lowbit decode: rows and positions must be int64 [N], one per row of h");
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
+    TORCH_CHECK(!keys.empty() && keys[0].dim() == 4, "lowbit decode: batched caches [B, kv_heads, capacity, head_dim]");
+    const int64_t B = keys[0].size(0), cap = keys[0].size(2);
+    const at::Tensor rc = rows.contiguous(), pc = positions.contiguous();
+    const int64_t *r = rc.data_ptr<int64_t>(), *p = pc.data_ptr<int64_t>();
+    std::vector<bool> seen(B, false);
+    for (int64_t j = 0; j < N; ++j) {
+      TORCH_CHECK(r[j] >= 0 && r[j] < B && !seen[r[j]] && p[j] >= 0 && p[j] < cap, "lowbit decode: token ", j,
+                  " goes to sequence ", r[j], " at position ", p[j], "; the caches hold ", B, " sequences of ", cap,
+                  " positions, each written by one token a step");
+      seen[r[j]] = true;
+    }
+    for (size_t i = 0; i < keys.size(); ++i)
+      TORCH_CHECK(keys[i].dim() == 4 && values[i].dim() == 4 && keys[i].size(0) == B && keys[i].size(2) == cap,
+                  "lowbit decode: every layer's caches must be [", B, ", kv_heads, ", cap, ", head_dim]");
+    return steps(h, cos, sin, keys, values, r, p, N);
+  }
+
+ private:
+  // The checks both steps share, then steps_as in h's dtype.  A cache [KV, cap, hd] is
+  // sequence 0 of [1, KV, cap, hd]: the same memory.
+  at::Tensor steps(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                   const std::vector<at::Tensor>& values, const int64_t* rows, const int64_t* positions,
+                   int64_t N) const {
+    TORCH_CHECK(head_.has_value(), "lowbit decode: set_head first");
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
+    TORCH_CHECK(cos.numel() == N * head_dim_ && sin.numel() == N * head_dim_ && cos.scalar_type() == h.scalar_type() &&
                     sin.scalar_type() == h.scalar_type(),
-                "lowbit decode: cos and sin must be one row of head_dim values in h's dtype");
+                "lowbit decode: cos and sin must be one row of head_dim values a token, in h's dtype");
     const auto norm_ok = [&](const at::Tensor& w) {
       return w.dim() == 1 && w.size(0) == hidden_ && w.is_contiguous() && w.scalar_type() == h.scalar_type();
     };
     TORCH_CHECK(norm_ok(norm_), "lowbit decode: the norm weights must be contiguous [hidden] in h's dtype");
     for (size_t i = 0; i < keys.size(); ++i) {
-      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].dim() == 3 &&
-                      keys[i].size(0) == kv_heads_ && keys[i].size(2) == head_dim_ && pos < keys[i].size(1) &&
-                      values[i].sizes() == keys[i].sizes() && keys[i].scalar_type() == h.scalar_type() &&
-                      values[i].scalar_type() == h.scalar_type(),
-                  "lowbit decode: the KV cache must be contiguous [kv_heads, capacity, head_dim] in h's dtype, "
-                  "with room for position ", pos);
+      const int64_t d = keys[i].dim();
+      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(d - 3) == kv_heads_ &&
+                      keys[i].size(d - 1) == head_dim_ && values[i].sizes() == keys[i].sizes() &&
+                      keys[i].scalar_type() == h.scalar_type() && values[i].scalar_type() == h.scalar_type(),
+                  "lowbit decode: the KV caches must be contiguous [..., kv_heads, capacity, head_dim] in h's dtype");
       TORCH_CHECK(norm_ok(layers_[i].ln1) && norm_ok(layers_[i].ln2),
                   "lowbit decode: the norm weights must be contiguous [hidden] in h's dtype");
     }
     at::Tensor out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "lowbit_decode_step", [&] {
-      out = step_as<scalar_t>(h.contiguous().clone(), cos.contiguous(), sin.contiguous(), keys, values, pos);
+      out = steps_as<scalar_t>(h.contiguous().clone(), cos.contiguous(), sin.contiguous(), keys, values, rows,
+                               positions, N);
     });
     return out;
   }
 
- private:
-  // step() in the model's dtype T; h is this step's own copy, updated in place.  Every
+  // N tokens in the model's dtype T; h is this step's own copy, updated in place.  Every
   // intermediate lives in one buffer of this step; the gate in a tensor of its own, for
   // at::silu_ (Runner.forward's F.silu, the same bits).
   template <typename T>
-  at::Tensor step_as(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
-                     const std::vector<at::Tensor>& values, int64_t pos) const {
+  at::Tensor steps_as(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                      const std::vector<at::Tensor>& values, const int64_t* rows, const int64_t* positions,
+                      int64_t N) const {
     const int64_t H = heads_, KV = kv_heads_, hd = head_dim_, D = hidden_;
     int64_t inter = 0;
     for (const Layer& L : layers_) inter = std::max(inter, L.gate_up.out_features(0));
@@ -743,7 +838,7 @@ class Decoder {
     T* ph = h.data_ptr<T>();
     // x (a norm's output), q, k, v, roped q, attention, a projection's output, up: each at
     // 64 bytes, as a tensor of its own would be (the CPU allocator's alignment)
-    const int64_t sizes[] = {D, H * hd, KV * hd, KV * hd, H * hd, H * hd, D, inter};
+    const int64_t sizes[] = {N * D, N * H * hd, N * KV * hd, N * KV * hd, N * H * hd, N * H * hd, N * D, N * inter};
     const auto padded = [](int64_t n) { return (n * int64_t(sizeof(T)) + 63) / 64 * 64 / int64_t(sizeof(T)); };
     int64_t total = 0;
     for (int64_t n : sizes) total += padded(n);
@@ -756,37 +851,45 @@ class Decoder {
     }
     T *xn = part[0], *xq = part[1], *xk = part[2], *xv = part[3], *q = part[4], *att = part[5], *y = part[6],
       *up = part[7];
-    at::Tensor gate = at::empty({1, inter}, h.options());
-    T* g = gate.data_ptr<T>();
-    const float eps = static_cast<float>(eps_);
+    at::Tensor gate = at::empty({N, inter}, h.options());
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scaling_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      const int64_t cap = keys[i].size(1), I_i = L.gate_up.out_features(0);
-      rms_rows<T>(ph, L.ln1.data_ptr<T>(), xn, 1, D, eps);
+      const int64_t cap = keys[i].size(-2), I_i = L.gate_up.out_features(0), seq = KV * cap * hd;
+      T* const kp = keys[i].data_ptr<T>();
+      T* const vp = values[i].data_ptr<T>();
+      rms_rows<T>(ph, L.ln1.data_ptr<T>(), xn, N, D, eps);
       T* const qkv[] = {xq, xk, xv};
-      L.qkv.run<T>(xn, qkv);
-      rope_rows<T>(xq, pc, ps, q, H, hd, hd);
-      T* kc = keys[i].data_ptr<T>() + pos * hd;  // head j's row pos at kc + j * cap * hd
-      T* vc = values[i].data_ptr<T>() + pos * hd;
-      rope_rows<T>(xk, pc, ps, kc, KV, hd, cap * hd);
-      for (int64_t j = 0; j < KV; ++j) std::memcpy(vc + j * cap * hd, xv + j * hd, hd * sizeof(T));
-      attend<T>(q, keys[i].data_ptr<T>(), values[i].data_ptr<T>(), att, H, KV, cap, pos + 1, hd,
-                static_cast<float>(scaling_));
-      L.o.run<T>(att, &y);
-      add_into<T>(ph, y, D);
-      rms_rows<T>(ph, L.ln2.data_ptr<T>(), xn, 1, D, eps);
-      T* const gu[] = {g, up};
-      L.gate_up.run<T>(xn, gu);
-      at::Tensor gi = I_i == gate.size(1) ? gate : gate.narrow(1, 0, I_i);
+      L.qkv.run<T>(xn, qkv, N);
+      for (int64_t j = 0; j < N; ++j) {  // rotary embedding; k and v into the cache (head m's row at m * cap * hd)
+        const T *cj = pc + j * hd, *sj = ps + j * hd;
+        rope_rows<T>(xq + j * H * hd, cj, sj, q + j * H * hd, H, hd, hd);
+        T* kc = kp + rows[j] * seq + positions[j] * hd;
+        T* vc = vp + rows[j] * seq + positions[j] * hd;
+        rope_rows<T>(xk + j * KV * hd, cj, sj, kc, KV, hd, cap * hd);
+        for (int64_t m = 0; m < KV; ++m) std::memcpy(vc + m * cap * hd, xv + (j * KV + m) * hd, hd * sizeof(T));
+      }
+      if (N == 1) {  // attend's own threads over the chunks of the one cache
+        attend<T>(q, kp + rows[0] * seq, vp + rows[0] * seq, att, H, KV, cap, positions[0] + 1, hd, scale);
+      } else {
+        attend_rows<T>(q, kp, vp, att, rows, positions, N, H, KV, cap, hd, scale);
+      }
+      L.o.run<T>(att, &y, N);
+      add_into<T>(ph, y, N * D);
+      rms_rows<T>(ph, L.ln2.data_ptr<T>(), xn, N, D, eps);
+      at::Tensor gi = I_i == gate.size(1) ? gate : gate.narrow(1, 0, I_i).contiguous();
+      T* gp = gi.data_ptr<T>();
+      T* const gu[] = {gp, up};
+      L.gate_up.run<T>(xn, gu, N);
       at::silu_(gi);
-      mul_into<T>(g, up, I_i);
-      L.down.run<T>(g, &y);
-      add_into<T>(ph, y, D);
+      mul_into<T>(gp, up, N * I_i);
+      L.down.run<T>(gp, &y, N);
+      add_into<T>(ph, y, N * D);
     }
-    rms_rows<T>(ph, norm_.data_ptr<T>(), xn, 1, D, eps);
-    at::Tensor logits = at::empty({1, head_->out_features(0)}, h.options());
+    rms_rows<T>(ph, norm_.data_ptr<T>(), xn, N, D, eps);
+    at::Tensor logits = at::empty({N, head_->out_features(0)}, h.options());
     T* pl = logits.data_ptr<T>();
-    head_->run<T>(xn, &pl);
+    head_->run<T>(xn, &pl, N);
     return logits;
   }
 
@@ -833,5 +936,6 @@ void bind_decode(pybind11::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("set_head", &Decoder::set_head)
-      .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>());
+      .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>())
+      .def("step_rows", &Decoder::step_rows, py::call_guard<py::gil_scoped_release>());
 }

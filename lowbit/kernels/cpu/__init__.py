@@ -708,10 +708,15 @@ BACKEND = CpuBackend()
 
 
 # -- the native decode step of lowbit.runtime ------------------------------------------------
-# decode.cpp runs one token through the whole model in one call, each projection with the
-# kernel this backend's plan picks for one row, when the plan picks one of these:
-DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "int_mm", "int8_rows", "w4a8_rows",
-                  "a8_blocks")
+# decode.cpp runs a decode step (one token, or one token of each of a batch's sequences)
+# through the whole model in one call, each projection with the kernel this backend's plan
+# picks for the step's rows, when the plan picks one of these; decode.cpp's Proj takes each
+# by its index among the kernels of its kind of activations (weight-only: weight_only_kernels).
+DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels")
+DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
+DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm")
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", *DECODE_W8A8_KERNELS,
+                  *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 
 
 def has_bf16_dot() -> bool:
@@ -776,11 +781,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A float ``nn.Linear`` for the rows of a decode step: ``dense_linear`` where
-    ``dense_rows_apply``; more float32 rows (a batch's step) on AVX2 machines through
-    gemm_f32.cpp's register tiles (``_gemm_f32``: each output summed in the order of k
-    whatever the number of rows, 1.5-1.8x MKL's sgemm at 17-64 rows on a Zen 2), then
-    the bias; else ``torch.nn.functional.linear``.
+    """A float ``nn.Linear`` for the rows of a decode step, on the kernel ``step_linear_kernel``
+    names: ``dense_linear``; gemm_f32.cpp's register tiles (each output summed in the order
+    of k whatever the number of rows, 1.5-1.8x MKL's sgemm at 17-64 rows on a Zen 2), then
+    the bias; or ``torch.nn.functional.linear``.
 
     Example::
 
@@ -793,35 +797,58 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         >>> torch.allclose(cpu.step_linear(x, w, torch.ones(8)), x @ w.T + 1, atol=1e-4)
         True
     """
-    if x.dtype == weight.dtype and dense_rows_apply(weight, x.shape[0]):
+    kernel = "linear"
+    if x.dim() == 2 and x.dtype == weight.dtype and x.device.type == "cpu":
+        kernel = step_linear_kernel(weight, x.shape[0])
+    if kernel == "dense_rows":
         return dense_linear(x, weight, bias)
-    if (x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
-            and _gemm_f32()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if kernel == "gemm_f32" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = _C.gemm_f32(x, weight)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def float_projection(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A float ``nn.Linear`` in the decode step: ``dense_linear`` where
-    ``dense_rows_apply`` for one row, else ``torch.nn.functional.linear``."""
-    return _C.DecodeProj(weight, None, None, None, bias, 0, 0, 0, int(dense_rows_apply(weight, 1)))
+def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
+    """Which kernel ``rows`` rows of a decode step (x of the weight's dtype) take through a
+    float ``nn.Linear`` with this weight: ``"dense_rows"`` where ``dense_rows_apply``, else
+    ``"gemm_f32"`` for float32 on AVX2 machines without AVX-512 (``_gemm_f32``), else
+    ``"linear"`` (``torch.nn.functional.linear``).
+
+    Example::
+
+        >>> import torch
+        >>> from lowbit.kernels import cpu
+        >>> cpu.step_linear_kernel(torch.zeros(8, 64, dtype=torch.float64), 1)
+        'linear'
+    """
+    if dense_rows_apply(weight, rows):
+        return "dense_rows"
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and _gemm_f32():
+        return "gemm_f32"
+    return "linear"
+
+
+def float_projection(weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 1):
+    """A float ``nn.Linear`` in the decode step of ``rows`` rows, on ``step_linear``'s kernel."""
+    kernel = ("linear", "dense_rows", "gemm_f32").index(step_linear_kernel(weight, rows))
+    return _C.DecodeProj(weight, None, None, None, bias, 0, 0, 0, kernel)
 
 
 def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale, zero_point, bias, k: int,
-                     dtype: torch.dtype):
-    """A quantized projection in the decode step: ``lowbit.linear``'s matmul form of the
-    weight (``ops.matmul.weight_parts``), run for one row as ``plan`` says; None when the
-    plan's kernel is not one decode.cpp runs or the activations are per tensor (static scales)."""
+                     dtype: torch.dtype, rows: int = 1):
+    """A quantized projection in the decode step of ``rows`` rows: ``lowbit.linear``'s
+    matmul form of the weight (``ops.matmul.weight_parts``), run as ``plan`` says for that
+    many rows; None when the plan's kernel is not one decode.cpp runs (``DECODE_KERNELS``)
+    or the activations are per tensor (static scales)."""
     if act is not None and act.granularity == "tensor":
         return None
-    kernel = BACKEND.plan(weight, act, 1, k, dtype).kernel
+    kernel = BACKEND.plan(weight, act, rows, k, dtype).kernel
     if kernel not in DECODE_KERNELS:
         return None
-    if kernel in ("a8_blocks", "gemv_f32"):  # the packed kernels, which read float16 scales as stored
+    if kernel in DECODE_A8_BLOCKS_KERNELS or kernel == "gemv_f32":  # packed scales, float16 ones as stored
         s, zp = _C.packed_scales(scale, zero_point)
-        mode, index = (3, 0) if kernel == "a8_blocks" else (0, weight_only_kernel_index(kernel))
+        mode, index = ((3, DECODE_A8_BLOCKS_KERNELS.index(kernel)) if act is not None
+                       else (0, weight_only_kernel_index(kernel)))
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], mode, index,
                              weight.zero_point_domain == "min")
     s = scale.to(torch.float32).contiguous()
@@ -830,10 +857,10 @@ def quant_projection(weight: QuantScheme, act: QuantScheme | None, codes, scale,
         return _C.DecodeProj(None, codes, s, zp, bias, weight.bits, k // scale.shape[-1], 0,
                              weight_only_kernel_index(kernel), weight.zero_point_domain == "min")
     mode = 1 if act.symmetric else 2
-    if weight.bits == 8:  # kernel 1: int8_mm_rows, else torch._int_mm
-        return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode, int(kernel == "int8_rows"))
+    if weight.bits == 8:
+        return _C.DecodeProj(None, codes, s.reshape(-1), None, bias, 8, k, mode, DECODE_W8A8_KERNELS.index(kernel))
     zp = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-    return _C.DecodeProj(None, codes, s, zp, bias, 4, k // scale.shape[-1], mode)
+    return _C.DecodeProj(None, codes, s, zp, bias, 4, k // scale.shape[-1], mode, DECODE_W4A8_KERNELS.index(kernel))
 
 
 def decode_attention(q, keys, values, n: int, scaling: float):
