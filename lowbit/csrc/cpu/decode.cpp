@@ -212,21 +212,6 @@ void attend(const T* q, const T* k, const T* v, T* out, int64_t H, int64_t KV, i
   }
 }
 
-// attend for N new tokens of a batch, one each over its own sequence's cache: token j's q
-// [H, hd] at q + j H hd over the first positions[j] + 1 positions of sequence rows[j] of
-// caches [B, KV, cap, hd], out likewise; the tokens spread over the threads (attend inside
-// runs on one), each token's bits as attend alone.
-template <typename T>
-void attend_rows(const T* q, const T* k, const T* v, T* out, const int64_t* rows, const int64_t* positions,
-                 int64_t N, int64_t H, int64_t KV, int64_t cap, int64_t hd, float scale) {
-  const int64_t seq = KV * cap * hd;
-  at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j)
-      attend<T>(q + j * H * hd, k + rows[j] * seq, v + rows[j] * seq, out + j * H * hd, H, KV, cap, positions[j] + 1,
-                hd, scale);
-  });
-}
-
 template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -337,9 +322,12 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_rows", [&] {
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = keys.data_ptr<scalar_t>(), *vp = values.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    std::vector<int64_t> last(len, len + N);  // the position of each token: its length - 1
-    for (int64_t& n : last) n -= 1;
-    attend_rows<scalar_t>(qp, kp, vp, op, r, last.data(), N, H, KV, cap, hd, static_cast<float>(scale));
+    const int64_t seq = KV * cap * hd;
+    at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j)
+        attend<scalar_t>(qp + j * H * hd, kp + r[j] * seq, vp + r[j] * seq, op + j * H * hd, H, KV, cap, len[j],
+                         hd, static_cast<float>(scale));
+    });
   });
   return out;
 }
@@ -853,40 +841,54 @@ class Decoder {
       *up = part[7];
     at::Tensor gate = at::empty({N, inter}, h.options());
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scaling_);
+    // the per-token work between projections, over the tokens j0..j1: one token on this
+    // thread, a batch's spread over the threads (each token's values as alone)
+    const auto each_token = [N](const auto& f) {
+      if (N == 1)
+        f(int64_t(0), int64_t(1));
+      else
+        at::parallel_for(0, N, 1, f);
+    };
+    // h += y (unless y is null), then x = RMSNorm(h) with weight w, token by token
+    const auto add_norm = [&](const T* y_add, const at::Tensor& w) {
+      each_token([&](int64_t j0, int64_t j1) {
+        if (y_add) add_into<T>(ph + j0 * D, y_add + j0 * D, (j1 - j0) * D);
+        rms_rows<T>(ph + j0 * D, w.data_ptr<T>(), xn + j0 * D, j1 - j0, D, eps);
+      });
+    };
+    add_norm(nullptr, layers_.empty() ? norm_ : layers_[0].ln1);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       const int64_t cap = keys[i].size(-2), I_i = L.gate_up.out_features(0), seq = KV * cap * hd;
       T* const kp = keys[i].data_ptr<T>();
       T* const vp = values[i].data_ptr<T>();
-      rms_rows<T>(ph, L.ln1.data_ptr<T>(), xn, N, D, eps);
       T* const qkv[] = {xq, xk, xv};
       L.qkv.run<T>(xn, qkv, N);
-      for (int64_t j = 0; j < N; ++j) {  // rotary embedding; k and v into the cache (head m's row at m * cap * hd)
-        const T *cj = pc + j * hd, *sj = ps + j * hd;
-        rope_rows<T>(xq + j * H * hd, cj, sj, q + j * H * hd, H, hd, hd);
-        T* kc = kp + rows[j] * seq + positions[j] * hd;
-        T* vc = vp + rows[j] * seq + positions[j] * hd;
-        rope_rows<T>(xk + j * KV * hd, cj, sj, kc, KV, hd, cap * hd);
-        for (int64_t m = 0; m < KV; ++m) std::memcpy(vc + m * cap * hd, xv + (j * KV + m) * hd, hd * sizeof(T));
-      }
-      if (N == 1) {  // attend's own threads over the chunks of the one cache
-        attend<T>(q, kp + rows[0] * seq, vp + rows[0] * seq, att, H, KV, cap, positions[0] + 1, hd, scale);
-      } else {
-        attend_rows<T>(q, kp, vp, att, rows, positions, N, H, KV, cap, hd, scale);
-      }
+      // rotary embedding; k and v into the cache (head m's row at m * cap * hd); attention
+      each_token([&](int64_t j0, int64_t j1) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const T *cj = pc + j * hd, *sj = ps + j * hd;
+          rope_rows<T>(xq + j * H * hd, cj, sj, q + j * H * hd, H, hd, hd);
+          T* kc = kp + rows[j] * seq + positions[j] * hd;
+          T* vc = vp + rows[j] * seq + positions[j] * hd;
+          rope_rows<T>(xk + j * KV * hd, cj, sj, kc, KV, hd, cap * hd);
+          for (int64_t m = 0; m < KV; ++m) std::memcpy(vc + m * cap * hd, xv + (j * KV + m) * hd, hd * sizeof(T));
+          // one token: attend's own threads over the chunks of its cache
+          attend<T>(q + j * H * hd, kp + rows[j] * seq, vp + rows[j] * seq, att + j * H * hd, H, KV, cap,
+                    positions[j] + 1, hd, scale);
+        }
+      });
       L.o.run<T>(att, &y, N);
-      add_into<T>(ph, y, N * D);
-      rms_rows<T>(ph, L.ln2.data_ptr<T>(), xn, N, D, eps);
+      add_norm(y, L.ln2);
       at::Tensor gi = I_i == gate.size(1) ? gate : gate.narrow(1, 0, I_i).contiguous();
       T* gp = gi.data_ptr<T>();
       T* const gu[] = {gp, up};
       L.gate_up.run<T>(xn, gu, N);
       at::silu_(gi);
-      mul_into<T>(gp, up, N * I_i);
+      each_token([&](int64_t j0, int64_t j1) { mul_into<T>(gp + j0 * I_i, up + j0 * I_i, (j1 - j0) * I_i); });
       L.down.run<T>(gp, &y, N);
-      add_into<T>(ph, y, N * D);
+      add_norm(y, i + 1 < layers_.size() ? layers_[i + 1].ln1 : norm_);
     }
-    rms_rows<T>(ph, norm_.data_ptr<T>(), xn, N, D, eps);
     at::Tensor logits = at::empty({N, head_->out_features(0)}, h.options());
     T* pl = logits.data_ptr<T>();
     head_->run<T>(xn, &pl, N);
