@@ -13,6 +13,7 @@
 // token (K, 1), group (g, 1); int32 accumulators reuse it with group = their group.
 
 #include "kernels.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -44,20 +45,12 @@ struct Codes {
   }
 };
 
-// Round float32 to the output type, exactly as torch's .to(dtype) does (nearest, ties to
-// even), in loops the compiler vectorizes (c10's scalar conversions do not).
-inline uint16_t to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
-}
-
+// Round float32 to the output type, exactly as torch's .to(dtype) does (bf16: simd.h's bf16_bits).
 template <typename Out, typename Acc>
 inline void store(const Acc* src, Out* dst, int64_t n) {
   if constexpr (std::is_same_v<Out, c10::BFloat16>) {
     uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16_bits(src[i]);
+    for (int64_t i = 0; i < n; ++i) d[i] = bf16_bits(src[i]);
   } else if constexpr (std::is_same_v<Out, c10::Half>) {
     int64_t i = 0;
 #ifdef __AVX512F__
@@ -74,7 +67,7 @@ inline void store(const Acc* src, Out* dst, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LOWBIT_NIBBLES_BF16 1
 // nw u32x8 words of 4-bit codes (value j of a word: bits 4j..4j+3) to bf16, 16 values a
-// vector: the scalar loop's float32 arithmetic, (q - z) * s or q * s, and to_bf16_bits'
+// vector: the scalar loop's float32 arithmetic, (q - z) * s or q * s, and bf16_bits'
 // rounding (nearest, ties to even, NaN as 0x7FC0) in integer lanes, so the same bits;
 // the tiles_bf16 prefill's dequantization took a quarter of its time in the scalar loop
 // (1536 x 576 g64 at 512 rows, AMX Xeon: 0.24 ms of 1.04).

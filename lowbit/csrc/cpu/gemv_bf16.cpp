@@ -34,12 +34,6 @@ namespace {
 // measured slower than 4 on Zen 5: the extra accumulators spill).
 constexpr int MB = 4;
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 // 512-bit block: 128 values, 64 packed bytes, float lanes t = 0..15.
 struct Z {
   static constexpr int VALUES = 128;

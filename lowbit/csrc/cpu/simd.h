@@ -13,6 +13,15 @@ inline float bf16_value(uint16_t b) {
   return f;
 }
 
+// float32 rounded to bf16 bits as torch's .to(bfloat16) does (nearest, ties to even; NaN
+// as 0x7FC0), in a form the compiler vectorizes (c10's scalar conversion is not).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
 // Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
 // PackedWeight::half) converted to float32, exactly, with F16C: one value, two (the low half
 // of a __m128), or eight.
