@@ -119,7 +119,8 @@ class Runner:
         self.device = self.norm.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
         self._native = os.environ.get("LOWBIT_NATIVE_DECODE", "1") != "0"  # read once, at construction
-        self._decoders: dict = {}  # (float32 matmul precision, rows) -> native decode step or None
+        self._decoders: dict = {}  # (float32 matmul precision, the step's kernels) -> native decode step or None
+        self._step_kernels: dict = {}  # (float32 matmul precision, rows) -> the kernels of a step of that many rows
         native = cpu.decode_available() and self.device.type == "cpu"
         self._attend = cpu.decode_attention if native else None
         self._attend_rows = cpu.decode_attention_rows if native else None
@@ -137,10 +138,13 @@ class Runner:
     def _rows_decoder(self, rows: int):
         """The C++ decode step of ``rows`` tokens (a batch's step: its projections on the
         kernels planned for that many rows), or None: the Python path."""
-        key = (torch.get_float32_matmul_precision(), rows)
-        if key not in self._decoders:
-            self._decoders[key] = _native_decoder(self, rows)
-        return self._decoders[key]
+        precision = torch.get_float32_matmul_precision()
+        kernels = self._step_kernels.get((precision, rows))
+        if kernels is None:  # numbers of rows whose projections take the same kernels share one step
+            kernels = self._step_kernels[precision, rows] = _step_kernels(self, rows)
+        if (precision, kernels) not in self._decoders:
+            self._decoders[precision, kernels] = _native_decoder(self, rows)
+        return self._decoders[precision, kernels]
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated), at most the
@@ -549,6 +553,26 @@ def _act_overrides(r: Runner, act_compute: str | None) -> dict:
     if not out:
         raise ValueError(f"act_compute={act_compute!r} applies to weight-only quantized linears; this model has none")
     return out
+
+
+def _step_kernels(r: Runner, rows: int) -> tuple:
+    """The kernel each projection of a decode step of ``rows`` rows takes on the cpu
+    backend (a float nn.Linear: ``cpu.step_linear_kernel``; a QuantLinear: its plan): two
+    numbers of rows with the same kernels build the same C++ step."""
+    from .nn import QuantLinear
+    from .ops.matmul import as_act_scheme
+
+    def kernel(m):
+        if type(m) is nn.Linear:
+            return cpu.step_linear_kernel(m.weight, rows)
+        if isinstance(m, QuantLinear):
+            act = r._act.get(m, m.act_scheme)
+            act = None if act is None else as_act_scheme(act)
+            return cpu.BACKEND.plan(m.qweight.scheme, act, rows, m.in_features, r.dtype).kernel
+        return type(m).__name__
+
+    mods = [m for L in r.layers for m in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)] + [r.lm_head]
+    return tuple(kernel(m) for m in mods)
 
 
 def _native_decoder(r: Runner, rows: int = 1):

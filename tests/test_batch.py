@@ -206,3 +206,15 @@ def test_native_batch_step_on_the_bundled_model(recipe, prompts, monkeypatch):
         m = lowbit.quantize_model(m, recipe, inplace=False)
     _, ran = _same_batch_steps(m, prompts * 9, 3, monkeypatch)  # 36 sequences, then 18 and 9
     assert ran == [n for n in (36, 18, 9) if _batch_step_covers(m, torch.bfloat16, n)]
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+def test_row_counts_whose_projections_take_the_same_kernels_share_one_step(smol):
+    from lowbit.runtime import _step_kernels
+
+    r = Runner(smol[0])
+    kernels = {n: _step_kernels(r, n) for n in (2, 3, 40)}
+    for a, b in ((2, 3), (3, 40)):
+        assert r._rows_decoder(a) is not None
+        assert (r._rows_decoder(a) is r._rows_decoder(b)) == (kernels[a] == kernels[b])
+    assert len(r._decoders) == len(set(kernels.values()))

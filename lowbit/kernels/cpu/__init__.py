@@ -103,7 +103,8 @@ W4A8_AVX2_ROWS_MAX_M = 16
 # beats both at one row on an AVX-512 Xeon (Sapphire Rapids class, 2 threads, us):
 # 1536x576 41 vs 69 (_int_mm), 576x1536 37 vs 49, SmolLM2's 49152x576 head 1342 vs 2670.
 INT8_GEMM_MIN_M = 2
-# Where AMX runs, torch._int_mm (oneDNN's AMX int8) with the composed epilogue gives the same
+# Where AMX runs, torch._int_mm (oneDNN's int8 gemm_api: ONEDNN_VERBOSE shows its VNNI GEMM, not
+# the AMX brgemm matmul a bf16 F.linear gets) with the composed epilogue gives the same
 # bits as gemm_int8.cpp and is faster from 32 rows on; AVX-512 Xeon with AMX, 2 threads
 # (ms, fused gemm_int8 vs composed _int_mm):
 #   1536x576: M=16 0.050 vs 0.074, M=32 0.084 vs 0.068, M=128 0.200 vs 0.143, M=512 0.72 vs 0.55
@@ -359,7 +360,7 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
 def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= AMX_INT_MM_MIN_M and _has_avx512() and _amx():
-            return Plan("int_mm", f"from {AMX_INT_MM_MIN_M} rows where AMX runs: torch._int_mm (oneDNN's AMX int8), "
+            return Plan("int_mm", f"from {AMX_INT_MM_MIN_M} rows where AMX runs: torch._int_mm (oneDNN's int8 GEMM), "
                                   "zero-point correction, row x column epilogue: 1.2-2.9x gemm_int8.cpp")
         if m >= INT8_GEMM_MIN_M and _C is not None and _C.int8_gemm_supported(k):
             return Plan("gemm_int8", "vpdpbusd panels with the accumulator epilogue fused")
