@@ -1109,10 +1109,12 @@ MODEL_HELP = "GGUF file, Hugging Face folder or lowbit checkpoint (default: the 
 
 
 def _command(sub, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
-    """A subcommand whose --help opens with ``description`` and ends with ``examples``."""
+    """A subcommand whose --help opens with ``description`` and ends with ``examples``.  Options
+    are spelled out: an abbreviation would be taken silently (``generate --prompt TEXT`` read
+    TEXT as the --prompts file)."""
     return sub.add_parser(name, help=summary, description=description.strip(),
                           epilog="examples:\n" + examples.strip("\n"),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
 
 
 def _model_options(p: argparse.ArgumentParser, dtype: str, dtype_help: str, names=None) -> None:

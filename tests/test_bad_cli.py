@@ -389,3 +389,14 @@ def test_export_graph_writes_a_program_and_refuses_what_it_must(tiny, tmp_path, 
         assert message in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine" and out.stat().st_mtime_ns == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "w4.pt2", "w8a8.pt2"]
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "The capital of France is"],
+                                  ["quantize", "--rec", "w8a8", "-o", "out"]])
+def test_an_abbreviated_option_is_refused_not_taken_for_another(capsys, argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `generate --prompt TEXT` read TEXT as the --prompts file
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
