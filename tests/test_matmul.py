@@ -798,3 +798,40 @@ def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
     assert plan(QuantScheme.parse("int8-sym"), None, 129, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
     assert plan(w, None, cpu.AMX_BF16_GEMM_MAX_M + 1, 576, torch.bfloat16).kernel == "tiles_bf16"
     assert plan(QuantScheme.parse("int4-asym-g32-zpmin-f16"), None, 20, 576, torch.bfloat16).kernel != "gemm_bf16_amx"
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 64), (5, 40, 128), (16, 32, 576), (17, 33, 576), (40, 70, 1536),
+                                     (64, 17, 64), (65, 33, 576), (129, 24, 1536)])
+@pytest.mark.parametrize("values", ["random", "extreme"])
+def test_cpu_int8_mm_amx_gives_torch_int_mm_integers(m, n, k, values):
+    # exact int32 sums on AMX tiles (tdpbssd): the same integers as torch._int_mm whatever
+    # the order; up to 64 rows the weight as stored times packed rows of a (16 and a tail,
+    # the last 16 weight rows cut short), beyond packed weight panels (half panels of 16
+    # columns and a last one cut short)
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    a, _, b, *_ = int8_linear_case(m, n, k, values, False, False, torch.float32)
+    assert torch.equal(cpu._C.int8_mm_amx(a, b), torch._int_mm(a, b.T))
+    assert torch.equal(cpu._C.int8_mm_amx(a[:0], b), torch.zeros(0, n, dtype=torch.int32))
+
+
+def test_cpu_int8_mm_amx_refuses_what_it_does_not_take():
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    a = torch.zeros(3, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 64"):
+        cpu._C.int8_mm_amx(a[:, :40], a[:, :40])
+    with pytest.raises(RuntimeError, match=r"int8 a \[M, K\] and b \[N, K\] expected"):
+        cpu._C.int8_mm_amx(a, a.to(torch.int16))
+    with pytest.raises(RuntimeError, match=r"int8 a \[M, K\] and b \[N, K\] expected"):
+        cpu._C.int8_mm_amx(a, a[:, :32])
+
+
+def test_cpu_w8a8_plan_takes_the_amx_tiles_from_their_row_count():
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    plan = cpu._act8_plan
+    rows = cpu.AMX_INT8_MIN_M
+    assert plan(8, 576, rows, 576).kernel == "int8_amx" and plan(8, 576, 512, 1536).kernel == "int8_amx"
+    assert plan(8, 576, rows - 1, 576).kernel != "int8_amx"
+    assert plan(8, 96, 512, 96).kernel != "int8_amx"  # K not a multiple of 64

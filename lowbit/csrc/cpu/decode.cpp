@@ -527,7 +527,7 @@ namespace {
 // kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8), or
 // one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8 codes
 // [N, K], scale [N] float32; kernel 0: torch._int_mm, 1: int8_mm_rows, 2: int8_linear, the
-// epilogue and bias fused, 3: int8_mm_panels) or W4A8 (u32x8 codes, scale [N, G] float32,
+// epilogue and bias fused, 3: int8_mm_panels, 4: int8_mm_amx) or W4A8 (u32x8 codes, scale [N, G] float32,
 // int32 zero points or none; kernel 0: w4a8_gemm, 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
 // The paths are lowbit.linear's, op for op: per-token quantization, unsigned codes shifted to
 // int8, the integer product, then the row x column epilogue (W8A8) or the row scale (W4A8),
@@ -569,6 +569,7 @@ struct Proj {
     if (bits == 8) {
       at::Tensor acc = kernel == 1   ? int8_mm_rows(q, codes)
                        : kernel == 3 ? int8_mm_panels(q, codes)
+                       : kernel == 4 ? int8_mm_amx(q, codes)
                                      : at::_int_mm(q, codes.t());
       if (act == 2) acc = acc - z.unsqueeze(1) * codes.sum(1, false, at::kInt).unsqueeze(0);
       y = dequantize_rowcol(acc, s32, scale, x.scalar_type());

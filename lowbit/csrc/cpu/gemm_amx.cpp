@@ -318,6 +318,106 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
     _tile_release();
   });
 }
+
+// ---- int8 x int8 -> exact int32 (W8A8's integer product) ---------------------------------
+// For a batch's few rows the roles swap: 16 weight rows are an A tile as stored (row-major
+// [N, K], no packing), the rows of a a B tile (a packed once per call into [k / 4][16 rows][4],
+// zero rows past M), C = W x a^T [16 weight rows][16 rows of a], written transposed.  The
+// weight is read once, straight into the tiles.
+void int8_mm_few(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, int32_t* out) {
+  const int64_t mt = (M + TILE - 1) / TILE, nt = (N + TILE - 1) / TILE;
+  std::vector<int32_t> xp_keep(mt * K * TILE / 4 + 16);
+  int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(xp_keep.data()) + 63) & ~uintptr_t(63));
+  for (int64_t t = 0; t < mt; ++t)  // tile t: dword [k / 4][r] = a[16 t + r, k..k+3]
+    for (int64_t q = 0; q < K / 4; ++q)
+      for (int r = 0; r < TILE; ++r) {
+        const int64_t m = TILE * t + r;
+        int32_t v = 0;
+        if (m < M) std::memcpy(&v, a + m * K + 4 * q, 4);
+        xp[(t * (K / 4) + q) * TILE + r] = v;
+      }
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles(64);
+    alignas(64) int32_t c[TILE * TILE];
+    std::vector<int8_t> tail;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE;
+      const int cols = static_cast<int>(std::min<int64_t>(TILE, N - n0));
+      const int8_t* w = b + n0 * K;
+      if (cols < TILE) {  // tile loads read 16 weight rows: the last ones padded with zeros
+        tail.assign(TILE * K, 0);
+        std::copy(w, w + cols * K, tail.begin());
+        w = tail.data();
+      }
+      for (int64_t m0 = 0; m0 < mt; ++m0) {
+        _tile_zero(0);
+        for (int64_t k = 0; k < K; k += 64) {
+          _tile_loadd(4, w + k, K);
+          _tile_loadd(6, xp + (m0 * (K / 4) + k / 4) * TILE, TILE * 4);
+          _tile_dpbssd(0, 4, 6);
+        }
+        _tile_stored(0, c, TILE * 4);  // c[i][r]: weight row n0 + i, row 16 m0 + r of a
+        const int rows = static_cast<int>(std::min<int64_t>(TILE, M - TILE * m0));
+        for (int r = 0; r < rows; ++r)
+          for (int i = 0; i < cols; ++i) out[(TILE * m0 + r) * N + n0 + i] = c[i * TILE + r];
+      }
+    }
+    _tile_release();
+  });
+}
+
+// ---- int8 x int8 -> exact int32 (W8A8's integer product) ---------------------------------
+// c[m, n] = sum_k a[m, k] b[n, k]: every panel of 32 weight rows (pack_codes: the codes as
+// stored, int8) times every 16 rows of a (padded with zero rows past M), K in tile products
+// of 64 (tdpbssd: int8 x int8, exact int32 sums; |sum| <= K 2^14 fits int32 for K < 2^17).
+// The same integers as torch._int_mm, in any order.
+void int8_mm_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, int32_t* out) {
+  const int64_t Mp = (M + TILE - 1) / TILE * TILE;
+  std::vector<int8_t> padded;
+  const int8_t* xq = a;
+  if (Mp != M) {  // tile loads read 16 rows
+    padded.assign(Mp * K, 0);
+    std::copy(a, a + M * K, padded.begin());
+    xq = padded.data();
+  }
+  const PackedWeight wt{reinterpret_cast<const uint8_t*>(b), nullptr, nullptr, N, nullptr};
+  const int64_t panels = (N + COLS - 1) / COLS;
+  const PanelWork work(panels, M, TILE, at::get_num_threads());
+  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles(64);
+    PanelBuffer panel(K * COLS / 4);
+    alignas(64) int32_t c[TILE * TILE];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
+      const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
+      pack_codes(wt, K, 8, n0, reinterpret_cast<uint8_t*>(panel.data));
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < K; k += 64) {  // both halves of the panel share each A tile
+          _tile_loadd(4, xq + m * K + k, K);
+          _tile_loadd(6, pb + k * TILE, TILE * 4);
+          _tile_loadd(7, pb + K * TILE + k * TILE, TILE * 4);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+        }
+        for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+          const int hc = std::min(TILE, cols - TILE * h);
+          int32_t* o = out + m * N + n0 + TILE * h;
+          if (h == 0)
+            _tile_stored(0, c, TILE * 4);
+          else
+            _tile_stored(1, c, TILE * 4);
+          for (int r = 0; r < rows; ++r) std::memcpy(o + r * N, c + r * TILE, hc * sizeof(int32_t));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif
 
 }  // namespace
@@ -406,4 +506,30 @@ at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at
              N, w_scale.data_ptr<float>(), w_zp ? w_zp->data_ptr<int32_t>() : nullptr, group, y.data_ptr<float>());
 #endif
   return y;
+}
+
+// Rows of a up to which int8_mm_amx takes int8_mm_few (the weight unpacked) over the panels.
+constexpr int64_t kAmxFewRows = 64;
+
+// Exact int32 a [M, K] @ b [N, K].T of int8 matrices on AMX tiles (K a multiple of 64):
+// torch._int_mm's integers (W8A8's product; the caller's epilogue gives the same bits).
+at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(has_amx_int8(), "lowbit._C.int8_mm_amx needs AMX (amx-tile, amx-int8) and the kernel's permission to "
+                              "use its tiles");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
+                  a.size(1) == b.size(1),
+              "lowbit._C.int8_mm_amx: int8 a [M, K] and b [N, K] expected, got ", a.sizes(), " ", a.scalar_type(),
+              " and ", b.sizes(), " ", b.scalar_type());
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(K % 64 == 0 && K < (int64_t(1) << 17), "lowbit._C.int8_mm_amx: K must be a multiple of 64 below 2^17, got ",
+              K);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor out = at::empty({M, N}, a.options().dtype(at::kInt));
+#ifdef LOWBIT_AMX
+  if (M > 0 && N > 0 && K > 0)
+    (M <= kAmxFewRows ? int8_mm_few : int8_mm_run)(ac.data_ptr<int8_t>(), M, K, bc.data_ptr<int8_t>(), N,
+                                                   out.data_ptr<int32_t>());
+  if (K == 0) out.zero_();
+#endif
+  return out;
 }

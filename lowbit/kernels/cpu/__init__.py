@@ -111,6 +111,17 @@ INT8_GEMM_MIN_M = 2
 #   576x1536: M=16 0.061 vs 0.049, M=32 0.087 vs 0.061, M=128 0.239 vs 0.128, M=512 0.88 vs 0.30
 #   576x576:  M=32 0.037 vs 0.037, M=512 0.33 vs 0.14;  192x576 M=512 0.14 vs 0.06
 AMX_INT_MM_MIN_M = 32
+# gemm_amx.cpp's int8_mm_amx (AMX int8 tiles, K a multiple of 64: up to 64 rows the weight
+# read as stored into the tiles, beyond packed per call) gives torch._int_mm's integers; with
+# the row x column epilogue, against the fused gemm_int8 and torch._int_mm, same machine,
+# 2 threads, weights cycled through 35-40 MB (us, gemm_int8 / int8_mm_amx / _int_mm):
+#   1536x576: M=2 52 / 45 / 74, M=8 78 / 47 / 92, M=32 137 / 88 / 146, M=128 427 / 292 / 392,
+#             M=512 1443 / 1007 / 1383
+#   576x1536: M=2 64 / 40 / 52, M=8 104 / 52 / 79, M=32 121 / 62 / 74, M=512 1593 / 798 / 940
+#   576x576:  M=8 35 / 21 / 38, M=32 72 / 45 / 67;  192x576: M=8 32 / 17 / 27, M=512 255 / 122 / 143
+# One row stays on int8_rows (48 / 37 / 81 for 1536x576 composed, and the decode step runs
+# it on pointers, without the tensors).
+AMX_INT8_MIN_M = 2
 # Without AVX-512 VNNI (an AVX2-only Zen 2) torch._int_mm has no fast int8 GEMM: 4096 x 576
 # @ 576 x 1536 takes 1.18 s against 0.05 s for the same float32 GEMM.  int8 x int8
 # products are at most 128 * 128 = 2^14 in magnitude, so every partial sum of a dot
@@ -359,6 +370,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
 @lru_cache(maxsize=4096)
 def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
+        if m >= AMX_INT8_MIN_M and k % 64 == 0 and _has_avx512() and _has_amx_int8():
+            return Plan("int8_amx", f"from {AMX_INT8_MIN_M} rows where AMX runs: gemm_amx.cpp's int8 tiles (exact "
+                                    "int32, torch._int_mm's integers), zero-point correction, row x column epilogue")
         if m >= AMX_INT_MM_MIN_M and _has_avx512() and _amx():
             return Plan("int_mm", f"from {AMX_INT_MM_MIN_M} rows where AMX runs: torch._int_mm (oneDNN's int8 GEMM), "
                                   "zero-point correction, row x column epilogue: 1.2-2.9x gemm_int8.cpp")
@@ -397,7 +411,7 @@ class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "tiles_f32",
                "tiles_bf16",
-               "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "gemm_int8", "w4a8_rows", "w4a8_panels",
+               "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
 
     def plan(self, weight, act, m, k, dtype):
@@ -560,6 +574,8 @@ class CpuBackend(Backend):
             return _C.int8_mm_rows(a, b)
         if kernel == "int8_panels":
             return _C.int8_mm_panels(a, b)
+        if kernel == "int8_amx":
+            return _C.int8_mm_amx(a, b)
         return torch._int_mm(a.contiguous(), b.T)
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
@@ -713,7 +729,7 @@ BACKEND = CpuBackend()
 # through the whole model in one call, each projection with the kernel this backend's plan
 # picks for the step's rows, when the plan picks one of these; decode.cpp's Proj takes each
 # by its index among the kernels of its kind of activations (weight-only: weight_only_kernels).
-DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels")
+DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_amx")
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
 DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm")
 DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", *DECODE_W8A8_KERNELS,
