@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cpu
-from .scheme import check_act_weight
+from .scheme import QuantScheme, check_act_weight
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # Runner(act_compute=...): the activation scheme each weight-only quantized linear runs with
@@ -39,6 +39,11 @@ class _Layer:
     up: nn.Module
     down: nn.Module
     act: nn.Module
+
+    @property
+    def projections(self) -> tuple:
+        """The seven projections in the order the C++ decode step takes them."""
+        return self.q, self.k, self.v, self.o, self.gate, self.up, self.down
 
 
 @dataclass
@@ -560,19 +565,24 @@ def _step_kernels(r: Runner, rows: int) -> tuple:
     backend (a float nn.Linear: ``cpu.step_linear_kernel``; a QuantLinear: its plan): two
     numbers of rows with the same kernels build the same C++ step."""
     from .nn import QuantLinear
-    from .ops.matmul import as_act_scheme
 
     def kernel(m):
         if type(m) is nn.Linear:
             return cpu.step_linear_kernel(m.weight, rows)
         if isinstance(m, QuantLinear):
-            act = r._act.get(m, m.act_scheme)
-            act = None if act is None else as_act_scheme(act)
-            return cpu.BACKEND.plan(m.qweight.scheme, act, rows, m.in_features, r.dtype).kernel
+            return cpu.BACKEND.plan(m.qweight.scheme, _act_scheme(r, m), rows, m.in_features, r.dtype).kernel
         return type(m).__name__
 
-    mods = [m for L in r.layers for m in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)] + [r.lm_head]
+    mods = [m for L in r.layers for m in L.projections] + [r.lm_head]
     return tuple(kernel(m) for m in mods)
+
+
+def _act_scheme(r: Runner, m) -> QuantScheme | None:
+    """The activation scheme QuantLinear m runs with in r (act_compute's override, else its own)."""
+    from .ops.matmul import as_act_scheme
+
+    act = r._act.get(m, m.act_scheme)
+    return None if act is None else as_act_scheme(act)
 
 
 def _native_decoder(r: Runner, rows: int = 1):
@@ -582,7 +592,7 @@ def _native_decoder(r: Runner, rows: int = 1):
     CPU; else None.  LOWBIT_NATIVE_DECODE=0 turns it off."""
     from .kernels import resolve
     from .nn import QuantLinear
-    from .ops.matmul import as_act_scheme, weight_parts
+    from .ops.matmul import weight_parts
 
     if not r._native or not cpu.decode_available() or r.device.type != "cpu":
         return None
@@ -595,8 +605,7 @@ def _native_decoder(r: Runner, rows: int = 1):
         if not isinstance(m, QuantLinear) or resolve(m.backend, r.device) != "cpu" or m.input_order is not None:
             return None  # the decode step has no input permutation: the Python path runs it
         codes, scale, zp, _, _ = weight_parts(m.qweight)
-        act = r._act.get(m, m.act_scheme)
-        act = None if act is None else as_act_scheme(act)
+        act = _act_scheme(r, m)
         w = m.qweight.scheme
         try:
             check_act_weight(w, act, m.in_features)
@@ -606,7 +615,7 @@ def _native_decoder(r: Runner, rows: int = 1):
 
     d = cpu.new_decoder(r.heads, r.kv_heads, r.head_dim, r.hidden, r.eps, r.scaling)
     for L in r.layers:
-        ps = [proj(m) for m in (L.q, L.k, L.v, L.o, L.gate, L.up, L.down)]
+        ps = [proj(m) for m in L.projections]
         if any(p is None for p in ps):
             return None
         d.add_layer(L.ln1, L.ln2, *ps)

@@ -47,6 +47,23 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def biased_llama(dtype: torch.dtype):
+    """A 2-layer random Llama (vocab 96, hidden 128, 4 heads on 2 kv heads, 64 positions) in
+    dtype, every attention and MLP projection with a bias that is not zero."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    return m
+
+
 TINY_POSITIONS = 48
 
 

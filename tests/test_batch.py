@@ -9,6 +9,8 @@ from lowbit.kernels import cpu
 from lowbit.nn import QuantLinear
 from lowbit.runtime import BatchGeneration, Runner, _BatchCache
 
+from .conftest import biased_llama
+
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Once upon a time, in a"]
 
 
@@ -173,17 +175,7 @@ def _same_batch_steps(model, prompts, steps, monkeypatch):
                                     "q4_0-a8", "q8_0-a8", "q4_1-a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, monkeypatch):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attention_bias=True, mlp_bias=True)
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
-    with torch.no_grad():  # biases that are not zero
-        for name, p in m.named_parameters():
-            if name.endswith(".bias"):
-                p.uniform_(-0.5, 0.5)
+    m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token"),
               "w4a8-sym": lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token"),
               "q4_1-a8": lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")}.get(recipe, recipe)

@@ -14,6 +14,7 @@ from lowbit.nn import QuantLinear
 from lowbit.runtime import Runner
 
 from .conftest import FAST_BACKENDS as _FAST
+from .conftest import biased_llama
 
 # a whole model through Triton's interpreter takes minutes: the model tests run the compiled backends
 FAST_BACKENDS = [b for b in _FAST if b != "triton"]
@@ -377,17 +378,7 @@ def _same_steps(native, python, prompt, tokens):
 @pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a8", "w4a8-g128", "w4a8-sym", "q4_0-a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_step_adds_each_projections_bias_as_the_python_path(recipe, dtype, monkeypatch):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attention_bias=True, mlp_bias=True)
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
-    with torch.no_grad():  # biases that are not zero
-        for name, p in m.named_parameters():
-            if name.endswith(".bias"):
-                p.uniform_(-0.5, 0.5)
+    m = biased_llama(dtype)
     if recipe == "w4a8-sym":  # symmetric per-token activations with 4-bit codes
         recipe = lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token")
     if recipe is not None:

@@ -965,13 +965,12 @@ class Decoder {
   }
 
  private:
-  // The checks both steps share, then steps_as in h's dtype.  A cache [KV, cap, hd] is
-  // sequence 0 of [1, KV, cap, hd]: the same memory.
+  // The checks both steps share (each checked the number of caches already), then steps_as
+  // in h's dtype.  A cache [KV, cap, hd] is sequence 0 of [1, KV, cap, hd]: the same memory.
   at::Tensor steps(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                    const std::vector<at::Tensor>& values, const int64_t* rows, const int64_t* positions,
                    int64_t N) const {
     TORCH_CHECK(head_.has_value(), "lowbit decode: set_head first");
-    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "lowbit decode: cache size");
     TORCH_CHECK(cos.numel() == N * head_dim_ && sin.numel() == N * head_dim_ && cos.scalar_type() == h.scalar_type() &&
                     sin.scalar_type() == h.scalar_type(),
                 "lowbit decode: cos and sin must be one row of head_dim values a token, in h's dtype");
@@ -1024,7 +1023,7 @@ class Decoder {
     }
     T *xn = part[0], *xq = part[1], *xk = part[2], *xv = part[3], *q = part[4], *att = part[5], *y = part[6],
       *up = part[7];
-    at::Tensor gate = at::empty({N, inter}, h.options());
+    at::Tensor gate = at::empty({N * inter}, h.options());  // [N, I] of each layer's I at its start
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scaling_);
     // the per-token work between projections, over the tokens j0..j1: one token on this
     // thread, a batch's spread over the threads (each token's values as alone)
@@ -1065,7 +1064,7 @@ class Decoder {
       });
       L.o.run<T>(att, &y, N);
       add_norm(y, L.ln2);
-      at::Tensor gi = I_i == gate.size(1) ? gate : gate.narrow(1, 0, I_i).contiguous();
+      at::Tensor gi = gate.narrow(0, 0, N * I_i).view({N, I_i});
       T* gp = gi.data_ptr<T>();
       T* const gu[] = {gp, up};
       L.gate_up.run<T>(xn, gu, N);
