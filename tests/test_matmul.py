@@ -801,18 +801,33 @@ def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 1, 64), (5, 40, 128), (16, 32, 576), (17, 33, 576), (40, 70, 1536),
-                                     (64, 17, 64), (65, 33, 576), (129, 24, 1536)])
+                                     (64, 17, 64), (65, 33, 576), (129, 24, 4160)])
 @pytest.mark.parametrize("values", ["random", "extreme"])
 def test_cpu_int8_mm_amx_gives_torch_int_mm_integers(m, n, k, values):
     # exact int32 sums on AMX tiles (tdpbssd): the same integers as torch._int_mm whatever
-    # the order; up to 64 rows the weight as stored times packed rows of a (16 and a tail,
-    # the last 16 weight rows cut short), beyond packed weight panels (half panels of 16
-    # columns and a last one cut short)
+    # the order; blocks of 32 weight rows (n = 1, 17, 33, 70: the last one cut short) times
+    # 32 rows of a (m = 1, 5, 17: one rows tile; 40, 65, 129: two and a last single one);
+    # "extreme" sums reach 128 * 128 * 4160 ~ 2^26
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
     a, _, b, *_ = int8_linear_case(m, n, k, values, False, False, torch.float32)
     assert torch.equal(cpu._C.int8_mm_amx(a, b), torch._int_mm(a, b.T))
     assert torch.equal(cpu._C.int8_mm_amx(a[:0], b), torch.zeros(0, n, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_point, bias", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("values", ["random", "extreme"])
+@pytest.mark.parametrize("m, n, k", [(2, 8, 64), (17, 33, 576), (40, 70, 1536), (129, 24, 4160)])
+def test_cpu_int8_linear_amx_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
+    # w8a8_amx.cpp's epilogue (int8_epilogue.h, gemm_int8.cpp's) on the transposed C tiles,
+    # the weight's row sums for the zero-point term taken from the tiles' rows
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    args = int8_linear_case(m, n, k, values, zero_point, bias, out_dtype)
+    assert torch.equal(cpu._C.int8_linear_amx(*args), get_backend("reference").int8_linear(*args))
+    a, azp, b, row, *rest = args
+    assert cpu._C.int8_linear_amx(a[:0], None if azp is None else azp[:0], b, row[:0], *rest).shape == (0, n)
 
 
 def test_cpu_int8_mm_amx_refuses_what_it_does_not_take():
@@ -825,6 +840,13 @@ def test_cpu_int8_mm_amx_refuses_what_it_does_not_take():
         cpu._C.int8_mm_amx(a, a.to(torch.int16))
     with pytest.raises(RuntimeError, match=r"int8 a \[M, K\] and b \[N, K\] expected"):
         cpu._C.int8_mm_amx(a, a[:, :32])
+    one = torch.ones(3)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 64"):
+        cpu._C.int8_linear_amx(a[:, :40], None, a[:, :40], one, one, None, torch.float32)
+    with pytest.raises(RuntimeError, match=r"row_scale and a_zero_point \[M\], col_scale and bias \[N\]"):
+        cpu._C.int8_linear_amx(a, None, a, one[:2], one, None, torch.float32)
+    with pytest.raises(RuntimeError, match="unsupported out dtype"):
+        cpu._C.int8_linear_amx(a, None, a, one, one, None, torch.int32)
 
 
 def test_cpu_w8a8_plan_takes_the_amx_tiles_from_their_row_count():

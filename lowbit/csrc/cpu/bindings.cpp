@@ -73,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight_only_gemm_bf16's panels multiplied on AMX bf16 tiles (tdpbf16ps)");
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbsud, a group per C tile), the same bits");
   m.def("int8_mm_amx", &int8_mm_amx, "exact int32 a @ b.T of int8 matrices on AMX tiles (tdpbssd), K a multiple of 64");
+  m.def("int8_linear_amx", &int8_linear_amx,
+        "W8A8: int8_linear's contract and bits on AMX int8 tiles (tdpbssd), K a multiple of 64");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
   m.def("has_dense_rows", &has_dense_rows, "whether dense_rows (float32 FMAs on float32 or bf16 values, AVX2 or AVX-512) was compiled in");

@@ -527,8 +527,8 @@ namespace {
 // kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8), or
 // one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8 codes
 // [N, K], scale [N] float32; kernel 0: torch._int_mm, 1: int8_mm_rows, 2: int8_linear, the
-// epilogue and bias fused, 3: int8_mm_panels, 4: int8_mm_amx) or W4A8 (u32x8 codes, scale [N, G] float32,
-// int32 zero points or none; kernel 0: w4a8_gemm, 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
+// epilogue and bias fused, 3: int8_mm_panels, 4: int8_linear_amx, the same on AMX tiles) or
+// W4A8 (u32x8 codes, scale [N, G] float32, int32 zero points or none; kernel 0: w4a8_gemm, 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
 // The paths are lowbit.linear's, op for op: per-token quantization, unsigned codes shifted to
 // int8, the integer product, then the row x column epilogue (W8A8) or the row scale (W4A8),
 // the bias added in x's dtype.  lowbit.kernels.cpu.quant_projection names the kernels.
@@ -545,15 +545,17 @@ struct Proj {
       const at::Tensor y = gemm_f32(x, weight);
       return bias ? y + *bias : y;
     }
-    if (act && act != 3 && bits == 8 && kernel == 2) return int8_linear_fused(x);  // the bias in its epilogue
+    if (act && act != 3 && bits == 8 && (kernel == 2 || kernel == 4))
+      return int8_linear_fused(x);  // the bias in its epilogue
     at::Tensor y = act == 3 ? int8_blocks(x)
                    : act   ? int8_activations(x)
                            : weight_only_matmul(x, codes, scale, zero_point, bits, group, kernel, zero_point_min);
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
 
-  // W8A8 on gemm_int8.cpp's int8_linear: per-token codes as int8_activations makes them,
-  // the zero-point correction, epilogue and bias in the kernel (the composed path's bits).
+  // W8A8 on gemm_int8.cpp's int8_linear (kernel 2) or w8a8_amx.cpp's int8_linear_amx (4):
+  // per-token codes as int8_activations makes them, the zero-point correction, epilogue and
+  // bias in the kernel (the composed path's bits).
   at::Tensor int8_linear_fused(const at::Tensor& x) const;
 
   at::Tensor int8_blocks(const at::Tensor& x) const;
@@ -569,7 +571,6 @@ struct Proj {
     if (bits == 8) {
       at::Tensor acc = kernel == 1   ? int8_mm_rows(q, codes)
                        : kernel == 3 ? int8_mm_panels(q, codes)
-                       : kernel == 4 ? int8_mm_amx(q, codes)
                                      : at::_int_mm(q, codes.t());
       if (act == 2) acc = acc - z.unsqueeze(1) * codes.sum(1, false, at::kInt).unsqueeze(0);
       y = dequantize_rowcol(acc, s32, scale, x.scalar_type());
@@ -609,7 +610,7 @@ at::Tensor Proj::int8_linear_fused(const at::Tensor& x) const {
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   auto [q, s, z] = token_codes(x2);
   const c10::optional<at::Tensor> zp = act == 2 ? c10::optional<at::Tensor>(z) : c10::nullopt;
-  const at::Tensor y = int8_linear(q, zp, codes, s, scale, bias, x.scalar_type());
+  const at::Tensor y = (kernel == 4 ? int8_linear_amx : int8_linear)(q, zp, codes, s, scale, bias, x.scalar_type());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = codes.size(0);
   return y.view(shape);

@@ -16,6 +16,7 @@
 // accumulators fed by a broadcast dword of activations.  Partial sums of all but the
 // last chunk go to an int32 scratch; the last chunk writes y.
 
+#include "int8_epilogue.h"
 #include "kernels.h"
 #include "panels.h"
 #include "simd.h"
@@ -73,53 +74,24 @@ void pack_panel(const int8_t* b, int64_t N, int64_t K, int64_t n0, int64_t k0, i
   }
 }
 
-// What the last chunk's store needs: the epilogue's operands for this panel.
+// What the last chunk's store needs: the epilogue's operands (int8_epilogue.h) and this
+// panel's sum_k b.
 struct Epilogue {
-  const float* row;      // [M]
-  const int32_t* a_zp;   // [M] or null
-  const float* col;      // [Npad], this panel's at col + n0
-  const float* bias;     // [Npad] (already rounded to the output dtype) or null
-  const int32_t* colsum; // [NP], this panel's sum_k b
-  at::ScalarType out;
-  void* y;               // [M, N] of `out`
+  int8_epilogue::RowCol rc;
+  const int32_t* colsum;  // [NP]
 };
-
-// Round 16 floats to T's grid and back (T: float, bf16 or f16).
-template <typename T>
-inline __m512 round_to(__m512 v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
-  else if constexpr (std::is_same_v<T, c10::Half>)
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  else return v;
-}
-
-template <typename T>
-inline void store(T* out, __mmask16 mask, __m512 v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  else if constexpr (std::is_same_v<T, c10::Half>)
-    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  else _mm512_mask_storeu_ps(out, mask, v);
-}
 
 // Rows m .. m + rows of y from their int32 sums (NP per row).
 template <typename T>
-__attribute__((noinline)) void finish(const int32_t* sums, int rows, int64_t m, int64_t n0, int64_t N, int ncols,
+__attribute__((noinline)) void finish(const int32_t* sums, int rows, int64_t m, int64_t n0, int ncols,
                                       const Epilogue& e) {
-  T* y = static_cast<T*>(e.y);
   for (int v = 0; v < NV; ++v) {
     const int left = ncols - 16 * v;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     const __m512i colsum = _mm512_loadu_si512(e.colsum + 16 * v);
-    const __m512 col = _mm512_loadu_ps(e.col + n0 + 16 * v);
-    for (int r = 0; r < rows; ++r) {
-      __m512i a = _mm512_load_si512(sums + r * NP + 16 * v);
-      if (e.a_zp) a = _mm512_sub_epi32(a, _mm512_mullo_epi32(_mm512_set1_epi32(e.a_zp[m + r]), colsum));
-      __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(e.row[m + r])), col);
-      if (e.bias) f = _mm512_add_ps(round_to<T>(f), _mm512_loadu_ps(e.bias + n0 + 16 * v));
-      store<T>(y + (m + r) * N + n0 + 16 * v, mask, f);
-    }
+    for (int r = 0; r < rows; ++r)
+      int8_epilogue::rowcol16<T>(e.rc, _mm512_load_si512(sums + r * NP + 16 * v), colsum, m + r, n0 + 16 * v, mask);
   }
 }
 
@@ -147,10 +119,10 @@ void tile(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t kq, con
       _mm512_storeu_si512(last ? &sums[r][16 * v] : static_cast<void*>(scratch + r * lds + 16 * v), t);
     }
   if (!last) return;
-  switch (e.out) {
-    case at::kBFloat16: finish<c10::BFloat16>(&sums[0][0], R, m, n0, N, ncols, e); break;
-    case at::kHalf: finish<c10::Half>(&sums[0][0], R, m, n0, N, ncols, e); break;
-    default: finish<float>(&sums[0][0], R, m, n0, N, ncols, e);
+  switch (e.rc.out) {
+    case at::kBFloat16: finish<c10::BFloat16>(&sums[0][0], R, m, n0, ncols, e); break;
+    case at::kHalf: finish<c10::Half>(&sums[0][0], R, m, n0, ncols, e); break;
+    default: finish<float>(&sums[0][0], R, m, n0, ncols, e);
   }
 }
 
@@ -217,8 +189,9 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
       const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
       std::fill(colsum, colsum + NP, 0);
-      const Epilogue e{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr, col.data_ptr<float>(),
-                       bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, colsum, out_dtype, y.data_ptr()};
+      const Epilogue e{{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr, col.data_ptr<float>(),
+                        bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out_dtype, y.data_ptr(), N},
+                       colsum};
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         std::fill(chunk_sum, chunk_sum + NP, 0);

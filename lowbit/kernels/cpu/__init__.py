@@ -579,12 +579,15 @@ class CpuBackend(Backend):
         return torch._int_mm(a.contiguous(), b.T)
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
-        """W8A8 in one call where ``plan`` says ``gemm_int8`` (gemm_int8.cpp): vpdpbusd int8
-        GEMM with exact int32 sums and the dequantize_accumulator epilogue (and bias) fused
-        into its store, the bits of the composed path (``Backend.int8_linear``)."""
-        if _act8_plan(8, a.shape[1], a.shape[0], a.shape[1]).kernel != "gemm_int8":
+        """W8A8 in one call where ``plan`` says ``gemm_int8`` (gemm_int8.cpp: vpdpbusd) or
+        ``int8_amx`` (w8a8_amx.cpp: AMX tdpbssd): an int8 GEMM with exact int32 sums and the
+        dequantize_accumulator epilogue (and bias) fused into its store, the bits of the
+        composed path (``Backend.int8_linear``)."""
+        fused = {"gemm_int8": _C.int8_linear, "int8_amx": _C.int8_linear_amx}.get(
+            _act8_plan(8, a.shape[1], a.shape[0], a.shape[1]).kernel)
+        if fused is None:
             return super().int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
-        return _C.int8_linear(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
+        return fused(a, a_zero_point, b, row_scale, col_scale, bias, out_dtype)
 
     def linear_qta8a_qga4w(self, x_q, x_scale, x_zero_point, w_codes, w_scale, w_zero_point, group_size, bias):
         """Integer arithmetic inside each weight group, float scaling once per group:

@@ -1,0 +1,231 @@
+// W8A8 on AMX int8 tiles (Sapphire Rapids and later Xeons): int8 activations a [M, K] times
+// an int8 weight b [N, K], exact int32 sums (tdpbssd: int8 x int8, |sum| <= K 2^14 < 2^31
+// for K < 2^17, so the integers of torch._int_mm), then either stored as int32
+// (int8_mm_amx) or through W8A8's epilogue (int8_epilogue.h, int8_linear_amx: the bits of
+// gemm_int8.cpp's int8_linear and of the composed path).
+//
+// The weight is read as stored: 16 weight rows x 64 bytes of K are an A tile (tileloadd with
+// the row stride K; no packing, so a decode step streams the weight once, straight into the
+// tiles).  The activations are the B tiles, packed once per call into [k / 4][16 rows][4
+// bytes] (a 16 x 16 dword transpose per 16 rows x 64 bytes; zero rows past M), so C =
+// W x a^T, [16 weight rows][16 rows of a], transposed back on the way out.  A block of 32
+// weight rows x 32 rows of a keeps four C tiles: per 64 values of K two A and two B tile
+// loads feed four tile products (the loads, not the products, would bound a 1 x 2 block).
+// Blocks of 32 weight rows and ranges of rows of a are split between threads (PanelWork).
+
+#include "int8_epilogue.h"
+#include "kernels.h"
+#include "panels.h"
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__linux__)
+#define LOWBIT_W8A8_AMX 1
+#endif
+
+namespace {
+
+#ifdef LOWBIT_W8A8_AMX
+constexpr int TILE = 16;       // rows of an A or C tile, columns (of 4 bytes) of a B tile
+constexpr int BLOCK = 2 * TILE;  // weight rows and rows of a per block
+
+// tmm0-3 C (C[2h + j]: weight half h x rows tile j), tmm4-5 A (weight halves), tmm6-7 B (rows
+// tiles), all 16 rows of 64 bytes.
+void configure() {
+  load_tile_config({TILE, TILE, TILE, TILE, TILE, TILE, TILE, TILE},
+                   {64, 64, 64, 64, 64, 64, 64, 64});
+}
+
+// a [M, K] into B tiles: dword xp[(t * K / 4 + q) * 16 + r] = bytes 4q .. 4q + 3 of row 16t + r
+// (zero past M); tile t's product with the A tile at k reads the 1 KiB at q = k / 4.
+void pack_rows(const int8_t* a, int64_t M, int64_t K, int64_t tiles, int32_t* xp) {
+  at::parallel_for(0, tiles, M * K >= (1 << 16) ? 1 : tiles, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t k = 0; k < K; k += 64) {
+        __m512i r[TILE];
+        for (int i = 0; i < TILE; ++i)
+          r[i] = TILE * t + i < M ? _mm512_loadu_si512(a + (TILE * t + i) * K + k) : _mm512_setzero_si512();
+        transpose16(r);  // r[q]: dword q of every row
+        int32_t* out = xp + (t * (K / 4) + k / 4) * TILE;
+        for (int q = 0; q < TILE; ++q) _mm512_store_si512(out + q * TILE, r[q]);
+      }
+  });
+}
+
+// sum_k w[i, k] for the block's 32 weight rows (signed bytes times unsigned ones).
+void row_sums(const int8_t* w, int64_t K, int32_t* sums) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int i = 0; i < BLOCK; ++i) {
+    __m512i s = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(w + i * K + k));
+    sums[i] = _mm512_reduce_add_epi32(s);
+  }
+}
+
+// The C tiles' [16 weight rows][16 rows of a] as 16 vectors, one per row of a, lanes the
+// weight rows (c: the tile as stored).
+inline void rows_of(const int32_t* c, __m512i r[TILE]) {
+  for (int i = 0; i < TILE; ++i) r[i] = _mm512_load_si512(c + i * TILE);
+  transpose16(r);
+}
+
+// One block: weight rows w (32 x K, stride K) x the packed rows tiles xt (one, or two with
+// `two`), every 64 values of K; the C tiles stored to c[2h + j] (256 int32 each).
+template <bool TWO>
+inline void block(const int8_t* w, int64_t K, const int32_t* xt, int32_t (*c)[TILE * TILE]) {
+  const int64_t step = K / 4 * TILE;  // dwords from one rows tile to the next
+  _tile_zero(0);
+  _tile_zero(2);
+  if (TWO) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 64) {
+    const int32_t* b = xt + k / 4 * TILE;
+    _tile_loadd(4, w + k, K);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(5, w + TILE * K + k, K);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(2, 5, 6);
+    if (TWO) {
+      _tile_loadd(7, b + step, 64);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(2, c[2], 64);
+  if (TWO) {
+    _tile_stored(1, c[1], 64);
+    _tile_stored(3, c[3], 64);
+  }
+}
+
+// Every block of 32 weight rows x 32 rows of a; out(c, m, rows, n0, cols, sums) writes one
+// C tile's outputs: c [16 weight rows n0 ..][16 rows m ..], `rows` and `cols` of them real,
+// sums: sum_k w of its weight rows (computed only if `sums`).
+template <typename Out>
+void run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, bool sums, Out out) {
+  const int64_t tiles = (M + TILE - 1) / TILE;
+  std::vector<int32_t> keep(tiles * K / 4 * TILE + 16);
+  int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
+  pack_rows(a, M, K, tiles, xp);
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const PanelWork work(blocks, M, BLOCK, at::get_num_threads());
+  at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
+    configure();
+    alignas(64) int32_t c[4][TILE * TILE];
+    alignas(64) int32_t colsum[BLOCK] = {};
+    std::vector<int8_t> tail;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
+      const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
+      const int8_t* w = b + n0 * K;
+      if (cols < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
+        tail.assign(BLOCK * K, 0);
+        std::copy(w, w + cols * K, tail.begin());
+        w = tail.data();
+      }
+      if (sums) row_sums(w, K, colsum);
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+        const bool two = m + TILE < m_end;
+        const int32_t* xt = xp + m / TILE * (K / 4 * TILE);
+        if (two) block<true>(w, K, xt, c);
+        else block<false>(w, K, xt, c);
+        for (int j = 0; j < (two ? 2 : 1); ++j)
+          for (int h = 0; h < 2 && TILE * h < cols; ++h)
+            out(c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
+                n0 + TILE * h, std::min(TILE, cols - TILE * h), colsum + TILE * h);
+      }
+    }
+    _tile_release();
+  });
+}
+
+inline __mmask16 lanes(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+template <typename T>
+void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, const int8_epilogue::RowCol& e) {
+  run(a, M, K, b, N, e.a_zp != nullptr, [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols,
+                                            const int32_t* sums) {
+    __m512i r[TILE];
+    rows_of(c, r);
+    const __mmask16 mask = lanes(cols);
+    const __m512i colsum = _mm512_maskz_loadu_epi32(mask, sums);
+    for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(e, r[i], colsum, m + i, n0, mask);
+  });
+}
+#endif
+
+void check_int8_pair(const char* name, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(has_amx_int8(), name, " needs AMX (amx-tile, amx-int8) and the kernel's permission to use its tiles");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
+                  a.size(1) == b.size(1),
+              name, ": int8 a [M, K] and b [N, K] expected, got ", a.sizes(), " ", a.scalar_type(), " and ", b.sizes(),
+              " ", b.scalar_type());
+  TORCH_CHECK(a.size(1) % 64 == 0 && a.size(1) < (int64_t(1) << 17), name,
+              ": K must be a multiple of 64 below 2^17, got ", a.size(1));
+}
+
+}  // namespace
+
+// Exact int32 a [M, K] @ b [N, K].T of int8 matrices on AMX tiles (K a multiple of 64):
+// torch._int_mm's integers (W8A8's product; the caller's epilogue gives the same bits).
+at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
+  check_int8_pair("lowbit._C.int8_mm_amx", a, b);
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor y = at::empty({M, N}, a.options().dtype(at::kInt));
+#ifdef LOWBIT_W8A8_AMX
+  if (M == 0 || N == 0) return y;
+  int32_t* py = y.data_ptr<int32_t>();
+  run(ac.data_ptr<int8_t>(), M, K, bc.data_ptr<int8_t>(), N, false,
+      [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+        __m512i r[TILE];
+        rows_of(c, r);
+        for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes(cols), r[i]);
+      });
+#endif
+  return y;
+}
+
+// int8_linear's contract and bits (gemm_int8.cpp) on AMX tiles: a int8 [M, K], a_zero_point
+// int32 [M] or none, b int8 [N, K], row_scale float32 [M], col_scale float32 [N], bias [N] or
+// none; y [M, N] in out_dtype.  K a multiple of 64.
+at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
+                           const at::Tensor& row_scale, const at::Tensor& col_scale,
+                           const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  check_int8_pair("lowbit._C.int8_linear_amx", a, b);
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "lowbit._C.int8_linear_amx: unsupported out dtype ", out_dtype);
+  TORCH_CHECK(row_scale.numel() == M && col_scale.numel() == N && (!bias || bias->numel() == N) &&
+                  (!a_zero_point || a_zero_point->numel() == M),
+              "lowbit._C.int8_linear_amx: row_scale and a_zero_point [M], col_scale and bias [N] expected");
+  at::Tensor y = at::empty({M, N}, a.options().dtype(out_dtype));
+#ifdef LOWBIT_W8A8_AMX
+  if (M == 0 || N == 0) return y;
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const at::Tensor row = row_scale.to(at::kFloat).contiguous(), col = col_scale.to(at::kFloat).contiguous();
+  const at::Tensor zp = a_zero_point ? a_zero_point->to(at::kInt).contiguous() : at::Tensor();
+  const at::Tensor bias_f = bias ? bias->to(out_dtype).to(at::kFloat).contiguous() : at::Tensor();
+  const int8_epilogue::RowCol e{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr,
+                                col.data_ptr<float>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                                out_dtype, y.data_ptr(), N};
+  const int8_t *pa = ac.data_ptr<int8_t>(), *pb = bc.data_ptr<int8_t>();
+  switch (out_dtype) {
+    case at::kBFloat16: linear_run<c10::BFloat16>(pa, M, K, pb, N, e); break;
+    case at::kHalf: linear_run<c10::Half>(pa, M, K, pb, N, e); break;
+    default: linear_run<float>(pa, M, K, pb, N, e);
+  }
+#endif
+  return y;
+}
