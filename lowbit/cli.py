@@ -930,7 +930,10 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
     dense = (f"dense_rows (float32 FMAs, each weight row read once) up to {cpu.dense_rows_max_m()} rows, "
              f"{beyond} beyond" if cpu.dense_rows_max_m() else beyond)
     print(f"float32 nn.Linear (float models, a float lm_head): decode steps {dense}; prefill torch's linear")
-    if cpu.dense_rows_max_m(torch.bfloat16):
+    if cpu.dense_amx_apply(torch.zeros(1, 64, dtype=torch.bfloat16), 1):
+        print(f"bfloat16 nn.Linear: decode steps dense_amx (AMX bf16 tiles, the weight read as stored; K a "
+              f"multiple of 32) up to {cpu.DENSE_AMX_MAX_M} rows, torch's linear beyond; prefill torch's linear")
+    elif cpu.dense_rows_max_m(torch.bfloat16):
         print(f"bfloat16 nn.Linear: decode steps dense_rows (the bf16 values widened, float32 FMAs) up to "
               f"{cpu.dense_rows_max_m(torch.bfloat16)} rows, torch's linear beyond; prefill torch's linear")
     return rows

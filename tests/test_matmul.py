@@ -820,7 +820,7 @@ def test_cpu_int8_mm_amx_gives_torch_int_mm_integers(m, n, k, values):
 @pytest.mark.parametrize("values", ["random", "extreme"])
 @pytest.mark.parametrize("m, n, k", [(2, 8, 64), (17, 33, 576), (40, 70, 1536), (129, 24, 4160)])
 def test_cpu_int8_linear_amx_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
-    # w8a8_amx.cpp's epilogue (int8_epilogue.h, gemm_int8.cpp's) on the transposed C tiles,
+    # amx_linear.cpp's epilogue (int8_epilogue.h, gemm_int8.cpp's) on the transposed C tiles,
     # the weight's row sums for the zero-point term taken from the tiles' rows
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")

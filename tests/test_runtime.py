@@ -156,18 +156,69 @@ def test_step_linear_runs_dense_rows_for_bfloat16_up_to_its_own_row_count(monkey
     calls = []
     real = cpu.dense_linear
     monkeypatch.setattr(cpu, "dense_linear", lambda x, w, b: calls.append((x.shape[0], x.dtype)) or real(x, w, b))
-    w = torch.randn(24, 64).bfloat16()
+    w = torch.randn(24, 40).bfloat16()  # K not a multiple of 32: never dense_amx
     rows = cpu.dense_rows_max_m(torch.bfloat16)
     for m in (1, rows, rows + 1):
-        x = torch.randn(m, 64).bfloat16()
+        x = torch.randn(m, 40).bfloat16()
         y = cpu.step_linear(x, w, None)
         assert y.dtype == torch.bfloat16 and y.shape == (m, 24)
     assert calls == [(1, torch.bfloat16), (rows, torch.bfloat16)]  # beyond: torch's linear
     assert cpu.dense_rows_max_m(torch.float16) == 0  # no float16 rows: torch's linear
     assert not cpu.dense_rows_apply(w.half(), 0)  # not even for no rows
     calls.clear()
-    assert cpu.step_linear(torch.randn(1, 64).half(), w.half(), None).dtype == torch.float16
+    assert cpu.step_linear(torch.randn(1, 40).half(), w.half(), None).dtype == torch.float16
     assert calls == []
+
+
+AMX_BF16 = hasattr(cpu._C, "has_amx_bf16") and cpu._C.has_amx_bf16() and cpu._amx()
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX bf16 tiles on this machine (or not compiled in)")
+@pytest.mark.parametrize("n, k", [(49, 576), (8, 64), (33, 1536), (70, 32), (1, 96)])
+def test_dense_amx_is_the_float32_sum_of_the_bf16_values_rounded_once(n, k):
+    x, w, b = (torch.randn(*s).bfloat16() for s in ((40, k), (n, k), (n,)))
+    out = cpu._C.dense_amx(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, n)
+    # tdpbf16ps: the bf16 products exact in float32, float32 sums (k + 1 terms with the bias,
+    # each addition rounded at most once: gamma_{k+1}), then one rounding to bf16; the tiles
+    # flush float32 subnormals to zero, at most 2^-126 per addition, far below the bound here
+    want = x.double() @ w.double().T + b.double()
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    tol = gamma(k + 1) * mag * (1 + 2.0**-8) + 2.0**-8 * want.abs() + (k + 1) * 2.0**-126
+    assert bool(((out.double() - want).abs() <= tol).all())
+    # every row count (one or two tiles of rows, the blocks of 32 weight rows cut short), and
+    # every row alone: the same bits
+    for m in (1, 2, 15, 16, 17, 31, 32, 33, 39):
+        assert torch.equal(cpu._C.dense_amx(x[:m], w, b), out[:m])
+        assert torch.equal(cpu._C.dense_amx(x[m - 1:m], w, b), out[m - 1:m])
+    assert torch.equal(cpu._C.dense_amx(x.t().contiguous().t(), w, b), out)  # a strided x
+    assert cpu._C.dense_amx(x[:0], w, b).shape == (0, n)
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX bf16 tiles on this machine (or not compiled in)")
+@pytest.mark.parametrize("x, w, b, match", [
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64), None, "bfloat16 x"),
+    (torch.randn(2, 40).bfloat16(), torch.randn(4, 40).bfloat16(), None, "K must be a multiple of 32"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16(), torch.randn(4), "bfloat16 bias"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16(), torch.randn(3).bfloat16(), "bias"),
+])
+def test_dense_amx_refuses_what_it_does_not_take(x, w, b, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu._C.dense_amx(x, w, b)
+
+
+def test_step_linear_runs_dense_amx_for_bfloat16_rows_where_amx_runs(monkeypatch):
+    if not AMX_BF16:
+        assert not cpu.dense_amx_apply(torch.zeros(8, 64, dtype=torch.bfloat16), 1)
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    w = torch.randn(24, 64).bfloat16()
+    rows = cpu.DENSE_AMX_MAX_M
+    kinds = [cpu.step_linear_kernel(w, m) for m in (1, 5, rows, rows + 1)]
+    assert kinds[:3] == ["dense_amx"] * 3 and kinds[3] != "dense_amx"
+    assert cpu.step_linear_kernel(w.float(), 1) != "dense_amx"  # float32: no AMX tiles
+    assert cpu.step_linear_kernel(torch.randn(24, 40).bfloat16(), 1) != "dense_amx"
+    x = torch.randn(7, 64).bfloat16()
+    assert torch.equal(cpu.step_linear(x, w, None), cpu._C.dense_amx(x, w, None))
 
 
 @pytest.mark.skipif(not hasattr(cpu._C, "has_dense_rows") or not cpu._C.has_dense_rows(), reason="needs AVX2 + FMA")

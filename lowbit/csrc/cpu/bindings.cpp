@@ -73,6 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight_only_gemm_bf16's panels multiplied on AMX bf16 tiles (tdpbf16ps)");
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbsud, a group per C tile), the same bits");
   m.def("int8_mm_amx", &int8_mm_amx, "exact int32 a @ b.T of int8 matrices on AMX tiles (tdpbssd), K a multiple of 64");
+  m.def("dense_amx", &dense_amx, "a bf16 nn.Linear on AMX bf16 tiles (tdpbf16ps), the weight read as stored");
   m.def("int8_linear_amx", &int8_linear_amx,
         "W8A8: int8_linear's contract and bits on AMX int8 tiles (tdpbssd), K a multiple of 64");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");

@@ -519,7 +519,8 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
 namespace {
 
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, 2: gemm_f32 then the
-// bias, else at::linear, as lowbit.kernels.cpu.step_linear decides for the step's rows), a
+// bias, 3: dense_amx, else at::linear, as lowbit.kernels.cpu.step_linear decides for the
+// step's rows), a
 // weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and zero points as
 // packed_scales gives them, bits, group, and the weight_only_matmul kernel lowbit.kernels.cpu's
 // plan chose for the step's rows; zero_point_min: the "min" domain's q * s + m; bias added
@@ -541,6 +542,11 @@ struct Proj {
   at::Tensor operator()(const at::Tensor& x) const {
     if (!codes.defined()) {
       if (kernel == 1) return dense_rows(x, weight, bias);
+      if (kernel == 3) {
+        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+        shape.back() = weight.size(0);
+        return dense_amx(x.reshape({-1, x.size(-1)}), weight, bias).view(shape);
+      }
       if (kernel != 2) return at::linear(x, weight, bias);
       const at::Tensor y = gemm_f32(x, weight);
       return bias ? y + *bias : y;
@@ -553,7 +559,7 @@ struct Proj {
     return bias ? y + bias->to(y.scalar_type()) : y;
   }
 
-  // W8A8 on gemm_int8.cpp's int8_linear (kernel 2) or w8a8_amx.cpp's int8_linear_amx (4):
+  // W8A8 on gemm_int8.cpp's int8_linear (kernel 2) or amx_linear.cpp's int8_linear_amx (4):
   // per-token codes as int8_activations makes them, the zero-point correction, epilogue and
   // bias in the kernel (the composed path's bits).
   at::Tensor int8_linear_fused(const at::Tensor& x) const;

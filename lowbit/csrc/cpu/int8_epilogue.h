@@ -1,6 +1,6 @@
 // W8A8's epilogue (lowbit::int8_linear's composed path, dequantize_accumulator_rowcol),
 // shared by the kernels that fuse it into their store (gemm_int8.cpp's VNNI panels,
-// w8a8_amx.cpp's AMX tiles) so both give its bits:
+// amx_linear.cpp's AMX tiles) so both give its bits:
 //
 //   y[m, n] = round((float32(acc[m, n] - a_zp[m] * colsum[n]) * row[m]) * col[n])
 //             (+ bias[n], the bias already rounded to y's dtype, rounded again)

@@ -170,9 +170,12 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
                                                 int64_t group, bool zero_point_min);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
-// w8a8_amx.cpp
+// amx_linear.cpp
 // Exact int32 a [M, K] @ b [N, K].T of int8 matrices on AMX tiles, K a multiple of 64.
 at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b);
+// A bf16 nn.Linear (bf16 x [M, K], weight [N, K], K a multiple of 32, bias or none) on AMX
+// bf16 tiles, float32 sums, one rounding to bf16.
+at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // int8_linear (gemm_int8.cpp) on AMX tiles: the same contract and bits, K a multiple of 64.
 at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                            const at::Tensor& row_scale, const at::Tensor& col_scale,

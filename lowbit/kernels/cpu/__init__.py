@@ -189,6 +189,16 @@ DENSE_ROWS_MAX_M = 32
 #   1536x576:  M=1 0.129 vs 0.233, M=4 0.176 vs 0.225, M=8 0.271 vs 0.238
 #   576x1536:  M=1 0.120 vs 0.228, M=4 0.164 vs 0.189, M=8 0.225 vs 0.193
 DENSE_BF16_ROWS_MAX_M = 4
+# Where AMX bf16 tiles run: amx_linear.cpp's dense_amx (the weight read as stored into the
+# tiles, the rows packed per call) against oneDNN's bf16 linear and dense_rows, same machine,
+# 2 threads, weights cycled through 80 MB (us, F.linear / dense_amx / dense_rows):
+#   49152x576: M=1 3741 / 1622 / 2009, M=4 3146 / 1657 / 3445, M=8 3265 / 1643 / 6098,
+#              M=16 3786 / 1805, M=32 5321 / 4001, M=64 8701 / 7672
+#   1536x576:  M=1 203 / 109 / 104, M=8 161 / 107 / 218, M=32 231 / 182, M=64 333 / 251
+#   576x1536:  M=1 167 / 83 / 89, M=8 137 / 86 / 196, M=32 206 / 144, M=64 273 / 224
+#   576x576:   M=1 84 / 29 / 34, M=8 68 / 28 / 82, M=32 90 / 52;  192x576: M=8 57 / 17 / 39
+# Measured up to 64 rows; beyond, torch's linear.
+DENSE_AMX_MAX_M = 64
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -580,7 +590,7 @@ class CpuBackend(Backend):
 
     def int8_linear(self, a, a_zero_point, b, row_scale, col_scale, bias, out_dtype):
         """W8A8 in one call where ``plan`` says ``gemm_int8`` (gemm_int8.cpp: vpdpbusd) or
-        ``int8_amx`` (w8a8_amx.cpp: AMX tdpbssd): an int8 GEMM with exact int32 sums and the
+        ``int8_amx`` (amx_linear.cpp: AMX tdpbssd): an int8 GEMM with exact int32 sums and the
         dequantize_accumulator epilogue (and bias) fused into its store, the bits of the
         composed path (``Backend.int8_linear``)."""
         fused = {"gemm_int8": _C.int8_linear, "int8_amx": _C.int8_linear_amx}.get(
@@ -780,6 +790,18 @@ def dense_rows_apply(weight: torch.Tensor, rows: int) -> bool:
     return weight.device.type == "cpu" and most > 0 and rows <= most
 
 
+def dense_amx_apply(weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``rows`` rows of a decode step through a bfloat16 ``nn.Linear`` with this
+    weight run ``_C.dense_amx`` (AMX bf16 tiles, up to ``DENSE_AMX_MAX_M`` rows, K a multiple
+    of 32).  A prefill never does: its logits stay bit-identical to transformers' forward."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and rows <= DENSE_AMX_MAX_M and _has_amx_bf16())
+
+
+def _has_amx_bf16() -> bool:
+    return _C is not None and _C.has_amx_bf16() and _amx()
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for the few rows of a decode step (dense.cpp), all float32
     or all bfloat16 (float32 sums of the exact products, one rounding to bf16 after the
@@ -822,6 +844,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         kernel = step_linear_kernel(weight, x.shape[0])
     if kernel == "dense_rows":
         return dense_linear(x, weight, bias)
+    if kernel == "dense_amx" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return _C.dense_amx(x, weight, bias)
     if kernel == "gemm_f32" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = _C.gemm_f32(x, weight)
         return y if bias is None else y + bias
@@ -830,7 +854,9 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
     """Which kernel ``rows`` rows of a decode step (x of the weight's dtype) take through a
-    float ``nn.Linear`` with this weight: ``"dense_rows"`` where ``dense_rows_apply``, else
+    float ``nn.Linear`` with this weight: ``"dense_amx"`` where ``dense_amx_apply`` (a bf16
+    weight where AMX runs: every row, alone or in a batch, summed in one order), else
+    ``"dense_rows"`` where ``dense_rows_apply``, else
     ``"gemm_f32"`` for float32 on AVX2 machines without AVX-512 (``_gemm_f32``), else
     ``"linear"`` (``torch.nn.functional.linear``).
 
@@ -841,6 +867,8 @@ def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
         >>> cpu.step_linear_kernel(torch.zeros(8, 64, dtype=torch.float64), 1)
         'linear'
     """
+    if dense_amx_apply(weight, rows):
+        return "dense_amx"
     if dense_rows_apply(weight, rows):
         return "dense_rows"
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and _gemm_f32():
@@ -850,7 +878,7 @@ def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
 
 def float_projection(weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 1):
     """A float ``nn.Linear`` in the decode step of ``rows`` rows, on ``step_linear``'s kernel."""
-    kernel = ("linear", "dense_rows", "gemm_f32").index(step_linear_kernel(weight, rows))
+    kernel = ("linear", "dense_rows", "gemm_f32", "dense_amx").index(step_linear_kernel(weight, rows))
     return _C.DecodeProj(weight, None, None, None, bias, 0, 0, 0, kernel)
 
 

@@ -1,17 +1,23 @@
-// W8A8 on AMX int8 tiles (Sapphire Rapids and later Xeons): int8 activations a [M, K] times
-// an int8 weight b [N, K], exact int32 sums (tdpbssd: int8 x int8, |sum| <= K 2^14 < 2^31
-// for K < 2^17, so the integers of torch._int_mm), then either stored as int32
-// (int8_mm_amx) or through W8A8's epilogue (int8_epilogue.h, int8_linear_amx: the bits of
-// gemm_int8.cpp's int8_linear and of the composed path).
+// Linear layers on AMX tiles (Sapphire Rapids and later Xeons) with the weight read as
+// stored, for a decode step's or a batch's rows and for prefills:
+// * W8A8: int8 activations a [M, K] times an int8 weight b [N, K], exact int32 sums
+//   (tdpbssd: int8 x int8, |sum| <= K 2^14 < 2^31 for K < 2^17, so the integers of
+//   torch._int_mm), then either stored as int32 (int8_mm_amx) or through W8A8's epilogue
+//   (int8_epilogue.h, int8_linear_amx: the bits of gemm_int8.cpp's int8_linear and of the
+//   composed path);
+// * a bf16 nn.Linear (dense_amx): bf16 x [M, K] times a bf16 weight [N, K], float32 sums of
+//   the exact products (tdpbf16ps), the bias added in float32, one rounding to bf16: what
+//   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums.
 //
-// The weight is read as stored: 16 weight rows x 64 bytes of K are an A tile (tileloadd with
-// the row stride K; no packing, so a decode step streams the weight once, straight into the
-// tiles).  The activations are the B tiles, packed once per call into [k / 4][16 rows][4
-// bytes] (a 16 x 16 dword transpose per 16 rows x 64 bytes; zero rows past M), so C =
-// W x a^T, [16 weight rows][16 rows of a], transposed back on the way out.  A block of 32
-// weight rows x 32 rows of a keeps four C tiles: per 64 values of K two A and two B tile
-// loads feed four tile products (the loads, not the products, would bound a 1 x 2 block).
-// Blocks of 32 weight rows and ranges of rows of a are split between threads (PanelWork).
+// 16 weight rows x 64 bytes of K are an A tile (tileloadd with the row stride; no packing,
+// so a decode step streams the weight once, straight into the tiles).  The rows of x are the
+// B tiles, packed once per call into [k / 4][16 rows][4 bytes] (a 16 x 16 dword transpose
+// per 16 rows x 64 bytes; zero rows past M), so C = W x a^T, [16 weight rows][16 rows of
+// a], transposed back on the way out.  A block of 32 weight rows x 32 rows of a keeps four
+// C tiles: per 64 bytes of K two A and two B tile loads feed four tile products (the loads,
+// not the products, would bound a 1 x 2 block).  Blocks of 32 weight rows and ranges of
+// rows of a are split between threads (PanelWork).  Each output is summed in the same order
+// (k ascending, one tile product per 64 bytes) whatever M and its place in the tiles.
 
 #include "int8_epilogue.h"
 #include "kernels.h"
@@ -25,14 +31,14 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__linux__)
-#define LOWBIT_W8A8_AMX 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__linux__)
+#define LOWBIT_AMX_LINEAR 1
 #endif
 
 namespace {
 
-#ifdef LOWBIT_W8A8_AMX
+#ifdef LOWBIT_AMX_LINEAR
 constexpr int TILE = 16;       // rows of an A or C tile, columns (of 4 bytes) of a B tile
 constexpr int BLOCK = 2 * TILE;  // weight rows and rows of a per block
 
@@ -45,7 +51,7 @@ void configure() {
 
 // a [M, K] into B tiles: dword xp[(t * K / 4 + q) * 16 + r] = bytes 4q .. 4q + 3 of row 16t + r
 // (zero past M); tile t's product with the A tile at k reads the 1 KiB at q = k / 4.
-void pack_rows(const int8_t* a, int64_t M, int64_t K, int64_t tiles, int32_t* xp) {
+void pack_rows(const uint8_t* a, int64_t M, int64_t K, int64_t tiles, int32_t* xp) {
   at::parallel_for(0, tiles, M * K >= (1 << 16) ? 1 : tiles, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t k = 0; k < K; k += 64) {
@@ -76,28 +82,32 @@ inline void rows_of(const int32_t* c, __m512i r[TILE]) {
   transpose16(r);
 }
 
-// One block: weight rows w (32 x K, stride K) x the packed rows tiles xt (one, or two with
-// `two`), every 64 values of K; the C tiles stored to c[2h + j] (256 int32 each).
-template <bool TWO>
-inline void block(const int8_t* w, int64_t K, const int32_t* xt, int32_t (*c)[TILE * TILE]) {
-  const int64_t step = K / 4 * TILE;  // dwords from one rows tile to the next
+// One block: weight rows w (32 rows of Kb bytes, stride Kb) x the packed rows tiles xt (one,
+// or two with `two`), every 64 bytes of K (64 int8 values: tdpbssd, exact int32; or 32 bf16
+// pairs: tdpbf16ps, float32 sums); the C tiles stored to c[2h + j] (256 lanes each).
+#define LOWBIT_TDP(C, A, B) \
+  if constexpr (BF16) _tile_dpbf16ps(C, A, B); \
+  else _tile_dpbssd(C, A, B)
+template <bool BF16, bool TWO>
+inline void block(const uint8_t* w, int64_t Kb, const int32_t* xt, int32_t (*c)[TILE * TILE]) {
+  const int64_t step = Kb / 4 * TILE;  // dwords from one rows tile to the next
   _tile_zero(0);
   _tile_zero(2);
   if (TWO) {
     _tile_zero(1);
     _tile_zero(3);
   }
-  for (int64_t k = 0; k < K; k += 64) {
+  for (int64_t k = 0; k < Kb; k += 64) {
     const int32_t* b = xt + k / 4 * TILE;
-    _tile_loadd(4, w + k, K);
+    _tile_loadd(4, w + k, Kb);
     _tile_loadd(6, b, 64);
-    _tile_loadd(5, w + TILE * K + k, K);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(2, 5, 6);
+    _tile_loadd(5, w + TILE * Kb + k, Kb);
+    LOWBIT_TDP(0, 4, 6);
+    LOWBIT_TDP(2, 5, 6);
     if (TWO) {
       _tile_loadd(7, b + step, 64);
-      _tile_dpbssd(1, 4, 7);
-      _tile_dpbssd(3, 5, 7);
+      LOWBIT_TDP(1, 4, 7);
+      LOWBIT_TDP(3, 5, 7);
     }
   }
   _tile_stored(0, c[0], 64);
@@ -107,39 +117,41 @@ inline void block(const int8_t* w, int64_t K, const int32_t* xt, int32_t (*c)[TI
     _tile_stored(3, c[3], 64);
   }
 }
+#undef LOWBIT_TDP
 
-// Every block of 32 weight rows x 32 rows of a; out(c, m, rows, n0, cols, sums) writes one
-// C tile's outputs: c [16 weight rows n0 ..][16 rows m ..], `rows` and `cols` of them real,
-// sums: sum_k w of its weight rows (computed only if `sums`).
-template <typename Out>
-void run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, bool sums, Out out) {
+// Every block of 32 weight rows x 32 rows of a (rows of Kb bytes: int8 values, or bf16 ones
+// with BF16); out(c, m, rows, n0, cols, sums) writes one C tile's outputs: c [16 weight rows
+// n0 ..][16 rows m ..] (int32, or float32 bits), `rows` and `cols` of them real, sums:
+// sum_k w of its weight rows (int8, computed only if `sums`).
+template <bool BF16, typename Out>
+void run(const uint8_t* a, int64_t M, int64_t Kb, const uint8_t* b, int64_t N, bool sums, Out out) {
   const int64_t tiles = (M + TILE - 1) / TILE;
-  std::vector<int32_t> keep(tiles * K / 4 * TILE + 16);
+  std::vector<int32_t> keep(tiles * Kb / 4 * TILE + 16);
   int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
-  pack_rows(a, M, K, tiles, xp);
+  pack_rows(a, M, Kb, tiles, xp);
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
   const PanelWork work(blocks, M, BLOCK, at::get_num_threads());
   at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
     configure();
     alignas(64) int32_t c[4][TILE * TILE];
     alignas(64) int32_t colsum[BLOCK] = {};
-    std::vector<int8_t> tail;
+    std::vector<uint8_t> tail;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
       const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-      const int8_t* w = b + n0 * K;
+      const uint8_t* w = b + n0 * Kb;
       if (cols < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
-        tail.assign(BLOCK * K, 0);
-        std::copy(w, w + cols * K, tail.begin());
+        tail.assign(BLOCK * Kb, 0);
+        std::copy(w, w + cols * Kb, tail.begin());
         w = tail.data();
       }
-      if (sums) row_sums(w, K, colsum);
+      if (sums) row_sums(reinterpret_cast<const int8_t*>(w), Kb, colsum);
       const int64_t m_end = std::min(M, (part + 1) * work.rows);
       for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
         const bool two = m + TILE < m_end;
-        const int32_t* xt = xp + m / TILE * (K / 4 * TILE);
-        if (two) block<true>(w, K, xt, c);
-        else block<false>(w, K, xt, c);
+        const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
+        if (two) block<BF16, true>(w, Kb, xt, c);
+        else block<BF16, false>(w, Kb, xt, c);
         for (int j = 0; j < (two ? 2 : 1); ++j)
           for (int h = 0; h < 2 && TILE * h < cols; ++h)
             out(c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
@@ -154,14 +166,28 @@ inline __mmask16 lanes(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>
 
 template <typename T>
 void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, const int8_epilogue::RowCol& e) {
-  run(a, M, K, b, N, e.a_zp != nullptr, [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols,
-                                            const int32_t* sums) {
+  run<false>(reinterpret_cast<const uint8_t*>(a), M, K, reinterpret_cast<const uint8_t*>(b), N, e.a_zp != nullptr,
+             [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
     __m512i r[TILE];
     rows_of(c, r);
     const __mmask16 mask = lanes(cols);
     const __m512i colsum = _mm512_maskz_loadu_epi32(mask, sums);
     for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(e, r[i], colsum, m + i, n0, mask);
   });
+}
+
+// y[m, n] = bf16(acc (+ bias[n])) for one C tile of float32 sums.
+void dense_out(const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const float* bias, uint16_t* y,
+               int64_t N) {
+  __m512i r[TILE];
+  rows_of(c, r);
+  const __mmask16 mask = lanes(cols);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int i = 0; i < rows; ++i) {
+    __m512 f = _mm512_castsi512_ps(r[i]);
+    if (bias) f = _mm512_add_ps(f, b);
+    int8_epilogue::store<c10::BFloat16>(reinterpret_cast<c10::BFloat16*>(y + (m + i) * N + n0), mask, f);
+  }
 }
 #endif
 
@@ -184,15 +210,18 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor y = at::empty({M, N}, a.options().dtype(at::kInt));
-#ifdef LOWBIT_W8A8_AMX
+#ifdef LOWBIT_AMX_LINEAR
   if (M == 0 || N == 0) return y;
   int32_t* py = y.data_ptr<int32_t>();
-  run(ac.data_ptr<int8_t>(), M, K, bc.data_ptr<int8_t>(), N, false,
+  run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, reinterpret_cast<const uint8_t*>(bc.data_ptr()), N,
+             false,
       [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
         __m512i r[TILE];
         rows_of(c, r);
         for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes(cols), r[i]);
       });
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif
   return y;
 }
@@ -211,7 +240,7 @@ at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>&
                   (!a_zero_point || a_zero_point->numel() == M),
               "lowbit._C.int8_linear_amx: row_scale and a_zero_point [M], col_scale and bias [N] expected");
   at::Tensor y = at::empty({M, N}, a.options().dtype(out_dtype));
-#ifdef LOWBIT_W8A8_AMX
+#ifdef LOWBIT_AMX_LINEAR
   if (M == 0 || N == 0) return y;
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   const at::Tensor row = row_scale.to(at::kFloat).contiguous(), col = col_scale.to(at::kFloat).contiguous();
@@ -226,6 +255,39 @@ at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>&
     case at::kHalf: linear_run<c10::Half>(pa, M, K, pb, N, e); break;
     default: linear_run<float>(pa, M, K, pb, N, e);
   }
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
+#endif
+  return y;
+}
+
+// A bf16 nn.Linear's rows on AMX bf16 tiles: x bf16 [M, K], weight bf16 [N, K] (K a multiple of
+// 32), bias bf16 [N] or none; y bf16 [M, N] = round(sum_k x w (+ bias)), float32 sums.
+at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_amx_bf16(), "lowbit._C.dense_amx needs AMX (amx-tile, amx-bf16) and the kernel's permission to use "
+                              "its tiles");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  weight.scalar_type() == at::kBFloat16 && x.size(1) == weight.size(1),
+              "lowbit._C.dense_amx: bfloat16 x [M, K] and weight [N, K] expected, got ", x.sizes(), " ",
+              x.scalar_type(), " and ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % 32 == 0, "lowbit._C.dense_amx: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->numel() == N),
+              "lowbit._C.dense_amx: a bfloat16 bias [N] expected");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef LOWBIT_AMX_LINEAR
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bias ? y.copy_(bias->expand({M, N})) : y.zero_();
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* pb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  uint16_t* py = reinterpret_cast<uint16_t*>(y.data_ptr());
+  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, reinterpret_cast<const uint8_t*>(wc.data_ptr()),
+            N, false, [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+              dense_out(c, m, rows, n0, cols, pb, py, N);
+            });
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif
   return y;
 }
