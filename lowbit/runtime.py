@@ -377,25 +377,34 @@ class Runner:
     def _prefill_batch(self, prompts: list[torch.Tensor], cache: "_BatchCache") -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last position; fills the cache.  The prompts'
         tokens go through every projection together (M = their total length); attention
-        runs per prompt, causal over its own tokens only."""
+        runs per prompt, causal over its own tokens only (the prompts of one length in one
+        call)."""
         lengths = [p.numel() for p in prompts]
         ends = torch.tensor(lengths).cumsum(0).tolist()
         starts = [e - n for e, n in zip(ends, lengths)]
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        H, hd = self.heads, self.head_dim
+        H, KV, hd = self.heads, self.kv_heads, self.head_dim
+        # prompts of one length attend in one call: (length, their sequences, their rows)
+        groups = {}
+        for b, (s, n) in enumerate(zip(starts, lengths)):
+            groups.setdefault(n, []).append((b, s))
+        groups = [(n, torch.tensor([b for b, _ in bs], device=self.device),
+                   torch.cat([torch.arange(s, s + n, device=self.device) for _, s in bs]))
+                  for n, bs in groups.items()]
         cos, sin = self._rope_at(positions)
         h = self.embed(torch.cat(prompts))
         for i, L in enumerate(self.layers):
             q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin)
             kc, vc = cache.keys[i], cache.values[i]
             o = torch.empty(h.shape[0], H * hd, dtype=h.dtype, device=h.device)
-            for b, (s, n) in enumerate(zip(starts, lengths)):
-                kc[b, :, :n] = k[s:s + n].transpose(0, 1)
-                vc[b, :, :n] = v[s:s + n].transpose(0, 1)
+            for n, seqs, rows in groups:
+                g = seqs.numel()
+                kg, vg = (t[rows].view(g, n, KV, hd).transpose(1, 2) for t in (k, v))
+                kc[seqs, :, :n], vc[seqs, :, :n] = kg, vg
                 a = F.scaled_dot_product_attention(
-                    q[None, s:s + n].transpose(1, 2), kc[b:b + 1, :, :n], vc[b:b + 1, :, :n],
-                    is_causal=n > 1, scale=self.scaling, enable_gqa=H != self.kv_heads)
-                o[s:s + n] = a[0].transpose(0, 1).reshape(n, H * hd)
+                    q[rows].view(g, n, H, hd).transpose(1, 2), kg, vg,
+                    is_causal=n > 1, scale=self.scaling, enable_gqa=H != KV)
+                o[rows] = a.transpose(1, 2).reshape(g * n, H * hd)
             h = self._finish_layer(L, h, o)
         cache.lengths[:] = torch.tensor(lengths)
         return self.lm_head(self._rms(h[[e - 1 for e in ends]], self.norm))

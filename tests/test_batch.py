@@ -31,6 +31,7 @@ def test_prompts_of_different_lengths(prompts):
 @torch.inference_mode()
 def test_batch_prefill_logits_match_one_prompt_at_a_time(smol, prompts):
     r = Runner(smol[0])
+    prompts = prompts + prompts[1::-1]  # two lengths twice: those prompts attend in one call
     cache = _BatchCache.empty(r, len(prompts), 32)
     batch = r._prefill_batch(prompts, cache)
     for b, p in enumerate(prompts):
