@@ -786,6 +786,31 @@ def test_cpu_scratch_buffers_made_in_inference_mode_serve_calls_outside_it():
     assert torch.equal(cpu.int8_mm_f32(a, a), first[0]) and torch.equal(linear(x, w, backend="cpu"), first[1])
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536)])
+def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
+    # amx_linear.cpp: blocks of 32 weight rows dequantized into bf16 A tiles (n = 1, 33, 70:
+    # the last block cut short), one or two tiles of rows (m = 17, 40: two and a tail);
+    # the weight is the reference's bf16 dequantization exactly, so only the float32 sums
+    # of the exact bf16 products differ from float64: gamma_k sum |x w| (the tiles flush
+    # float32 subnormals, at most 2^-126 per addition)
+    if not cpu.available() or not cpu._C.has_amx_bf16():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m * n + k)
+    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    y = cpu._C.weight_only_gemm_bf16_amx(x, codes.contiguous(), s, z, bits, group)
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16).double()
+    want = x.double() @ w.T
+    tol = gamma(k) * (x.double().abs() @ w.abs().T) + k * 2.0**-126
+    assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= tol).all())
+    for rows in (1, m):  # each row's bits whatever the number of rows
+        assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x[:rows], codes, s, z, bits, group), y[:rows])
+
+
 def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
     # the rows of test_weight_only_gemm_rows_matches_the_reference past the decode kernels run
     # weight_only_gemm_bf16_amx here (its 32-row steps, a 16-row half step, the bf16 panels),

@@ -5,6 +5,9 @@
 //   torch._int_mm), then either stored as int32 (int8_mm_amx) or through W8A8's epilogue
 //   (int8_epilogue.h, int8_linear_amx: the bits of gemm_int8.cpp's int8_linear and of the
 //   composed path);
+// * W4A16 / W8A16 (weight_only_gemm_bf16_amx): each block of 32 weight rows dequantized once
+//   per call into bf16 rows, the A tiles as stored ((q - z) * s in float32, rounded: the
+//   reference's bf16 weight), times bf16 x, float32 sums out;
 // * a bf16 nn.Linear (dense_amx): bf16 x [M, K] times a bf16 weight [N, K], float32 sums of
 //   the exact products (tdpbf16ps), the bias added in float32, one rounding to bf16: what
 //   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums.
@@ -189,6 +192,102 @@ void dense_out(const int32_t* c, int64_t m, int rows, int64_t n0, int cols, cons
     int8_epilogue::store<c10::BFloat16>(reinterpret_cast<c10::BFloat16*>(y + (m + i) * N + n0), mask, f);
   }
 }
+
+// Weight rows [n0, n0 + 32) of a 4- or 8-bit weight (codes: packed u32x8 words, or one byte
+// each) dequantized to bf16 into out [32][K], the A tiles' rows as stored: (q - z) * s (or
+// q * s for signed codes) in float32, rounded to nearest even, as gemm_bf16.cpp's panels and
+// the reference compute it (s, z float32 [N, G]); rows past N zero.
+template <int BITS, bool SIGNED>
+void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G,
+                   int64_t group, int64_t n0, uint16_t* out) {
+  // vpermw index interleaving the halves of cvtne2ps_pbh(odd, even): value 2i from even, 2i + 1 from odd
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i inter = _mm512_load_si512(kInterleave);
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  for (int r = 0; r < BLOCK; ++r) {
+    uint16_t* o = out + r * K;
+    const int64_t n = n0 + r;
+    if (n >= N) {
+      std::fill(o, o + K, uint16_t(0));
+      continue;
+    }
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t g = n * G + k / group;
+      const __m512 sv = _mm512_set1_ps(s[g]);
+      __m512 a, b;  // values (0, 2, .., 30) and (1, 3, .., 31) of 4-bit codes; 0..15 and 16..31 of 8-bit ones
+      if constexpr (BITS == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
+        __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+        if constexpr (SIGNED) {  // the nibble sign-extended: (u ^ 8) - 8
+          lo = _mm512_sub_epi32(_mm512_xor_si512(lo, _mm512_set1_epi32(8)), _mm512_set1_epi32(8));
+          hi = _mm512_sub_epi32(_mm512_xor_si512(hi, _mm512_set1_epi32(8)), _mm512_set1_epi32(8));
+        }
+        a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
+      } else {
+        const __m128i* p = reinterpret_cast<const __m128i*>(row + k);
+        if constexpr (SIGNED)
+          a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+          b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        else
+          a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p))),
+          b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1)));
+      }
+      if constexpr (!SIGNED) {
+        const __m512 zv = _mm512_set1_ps(z[g]);
+        a = _mm512_sub_ps(a, zv), b = _mm512_sub_ps(b, zv);
+      }
+      a = _mm512_mul_ps(a, sv), b = _mm512_mul_ps(b, sv);
+      __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
+      if constexpr (BITS == 4) ab = _mm512_permutexvar_epi16(inter, ab);
+      _mm512_storeu_si512(o + k, ab);
+    }
+  }
+}
+
+// x bf16 [M, K] (as bytes) times a 4- or 8-bit weight: every block of 32 weight rows
+// dequantized once into `tile rows`, then run's blocks over it; y float32 [M, N].
+template <int BITS, bool SIGNED>
+void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
+                     int64_t N, int64_t group, float* y) {
+  const int64_t tiles = (M + TILE - 1) / TILE, Kb = 2 * K, G = K / group;
+  std::vector<int32_t> keep(tiles * Kb / 4 * TILE + 16);
+  int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
+  pack_rows(x, M, Kb, tiles, xp);
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const PanelWork work(blocks, M, BLOCK, at::get_num_threads());
+  at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
+    configure();
+    alignas(64) int32_t c[4][TILE * TILE];
+    std::vector<uint16_t> buf(BLOCK * K + 32);
+    uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
+      const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
+      dequant_block<BITS, SIGNED>(w, s, z, N, K, G, group, n0, wb);
+      const uint8_t* wt = reinterpret_cast<const uint8_t*>(wb);
+      const int64_t m_end = std::min(M, (part + 1) * work.rows);
+      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+        const bool two = m + TILE < m_end;
+        const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
+        if (two) block<true, true>(wt, Kb, xt, c);
+        else block<true, false>(wt, Kb, xt, c);
+        for (int j = 0; j < (two ? 2 : 1); ++j)
+          for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+            __m512i r[TILE];
+            rows_of(c[2 * h + j], r);
+            const int64_t m0 = m + TILE * j, n = n0 + TILE * h;
+            const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m0));
+            for (int q = 0; q < rows; ++q)
+              _mm512_mask_storeu_ps(y + (m0 + q) * N + n, lanes(std::min(TILE, cols - TILE * h)),
+                                    _mm512_castsi512_ps(r[q]));
+          }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif
 
 void check_int8_pair(const char* name, const at::Tensor& a, const at::Tensor& b) {
@@ -286,6 +385,46 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
             N, false, [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               dense_out(c, m, rows, n0, cols, pb, py, N);
             });
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
+#endif
+  return y;
+}
+
+// weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX tiles, the weight as A tiles: x float32,
+// bf16 or float16 [M, K] (rounded to bf16), codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K],
+// scale and zero_point float32 [N, K/group] (zero_point none: signed codes); y float32 [M, N].
+at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
+                              "permission to use its tiles");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && (bits == 4 || bits == 8),
+              "lowbit._C.weight_only_gemm_bf16_amx: x [M, K], codes [N, ...] and 4 or 8 bits expected");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0,
+              "lowbit._C.weight_only_gemm_bf16_amx: K and group must be multiples of 32, group dividing K");
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) * (bits == 4 ? 8 : 1) == K &&
+                  (bits == 4 ? codes.scalar_type() == at::kInt
+                             : (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == N && scale.size(1) == K / group &&
+                  (!zero_point || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous() &&
+                                   zero_point->sizes() == scale.sizes())),
+              "lowbit._C.weight_only_gemm_bf16_amx: contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and "
+              "zero_point [N, K/group] expected");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef LOWBIT_AMX_LINEAR
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const uint8_t* px = reinterpret_cast<const uint8_t*>(xb.data_ptr());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = scale.data_ptr<float>();
+  const float* z = zero_point ? zero_point->data_ptr<float>() : nullptr;
+  float* py = y.data_ptr<float>();
+  if (bits == 4)
+    (z ? weight_only_run<4, false> : weight_only_run<4, true>)(px, M, K, w, s, z, N, group, py);
+  else
+    (z ? weight_only_run<8, false> : weight_only_run<8, true>)(px, M, K, w, s, z, N, group, py);
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif

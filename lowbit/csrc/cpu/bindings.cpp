@@ -70,7 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_a8_blocks / gemm_a8_blocks8 on AMX int8 tiles (tdpbsud / tdpbssd per block), the same bits");
   m.def("has_amx_bf16", &has_amx_bf16, "whether AMX bf16 tiles run here (compiled in, CPUID, kernel permission)");
   m.def("weight_only_gemm_bf16_amx", &weight_only_gemm_bf16_amx,
-        "weight_only_gemm_bf16's panels multiplied on AMX bf16 tiles (tdpbf16ps)");
+        "weight_only_gemm_bf16 on AMX bf16 tiles (tdpbf16ps), each block of 32 weight rows dequantized once");
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbsud, a group per C tile), the same bits");
   m.def("int8_mm_amx", &int8_mm_amx, "exact int32 a @ b.T of int8 matrices on AMX tiles (tdpbssd), K a multiple of 64");
   m.def("dense_amx", &dense_amx, "a bf16 nn.Linear on AMX bf16 tiles (tdpbf16ps), the weight read as stored");

@@ -37,9 +37,6 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define LOWBIT_HAVE_BF16_GEMM 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LOWBIT_AMX_BF16 1
-#endif
 #endif
 
 namespace {
@@ -142,64 +139,6 @@ constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
 }
 constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
 
-#ifdef LOWBIT_AMX_BF16
-// The same panels on AMX tiles (weight_only_gemm_bf16_amx): a step is 32 rows x 32 columns,
-// two A tiles (16 rows x 16 pairs of x), two B tiles (16 pairs x 16 columns: panel rows
-// read with the panel's stride) and four C tiles of float32 sums, 16 x 16 x 32
-// multiply-adds per tdpbf16ps.  Like vdpbf16ps, tdpbf16ps reads bf16 denormals as zero and
-// flushes denormal sums.
-constexpr int AMX_ROWS = 32;
-// Values of K per chunk: the C tiles sum a whole chunk, so fewer chunks mean fewer passes
-// of the float sums through y; a 2048-value chunk's panel is 256 KiB (in L2).
-constexpr int64_t AMX_KC_MAX = 2048;
-
-void amx_configure() {  // C 0-3, A 4-5, B 6-7: 16 rows of 64 bytes each
-  load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
-}
-
-// Rows [0, rows) (rows <= 32; x readable for 32 rows, ldx bytes apart) x the panel's ncols
-// columns over kp pairs (a multiple of 16): y (+)= x . panel.  buf: 32 x 32 float32.
-void amx_tile(const uint16_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* y, int64_t ldy, int rows,
-              int ncols, bool accumulate, float* buf) {
-  const bool two = rows > 16;
-  for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t q = 0; q < kp; q += 16) {
-      _tile_loadd(4, x + 2 * q, ldx);
-      _tile_loadd(6, panel + q * NP + 32 * h, NP * 4);
-      _tile_loadd(7, panel + q * NP + 32 * h + 16, NP * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, reinterpret_cast<const char*>(x + 2 * q) + 16 * ldx, ldx);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, buf, 128);
-    _tile_stored(1, buf + 16, 128);
-    if (two) {
-      _tile_stored(2, buf + 16 * 32, 128);
-      _tile_stored(3, buf + 16 * 32 + 16, 128);
-    }
-    for (int v = 0; v < 2; ++v) {
-      const int left = ncols - 32 * h - 16 * v;
-      if (left <= 0) break;
-      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      for (int r = 0; r < rows; ++r) {
-        float* out = y + r * ldy + 32 * h + 16 * v;
-        __m512 s = _mm512_loadu_ps(buf + r * 32 + 16 * v);
-        if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, out));
-        _mm512_mask_storeu_ps(out, mask, s);
-      }
-    }
-  }
-}
-
-#endif
 
 // The loop of both GEMMs: every panel of NP weight rows and every part of the activation
 // rows (PanelWork, tiles of tile_rows rows) split between threads; per thread start(), then
@@ -247,22 +186,6 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
       [] {});
 }
 
-#ifdef LOWBIT_AMX_BF16
-// gemm() with the AMX step: x bf16 [Mp, K], Mp a multiple of 32 (rows past M zero).
-template <int BITS, bool SIGNED, bool HAS_ZP>
-void gemm_amx(const uint16_t* xb, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
-              int64_t Npad, int64_t group, float* y) {
-  each_chunk<BITS, SIGNED, HAS_ZP>(
-      w, st, zt, M, N, K, Npad, group, AMX_KC_MAX, AMX_ROWS, [] { amx_configure(); },
-      [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
-        alignas(64) float out[AMX_ROWS * 32];
-        for (int64_t m = m0; m < m1; m += AMX_ROWS)
-          amx_tile(xb + m * K + k0, K * 2, panel, kc / 2, y + m * N + n0, N,
-                   static_cast<int>(std::min<int64_t>(AMX_ROWS, m1 - m)), ncols, k0 > 0, out);
-      },
-      [] { _tile_release(); });
-}
-#endif
 #endif
 
 }  // namespace
@@ -279,11 +202,10 @@ bool gemm_bf16_supported(int64_t K, int64_t group) {
 }
 
 namespace {
-// The two entries below: their checks, x rounded to bf16 (padded with zero rows to a multiple
-// of AMX_ROWS for the AMX step), scale and zero point transposed to [G][Npad] (lane i of a
-// vector load is column i's value), then the GEMM for the weight's kind.
+// The entry below: its checks, x rounded to bf16, scale and zero point transposed to [G][Npad]
+// (lane i of a vector load is column i's value), then the GEMM for the weight's kind.
 at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool amx) {
+                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
   TORCH_CHECK(gemm_bf16_supported(x.size(1), group), who, ": unsupported K/group");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat,
@@ -292,16 +214,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
-  at::Tensor xb;  // rounded to nearest even, as torch does
-#ifdef LOWBIT_AMX_BF16
-  if (amx) {
-    xb = at::zeros({(M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, K}, x.options().dtype(at::kBFloat16));
-    xb.narrow(0, 0, M).copy_(x);
-  }
-#else
-  (void)amx;  // where AMX is not compiled in, has_amx_bf16() refused the AMX entry
-#endif
-  if (!xb.defined()) xb = x.to(at::kBFloat16).contiguous();
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
   const int64_t Npad = (N + NP - 1) / NP * NP;
   const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
   at::Tensor zt;
@@ -314,9 +227,6 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const auto run = [&](auto bits_c, auto signed_c, auto zp_c) {
     constexpr int B = decltype(bits_c)::value;
     constexpr bool S = decltype(signed_c)::value, Z = decltype(zp_c)::value;
-#ifdef LOWBIT_AMX_BF16
-    if (amx) return gemm_amx<B, S, Z>(static_cast<const uint16_t*>(pa), w, s, z, M, N, K, Npad, group, py);
-#endif
     gemm<B, S, Z>(static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
   };
   using T = std::true_type;
@@ -327,7 +237,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     if (z) run(std::integral_constant<int, 8>{}, F{}, T{}); else run(std::integral_constant<int, 8>{}, T{}, F{});
   }
 #else
-  (void)amx, (void)bits, (void)zero_point, (void)K;
+  (void)bits, (void)zero_point, (void)K;
 #endif
   return y;
 }
@@ -337,14 +247,5 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 // [N, K/8]; scale, zero_point float32 [N, G].  Returns float32 [M, N].
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, false);
-}
-
-// weight_only_gemm_bf16 on AMX tiles (tdpbf16ps), where has_amx_bf16(): the same panels and
-// contract, the sums of each K chunk in the tiles' order.
-at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
-                              "permission to use its tiles");
-  return panel_gemm("lowbit._C.weight_only_gemm_bf16_amx", x, codes, scale, zero_point, bits, group, true);
+  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group);
 }

@@ -163,7 +163,7 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tens
 // gemm_amx.cpp
 // Whether AMX int8 tiles run here: compiled in, in CPUID, and the kernel's permission granted.
 bool has_amx_int8();
-// Whether AMX bf16 tiles run here (weight_only_gemm_bf16_amx in gemm_bf16.cpp).
+// Whether AMX bf16 tiles run here (amx_linear.cpp: dense_amx, weight_only_gemm_bf16_amx).
 bool has_amx_bf16();
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
@@ -176,6 +176,10 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b);
 // A bf16 nn.Linear (bf16 x [M, K], weight [N, K], K a multiple of 32, bias or none) on AMX
 // bf16 tiles, float32 sums, one rounding to bf16.
 at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX bf16 tiles, each block of 32 weight
+// rows dequantized once into A tiles as stored (the same bf16 weight values, the same bits).
+at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // int8_linear (gemm_int8.cpp) on AMX tiles: the same contract and bits, K a multiple of 64.
 at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                            const at::Tensor& row_scale, const at::Tensor& col_scale,
@@ -191,8 +195,6 @@ at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, c
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
-at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // gemm_f32.cpp
 bool has_gemm_f32();
 // y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).

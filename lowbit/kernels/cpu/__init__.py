@@ -45,9 +45,11 @@ def load_error() -> str | None:
 #   M=16: 0.90 / 0.72 / 0.66 / 0.52 at 256 KiB / 512 KiB / 1 MiB / 4 MiB (float32 GEMM 0.49)
 #   M=32: 1.04 / 0.88 / 0.82 / 0.66 (0.50);  49152x576 M=32: 32.0 / 27.1 / 24.5 / 21.3 (26.0)
 TILE_BYTES = 4 << 20
-# Where AMX runs, gemm_bf16.cpp's panels multiplied on AMX bf16 tiles (weight_only_gemm_bf16_amx:
-# the weight dequantized once per call into L2-sized panels) against bf16 tiles through
-# torch.mm and a bf16 F.linear of the float weight, AVX-512 Xeon with AMX, 2 threads (ms):
+# Where AMX runs, amx_linear.cpp's weight_only_gemm_bf16_amx (each block of 32 weight rows
+# dequantized once per call into bf16 A tiles as stored, the rows of x packed into B tiles;
+# the bits of the gemm_bf16.cpp panels it replaced, 1.6-2.4x them for 4-bit at 1-32 rows,
+# 1.2-1.5x at 64-256, 8-bit 0.94-1.3x) against the panels before it (first figure), bf16 tiles
+# through torch.mm and a bf16 F.linear of the float weight, AVX-512 Xeon with AMX, 2 threads (ms):
 #   1536x576 g64 4-bit: M=8 0.13 / 0.29 / 0.07, M=32 0.16 / 0.31 / 0.10, M=128 0.25 / 0.39 / 0.16,
 #                       M=512 0.69 / 0.66 / 0.42
 #   576x1536 g128:      M=8 0.12 / 0.21 / 0.07, M=128 0.25 / 0.32 / 0.16, M=512 0.72 / 0.61 / 0.44
@@ -331,8 +333,9 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
         return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, torch.mm ({why})")
     if (bf16 and m <= AMX_BF16_GEMM_MAX_M and _C is not None and _C.has_amx_bf16()
             and _C.gemm_bf16_supported(k, group)):
-        return Plan("gemm_bf16_amx", f"up to {AMX_BF16_GEMM_MAX_M} rows where AMX runs: bf16 panels of the weight, "
-                                     "AMX bf16 tiles (1.2-2.3x bf16 tiles through torch.mm)")
+        return Plan("gemm_bf16_amx", f"up to {AMX_BF16_GEMM_MAX_M} rows where AMX runs: each block of 32 weight "
+                                     "rows dequantized into bf16 A tiles, AMX bf16 tiles (1.2-2.3x bf16 tiles "
+                                     "through torch.mm before the A tiles, 1.2-2.4x more since)")
     if _amx():
         return Plan("tiles_bf16", "weight tiles dequantized to bf16, torch.mm on AMX tiles (oneDNN): 4-10x "
                                   "gemm_bf16.cpp's AVX512-BF16 panels")
