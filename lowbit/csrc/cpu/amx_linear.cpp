@@ -122,12 +122,40 @@ inline void block(const uint8_t* w, int64_t Kb, const int32_t* xt, int32_t (*c)[
 }
 #undef LOWBIT_TDP
 
-// Every block of 32 weight rows x 32 rows of a (rows of Kb bytes: int8 values, or bf16 ones
-// with BF16); out(c, m, rows, n0, cols, sums) writes one C tile's outputs: c [16 weight rows
-// n0 ..][16 rows m ..] (int32, or float32 bits), `rows` and `cols` of them real, sums:
-// sum_k w of its weight rows (int8, computed only if `sums`).
-template <bool BF16, typename Out>
-void run(const uint8_t* a, int64_t M, int64_t Kb, const uint8_t* b, int64_t N, bool sums, Out out) {
+// A block of 32 weight rows as the tiles read it: w (32 rows of Kb bytes, Kb apart) and, for
+// W8A8 with activation zero points, sum_k w of each row (else null).
+struct Block {
+  const uint8_t* w;
+  const int32_t* sums;
+};
+
+// The weight as stored (int8, or bf16 with BF16): a block is its rows in place, or a
+// zero-padded copy of the last rows; their sums where `sums`.  One per thread.
+struct StoredRows {
+  const uint8_t* b;
+  int64_t Kb, N;
+  bool sums;
+  std::vector<uint8_t> tail;
+  alignas(64) int32_t colsum[BLOCK] = {};
+  Block operator()(int64_t n0) {
+    const uint8_t* w = b + n0 * Kb;
+    if (N - n0 < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
+      tail.assign(BLOCK * Kb, 0);
+      std::copy(w, w + (N - n0) * Kb, tail.begin());
+      w = tail.data();
+    }
+    if (!sums) return {w, nullptr};
+    row_sums(reinterpret_cast<const int8_t*>(w), Kb, colsum);
+    return {w, colsum};
+  }
+};
+
+// Every block of 32 weight rows (N of them, rows of Kb bytes: int8 values, or bf16 ones with
+// BF16; source = make(), one per thread, gives block n0's rows) x 32 rows of a; out(c, m,
+// rows, n0, cols, sums) writes one C tile's outputs: c [16 weight rows n0 ..][16 rows m ..]
+// (int32, or float32 bits), `rows` and `cols` of them real, sums: the block's from n0 on.
+template <bool BF16, typename Make, typename Out>
+void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out) {
   const int64_t tiles = (M + TILE - 1) / TILE;
   std::vector<int32_t> keep(tiles * Kb / 4 * TILE + 16);
   int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
@@ -137,28 +165,21 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, const uint8_t* b, int64_t N, b
   at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
     configure();
     alignas(64) int32_t c[4][TILE * TILE];
-    alignas(64) int32_t colsum[BLOCK] = {};
-    std::vector<uint8_t> tail;
+    auto source = make();
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
       const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-      const uint8_t* w = b + n0 * Kb;
-      if (cols < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
-        tail.assign(BLOCK * Kb, 0);
-        std::copy(w, w + cols * Kb, tail.begin());
-        w = tail.data();
-      }
-      if (sums) row_sums(reinterpret_cast<const int8_t*>(w), Kb, colsum);
+      const Block blk = source(n0);
       const int64_t m_end = std::min(M, (part + 1) * work.rows);
       for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
         const bool two = m + TILE < m_end;
         const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
-        if (two) block<BF16, true>(w, Kb, xt, c);
-        else block<BF16, false>(w, Kb, xt, c);
+        if (two) block<BF16, true>(blk.w, Kb, xt, c);
+        else block<BF16, false>(blk.w, Kb, xt, c);
         for (int j = 0; j < (two ? 2 : 1); ++j)
           for (int h = 0; h < 2 && TILE * h < cols; ++h)
             out(c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
-                n0 + TILE * h, std::min(TILE, cols - TILE * h), colsum + TILE * h);
+                n0 + TILE * h, std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
       }
     }
     _tile_release();
@@ -169,12 +190,13 @@ inline __mmask16 lanes(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>
 
 template <typename T>
 void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, const int8_epilogue::RowCol& e) {
-  run<false>(reinterpret_cast<const uint8_t*>(a), M, K, reinterpret_cast<const uint8_t*>(b), N, e.a_zp != nullptr,
+  const auto make = [&] { return StoredRows{reinterpret_cast<const uint8_t*>(b), K, N, e.a_zp != nullptr}; };
+  run<false>(reinterpret_cast<const uint8_t*>(a), M, K, N, make,
              [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
     __m512i r[TILE];
     rows_of(c, r);
     const __mmask16 mask = lanes(cols);
-    const __m512i colsum = _mm512_maskz_loadu_epi32(mask, sums);
+    const __m512i colsum = sums ? _mm512_maskz_loadu_epi32(mask, sums) : _mm512_setzero_si512();
     for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(e, r[i], colsum, m + i, n0, mask);
   });
 }
@@ -246,47 +268,32 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
   }
 }
 
-// x bf16 [M, K] (as bytes) times a 4- or 8-bit weight: every block of 32 weight rows
-// dequantized once into `tile rows`, then run's blocks over it; y float32 [M, N].
+// The bf16 rows of a 4- or 8-bit weight, block by block (dequant_block).  One per thread.
+template <int BITS, bool SIGNED>
+struct DequantizedRows {
+  const uint8_t* w;
+  const float *s, *z;
+  int64_t N, K, group;
+  std::vector<uint16_t> buf = std::vector<uint16_t>(BLOCK * K + 32);
+  Block operator()(int64_t n0) {
+    uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    dequant_block<BITS, SIGNED>(w, s, z, N, K, K / group, group, n0, wb);
+    return {reinterpret_cast<const uint8_t*>(wb), nullptr};
+  }
+};
+
+// x bf16 [M, K] (as bytes) times a 4- or 8-bit weight, each block of 32 weight rows
+// dequantized once; y float32 [M, N].
 template <int BITS, bool SIGNED>
 void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
                      int64_t N, int64_t group, float* y) {
-  const int64_t tiles = (M + TILE - 1) / TILE, Kb = 2 * K, G = K / group;
-  std::vector<int32_t> keep(tiles * Kb / 4 * TILE + 16);
-  int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
-  pack_rows(x, M, Kb, tiles, xp);
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  const PanelWork work(blocks, M, BLOCK, at::get_num_threads());
-  at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
-    configure();
-    alignas(64) int32_t c[4][TILE * TILE];
-    std::vector<uint16_t> buf(BLOCK * K + 32);
-    uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
-      const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-      dequant_block<BITS, SIGNED>(w, s, z, N, K, G, group, n0, wb);
-      const uint8_t* wt = reinterpret_cast<const uint8_t*>(wb);
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
-        const bool two = m + TILE < m_end;
-        const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
-        if (two) block<true, true>(wt, Kb, xt, c);
-        else block<true, false>(wt, Kb, xt, c);
-        for (int j = 0; j < (two ? 2 : 1); ++j)
-          for (int h = 0; h < 2 && TILE * h < cols; ++h) {
-            __m512i r[TILE];
-            rows_of(c[2 * h + j], r);
-            const int64_t m0 = m + TILE * j, n = n0 + TILE * h;
-            const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m0));
-            for (int q = 0; q < rows; ++q)
-              _mm512_mask_storeu_ps(y + (m0 + q) * N + n, lanes(std::min(TILE, cols - TILE * h)),
-                                    _mm512_castsi512_ps(r[q]));
-          }
-      }
-    }
-    _tile_release();
-  });
+  run<true>(x, M, 2 * K, N, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
+            [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+              __m512i r[TILE];
+              rows_of(c, r);
+              for (int i = 0; i < rows; ++i)
+                _mm512_mask_storeu_ps(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
+            });
 }
 #endif
 
@@ -312,8 +319,8 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
 #ifdef LOWBIT_AMX_LINEAR
   if (M == 0 || N == 0) return y;
   int32_t* py = y.data_ptr<int32_t>();
-  run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, reinterpret_cast<const uint8_t*>(bc.data_ptr()), N,
-             false,
+  const uint8_t* pb = reinterpret_cast<const uint8_t*>(bc.data_ptr());
+  run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, N, [&] { return StoredRows{pb, K, N, false}; },
       [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
         __m512i r[TILE];
         rows_of(c, r);
@@ -381,8 +388,9 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
   const at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* pb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   uint16_t* py = reinterpret_cast<uint16_t*>(y.data_ptr());
-  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, reinterpret_cast<const uint8_t*>(wc.data_ptr()),
-            N, false, [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+  const uint8_t* pw = reinterpret_cast<const uint8_t*>(wc.data_ptr());
+  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, N, [&] { return StoredRows{pw, 2 * K, N, false}; },
+            [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               dense_out(c, m, rows, n0, cols, pb, py, N);
             });
 #else
