@@ -113,14 +113,16 @@ INT8_GEMM_MIN_M = 2
 #   576x1536: M=16 0.061 vs 0.049, M=32 0.087 vs 0.061, M=128 0.239 vs 0.128, M=512 0.88 vs 0.30
 #   576x576:  M=32 0.037 vs 0.037, M=512 0.33 vs 0.14;  192x576 M=512 0.14 vs 0.06
 AMX_INT_MM_MIN_M = 32
-# gemm_amx.cpp's int8_mm_amx (AMX int8 tiles, K a multiple of 64: up to 64 rows the weight
-# read as stored into the tiles, beyond packed per call) gives torch._int_mm's integers; with
-# the row x column epilogue, against the fused gemm_int8 and torch._int_mm, same machine,
-# 2 threads, weights cycled through 35-40 MB (us, gemm_int8 / int8_mm_amx / _int_mm):
-#   1536x576: M=2 52 / 45 / 74, M=8 78 / 47 / 92, M=32 137 / 88 / 146, M=128 427 / 292 / 392,
-#             M=512 1443 / 1007 / 1383
-#   576x1536: M=2 64 / 40 / 52, M=8 104 / 52 / 79, M=32 121 / 62 / 74, M=512 1593 / 798 / 940
-#   576x576:  M=8 35 / 21 / 38, M=32 72 / 45 / 67;  192x576: M=8 32 / 17 / 27, M=512 255 / 122 / 143
+# amx_linear.cpp's int8_linear_amx (AMX int8 tiles, K a multiple of 64: the weight read as
+# stored into A tiles, the rows packed into B tiles, the epilogue fused) gives torch._int_mm's
+# integers and gemm_int8's bits; against the fused gemm_int8 and torch._int_mm without its
+# epilogue, same machine, 2 threads, weights cycled through 40 MB (us, gemm_int8 / amx / _int_mm):
+#   1536x576: M=2 53 / 46 / 96, M=8 68 / 48 / 95, M=32 118 / 67 / 93, M=128 329 / 188 / 277,
+#             M=512 1259 / 722 / 1138, M=1280 3006 / 1944 / 2135
+#   576x1536: M=2 55 / 41 / 85, M=32 115 / 64 / 78, M=512 1197 / 504 / 933
+#   576x576:  M=8 32 / 21 / 46, M=32 50 / 29 / 43;  192x576: M=8 22 / 13 / 27, M=512 283 / 135 / 99
+# (the kernel before it, int8_mm_amx with the weight packed per call past 64 rows and the
+# epilogue composed, was 1443 / 1007 / 1383 at 1536x576 M=512).
 # One row stays on int8_rows (48 / 37 / 81 for 1536x576 composed, and the decode step runs
 # it on pointers, without the tensors).
 AMX_INT8_MIN_M = 2
@@ -384,8 +386,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
 def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if bits == 8:
         if m >= AMX_INT8_MIN_M and k % 64 == 0 and _has_avx512() and _has_amx_int8():
-            return Plan("int8_amx", f"from {AMX_INT8_MIN_M} rows where AMX runs: gemm_amx.cpp's int8 tiles (exact "
-                                    "int32, torch._int_mm's integers), zero-point correction, row x column epilogue")
+            return Plan("int8_amx", f"from {AMX_INT8_MIN_M} rows where AMX runs: amx_linear.cpp's int8 tiles, the "
+                                    "weight read as stored (exact int32, torch._int_mm's integers), gemm_int8's "
+                                    "epilogue fused: 1.2-2.4x gemm_int8")
         if m >= AMX_INT_MM_MIN_M and _has_avx512() and _amx():
             return Plan("int_mm", f"from {AMX_INT_MM_MIN_M} rows where AMX runs: torch._int_mm (oneDNN's int8 GEMM), "
                                   "zero-point correction, row x column epilogue: 1.2-2.9x gemm_int8.cpp")
