@@ -518,18 +518,25 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
 
 namespace {
 
+// x's shape with its last dimension n: a projection's output for x.
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, 2: gemm_f32 then the
 // bias, 3: dense_amx, else at::linear, as lowbit.kernels.cpu.step_linear decides for the
-// step's rows), a
-// weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and zero points as
-// packed_scales gives them, bits, group, and the weight_only_matmul kernel lowbit.kernels.cpu's
-// plan chose for the step's rows; zero_point_min: the "min" domain's q * s + m; bias added
-// after), one with 8-bit activations in blocks of 32 (act 3, the weight as for weight-only;
+// step's rows), a weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and
+// zero points as packed_scales gives them, bits, group, and the weight_only_matmul kernel
+// lowbit.kernels.cpu's plan chose for the step's rows; zero_point_min: the "min" domain's
+// q * s + m; bias added after), one with 8-bit activations in blocks of 32 (act 3, the weight as for weight-only;
 // kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8), or
 // one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8 codes
 // [N, K], scale [N] float32; kernel 0: torch._int_mm, 1: int8_mm_rows, 2: int8_linear, the
 // epilogue and bias fused, 3: int8_mm_panels, 4: int8_linear_amx, the same on AMX tiles) or
-// W4A8 (u32x8 codes, scale [N, G] float32, int32 zero points or none; kernel 0: w4a8_gemm, 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
+// W4A8 (u32x8 codes, scale [N, G] float32, int32 zero points or none; kernel 0: w4a8_gemm,
+// 1: w4a8_gemm_panels, 2: w4a8_gemm_amx).
 // The paths are lowbit.linear's, op for op: per-token quantization, unsigned codes shifted to
 // int8, the integer product, then the row x column epilogue (W8A8) or the row scale (W4A8),
 // the bias added in x's dtype.  lowbit.kernels.cpu.quant_projection names the kernels.
@@ -542,11 +549,7 @@ struct Proj {
   at::Tensor operator()(const at::Tensor& x) const {
     if (!codes.defined()) {
       if (kernel == 1) return dense_rows(x, weight, bias);
-      if (kernel == 3) {
-        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-        shape.back() = weight.size(0);
-        return dense_amx(x.reshape({-1, x.size(-1)}), weight, bias).view(shape);
-      }
+      if (kernel == 3) return dense_amx(x.reshape({-1, x.size(-1)}), weight, bias).view(out_shape(x, weight.size(0)));
       if (kernel != 2) return at::linear(x, weight, bias);
       const at::Tensor y = gemm_f32(x, weight);
       return bias ? y + *bias : y;
@@ -591,9 +594,7 @@ struct Proj {
         for (int64_t n = 0; n < N; ++n) py[m * N + n] *= ps[m];
       if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
     }
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = codes.size(0);
-    return y.view(shape);
+    return y.view(out_shape(x, codes.size(0)));
   }
 
   // x2 [M, K] quantized per token to 8 bits as lowbit.linear does (unsigned codes shifted
@@ -617,9 +618,7 @@ at::Tensor Proj::int8_linear_fused(const at::Tensor& x) const {
   auto [q, s, z] = token_codes(x2);
   const c10::optional<at::Tensor> zp = act == 2 ? c10::optional<at::Tensor>(z) : c10::nullopt;
   const at::Tensor y = (kernel == 4 ? int8_linear_amx : int8_linear)(q, zp, codes, s, scale, bias, x.scalar_type());
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = codes.size(0);
-  return y.view(shape);
+  return y.view(out_shape(x, codes.size(0)));
 }
 
 // Projections of the same input with activations in int8 blocks and the same kind of
@@ -643,9 +642,7 @@ at::Tensor Proj::int8_blocks(const at::Tensor& x) const {
                                    : linear_a8_blocks(x2, codes, scale, zero_point, bits, group, zero_point_min);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
   if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = codes.size(0);
-  return y.to(x.scalar_type()).view(shape);
+  return y.to(x.scalar_type()).view(out_shape(x, codes.size(0)));
 }
 
 // Weight-only projections on the float32 FMA kernel (gemv_f32) with the same kind of
@@ -879,9 +876,7 @@ class RowLinear {
     const int64_t K = g_.in_features(), N = g_.out_features(0);
     TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K && x.numel() == K,
                 "lowbit._C.RowLinear: one row of ", K, " values on the CPU expected, got ", x.sizes());
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    at::Tensor y = at::empty(shape, x.options());
+    at::Tensor y = at::empty(out_shape(x, N), x.options());
     const at::Tensor xc = x.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lowbit_row_linear", [&] {
       scalar_t* py = y.data_ptr<scalar_t>();

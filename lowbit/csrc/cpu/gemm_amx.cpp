@@ -318,7 +318,6 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
     _tile_release();
   });
 }
-
 #endif
 
 }  // namespace

@@ -107,7 +107,7 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 // stored to scratch, or through the epilogue when `last`.
 template <int R>
 void tile(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t kq, const __m512i* comp, int32_t* scratch,
-          int64_t lds, bool first, bool last, int64_t m, int64_t n0, int64_t N, int ncols, const Epilogue& e) {
+          int64_t lds, bool first, bool last, int64_t m, int64_t n0, int ncols, const Epilogue& e) {
   __m512i acc[R][NV];  // activations (+128) unsigned, weights signed
   panel_dots<R>(acc, a, lda, panel, kq, [](__m512i c, __m512i x, __m512i b) { return dpbusd(c, x, b); });
   // the sums reach the epilogue (one function per output dtype) through memory
@@ -127,7 +127,7 @@ void tile(const uint32_t* a, int64_t lda, const uint32_t* panel, int64_t kq, con
 }
 
 using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const __m512i*, int32_t*, int64_t, bool,
-                        bool, int64_t, int64_t, int64_t, int, const Epilogue&);
+                        bool, int64_t, int64_t, int, const Epilogue&);
 template <int... Rs>
 constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
   return {tile<Rs + 1>...};
@@ -207,7 +207,7 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES[mr - 1](pa + m * lda + k0 / 4, lda, panel, kc / 4, comp, ps ? ps + m * Npad + n0 : nullptr, Npad,
-                        k0 == 0, last, m, n0, N, ncols, e);
+                        k0 == 0, last, m, n0, ncols, e);
         }
       }
     }
