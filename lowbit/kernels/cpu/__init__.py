@@ -799,7 +799,17 @@ def dense_rows_apply(weight: torch.Tensor, rows: int) -> bool:
 def dense_amx_apply(weight: torch.Tensor, rows: int) -> bool:
     """Whether ``rows`` rows of a decode step through a bfloat16 ``nn.Linear`` with this
     weight run ``_C.dense_amx`` (AMX bf16 tiles, up to ``DENSE_AMX_MAX_M`` rows, K a multiple
-    of 32).  A prefill never does: its logits stay bit-identical to transformers' forward."""
+    of 32).  A prefill never does: its logits stay bit-identical to transformers' forward.
+
+    Example (K = 40 is not a multiple of 32, float32 has no AMX tiles: never)::
+
+        >>> import torch
+        >>> from lowbit.kernels import cpu
+        >>> cpu.dense_amx_apply(torch.zeros(8, 40, dtype=torch.bfloat16), 1)
+        False
+        >>> cpu.dense_amx_apply(torch.zeros(8, 64), 1)
+        False
+    """
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[1] % 32 == 0 and rows <= DENSE_AMX_MAX_M and _has_amx_bf16())
 
