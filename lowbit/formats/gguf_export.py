@@ -514,7 +514,8 @@ def export_gguf(model: nn.Module, tokenizer, path: str | os.PathLike, *, type: s
         >>> from lowbit.formats.gguf_export import export_gguf
         >>> model, tok = lowbit.load_model()
         >>> q = lowbit.quantize_model(model, lowbit.Recipe(weight="int4-sym-g32-f16"))
-        >>> out = export_gguf(q, tok, pathlib.Path(tempfile.mkdtemp()) / "m.gguf")
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = export_gguf(q, tok, pathlib.Path(d) / "m.gguf")
         >>> sorted({(t.ggml_type, t.exact) for t in out.tensors})
         [('F32', True), ('Q4_0', True)]
     """

@@ -52,12 +52,13 @@ class GGUFError(ValueError):
 
         >>> import tempfile, pathlib
         >>> from lowbit.formats.gguf_file import GGUFError, read_gguf
-        >>> bad = pathlib.Path(tempfile.mkdtemp()) / "bad.gguf"
-        >>> _ = bad.write_bytes(b"GGML" + bytes(20))
-        >>> try:
-        ...     read_gguf(bad)
-        ... except GGUFError as e:
-        ...     print(str(e).replace(str(bad), "bad.gguf"))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     bad = pathlib.Path(d) / "bad.gguf"
+        ...     _ = bad.write_bytes(b"GGML" + bytes(20))
+        ...     try:
+        ...         read_gguf(bad)
+        ...     except GGUFError as e:
+        ...         print(str(e).replace(str(bad), "bad.gguf"))
         bad.gguf: not a GGUF file: it starts with b'GGML', not b'GGUF'
     """
 

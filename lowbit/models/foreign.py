@@ -40,9 +40,10 @@ def quant_method(folder: str | Path) -> str | None:
     Example::
 
         >>> import tempfile, pathlib, json
-        >>> d = pathlib.Path(tempfile.mkdtemp())
-        >>> _ = (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-        >>> quant_method(d)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (pathlib.Path(d) / "config.json").write_text(
+        ...         json.dumps({"quantization_config": {"quant_method": "gptq"}}))
+        ...     quant_method(d)
         'gptq'
     """
     f = Path(folder) / "config.json"
