@@ -19,7 +19,7 @@
 // a], transposed back on the way out.  A block of 32 weight rows x 32 rows of a keeps four
 // C tiles: per 64 bytes of K two A and two B tile loads feed four tile products (the loads,
 // not the products, would bound a 1 x 2 block).  Blocks of 32 weight rows and ranges of
-// rows of a are split between threads (PanelWork).  Each output is summed in the same order
+// rows of a (PanelWork) go to the threads as they ask (each_item).  Each output is summed in the same order
 // (k ascending, one tile product per 64 bytes) whatever M and its place in the tiles.
 
 #include "int8_epilogue.h"
@@ -161,28 +161,33 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
   int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
   pack_rows(a, M, Kb, tiles, xp);
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  const PanelWork work(blocks, M, BLOCK, at::get_num_threads());
-  at::parallel_for(0, work.items(blocks), 1, [&](int64_t i0, int64_t i1) {
-    configure();
+  // at least 8 items per thread: each_item gives them out as threads ask, so a thread running
+  // slower than the other takes fewer
+  const PanelWork work(blocks, M, BLOCK, 2 * at::get_num_threads());
+  struct Tiles {  // this thread's tile configuration, released when its items are done
+    Tiles() { configure(); }
+    ~Tiles() { _tile_release(); }
+  };
+  struct State {
+    Tiles tiles;
+    decltype(make()) source;
     alignas(64) int32_t c[4][TILE * TILE];
-    auto source = make();
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
-      const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-      const Block blk = source(n0);
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
-        const bool two = m + TILE < m_end;
-        const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
-        if (two) block<BF16, true>(blk.w, Kb, xt, c);
-        else block<BF16, false>(blk.w, Kb, xt, c);
-        for (int j = 0; j < (two ? 2 : 1); ++j)
-          for (int h = 0; h < 2 && TILE * h < cols; ++h)
-            out(c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
-                n0 + TILE * h, std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
-      }
+  };
+  each_item(work.items(blocks), [&] { return State{{}, make(), {}}; }, [&](State& s, int64_t i) {
+    const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
+    const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
+    const Block blk = s.source(n0);
+    const int64_t m_end = std::min(M, (part + 1) * work.rows);
+    for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+      const bool two = m + TILE < m_end;
+      const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
+      if (two) block<BF16, true>(blk.w, Kb, xt, s.c);
+      else block<BF16, false>(blk.w, Kb, xt, s.c);
+      for (int j = 0; j < (two ? 2 : 1); ++j)
+        for (int h = 0; h < 2 && TILE * h < cols; ++h)
+          out(s.c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
+              n0 + TILE * h, std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
     }
-    _tile_release();
   });
 }
 

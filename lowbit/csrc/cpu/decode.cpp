@@ -4,6 +4,7 @@
 // costs more than the matmuls; here it is one call per token, and the elementwise ops
 // (rotary embedding, KV cache writes, residual adds, the MLP's product) are loops rather
 // than ATen ops.  Bit-identical to the Python path (tested).
+#include "balance.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -507,7 +508,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
     const scalar_t *qp = qc.data_ptr<scalar_t>(), *kp = keys.data_ptr<scalar_t>(), *vp = values.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t seq = KV * cap * hd;
-    at::parallel_for(0, N, 1, [&](int64_t j0, int64_t j1) {
+    parallel_chunks(0, N, 1, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j)
         attend<scalar_t>(qp + j * H * hd, kp + r[j] * seq, vp + r[j] * seq, op + j * H * hd, H, KV, cap, len[j],
                          hd, static_cast<float>(scale));
@@ -1033,7 +1034,7 @@ class Decoder {
       if (N == 1)
         f(int64_t(0), int64_t(1));
       else
-        at::parallel_for(0, N, 1, f);
+        parallel_chunks(0, N, 1, f);
     };
     // h += y (unless y is null), then x = RMSNorm(h) with weight w, token by token
     const auto add_norm = [&](const T* y_add, const at::Tensor& w) {

@@ -18,6 +18,7 @@
 // is what oneDNN's bf16 GEMM computes too, up to the order of the sums; for one row it
 // reads the weight at ~7 GB/s here (bf16 SmolLM2 decode step, AMX Xeon), far below a
 // plain read.
+#include "balance.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -91,7 +92,7 @@ template <typename W>
 void linear_rows(const float* px, const W* pw, const float* pb, float* py, int64_t M, int64_t K, int64_t N) {
   constexpr int64_t R = 8;
   static_assert(R == kRowsAhead, "a block of R rows prefetches the next block");
-  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
+  parallel_chunks(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
     float out[2 * R];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * R, rows = std::min(R, N - n);

@@ -439,7 +439,7 @@ void int8_mm_rows_into(const int8_t* a, int64_t M, int64_t K, const int8_t* pb, 
   thread_local std::vector<int16_t> a16;  // a widened to int16 (exact)
   int16_t* pa = grown(a16, M * K);
   for (int64_t i = 0; i < M * K; ++i) pa[i] = a[i];
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* next = n + kRowsAhead < N ? pb + (n + kRowsAhead) * K : nullptr;  // prefetched
       int64_t m = 0;

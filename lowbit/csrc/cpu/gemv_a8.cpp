@@ -22,6 +22,7 @@
 // at most 2 * 255 * 128 in int32), as vpmaddubsw would saturate on 8-bit x 8-bit pairs.
 
 #include "a8_blocks.h"
+#include "balance.h"
 #include "kernels.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -252,7 +253,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   int64_t* first_tile = grown(first_keep, weights.size() + 1);
   first_tile[0] = 0;
   for (size_t i = 0; i < weights.size(); ++i) first_tile[i + 1] = first_tile[i] + weights[i].N / 4;
-  at::parallel_for(0, first_tile[weights.size()], 4, [&](int64_t t0, int64_t t1) {
+  parallel_chunks(0, first_tile[weights.size()], 8, [&](int64_t t0, int64_t t1) {
     size_t i = 0;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_tile[i + 1]) ++i;

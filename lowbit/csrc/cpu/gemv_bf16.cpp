@@ -14,6 +14,7 @@
 // 4i + j in lane i, and vdpbf16ps sums lane pairs (2t, 2t+1), i.e. elements 8t + j and
 // 8t + 4 + j, into float lane t.  The activations are laid out once per call to match.
 
+#include "balance.h"
 #include "kernels.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -182,7 +183,7 @@ void run(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* 
   // leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at 128 positions:
   // 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of weights, one
   // thread: 96 -> 73 us a call, 63 us cache-resident).
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = w + n * (K / 2);
       if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);

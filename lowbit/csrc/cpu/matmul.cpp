@@ -18,6 +18,7 @@
 // x.u and sum u are vpdpbusd dot products (u8 x s8 -> s32); the float scale is
 // applied once per group.
 
+#include "balance.h"
 #include "kernels.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -463,7 +464,7 @@ void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_
   int64_t* first = grown(first_keep, weights.size() + 1);
   first[0] = 0;
   for (size_t i = 0; i < weights.size(); ++i) first[i + 1] = first[i] + weights[i].N;
-  at::parallel_for(0, first[weights.size()], 16, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(0, first[weights.size()], 32, [&](int64_t r0, int64_t r1) {
     size_t i = 0;
     for (int64_t r = r0; r < r1;) {
       while (r >= first[i + 1]) ++i;
@@ -653,7 +654,7 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
   const bool is_signed = z == nullptr;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
     auto rows = [&](auto bytes, auto sign) {
 #ifdef LOWBIT_W4A8_VNNI
       w4a8_range<decltype(bytes)::value, decltype(sign)::value, 0>(pe, po, xsum, pz, M, K, G, group, w, N, s, z, py,

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "balance.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -55,20 +57,16 @@ void each_panel(const std::vector<int64_t>& Ns, int64_t M, Make make, Pack pack,
   for (int64_t N : Ns) first.push_back(first.back() + (N + COLS - 1) / COLS);
   const int64_t panels = first.back();
   const PanelWork work(panels, M, ROWS, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    auto scratch = make();
-    size_t j = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / work.parts, part = i % work.parts;
-      while (p >= first[j + 1]) ++j;
-      const int64_t n0 = (p - first[j]) * COLS;
-      const int cols = static_cast<int>(std::min<int64_t>(COLS, Ns[j] - n0));
-      pack(j, n0, scratch);
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      int64_t m = part * work.rows;
-      for (; m + ROWS <= m_end; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, scratch);
-      for (; m < m_end; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, scratch);
-    }
+  each_item(work.items(panels), make, [&](auto& scratch, int64_t i) {
+    const int64_t p = i / work.parts, part = i % work.parts;
+    const size_t j = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;  // p's weight
+    const int64_t n0 = (p - first[j]) * COLS;
+    const int cols = static_cast<int>(std::min<int64_t>(COLS, Ns[j] - n0));
+    pack(j, n0, scratch);
+    const int64_t m_end = std::min(M, (part + 1) * work.rows);
+    int64_t m = part * work.rows;
+    for (; m + ROWS <= m_end; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, scratch);
+    for (; m < m_end; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, scratch);
   });
 }
 
