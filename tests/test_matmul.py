@@ -787,10 +787,13 @@ def test_cpu_scratch_buffers_made_in_inference_mode_serve_calls_outside_it():
 
 
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536), (140, 33, 576),
+                                     (300, 70, 128)])
 def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
     # amx_linear.cpp: blocks of 32 weight rows dequantized into bf16 A tiles (n = 1, 33, 70:
-    # the last block cut short), one or two tiles of rows (m = 17, 40: two and a tail);
+    # the last block cut short), one or two tiles of rows (m = 17, 40: two and a tail); from
+    # PACKED_WEIGHT_MIN_M = 128 rows the blocks packed as B tiles and the rows read as A tiles
+    # (m = 140, 300: the last 12 rows a half tile, the last 44 one and a half);
     # the weight is the reference's bf16 dequantization exactly, so only the float32 sums
     # of the exact bf16 products differ from float64: gamma_k sum |x w| (the tiles flush
     # float32 subnormals, at most 2^-126 per addition)
@@ -826,13 +829,14 @@ def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 1, 64), (5, 40, 128), (16, 32, 576), (17, 33, 576), (40, 70, 1536),
-                                     (64, 17, 64), (65, 33, 576), (129, 24, 4160)])
+                                     (64, 17, 64), (65, 33, 576), (129, 24, 4160), (300, 70, 576)])
 @pytest.mark.parametrize("values", ["random", "extreme"])
 def test_cpu_int8_mm_amx_gives_torch_int_mm_integers(m, n, k, values):
     # exact int32 sums on AMX tiles (tdpbssd): the same integers as torch._int_mm whatever
     # the order; blocks of 32 weight rows (n = 1, 17, 33, 70: the last one cut short) times
     # 32 rows of a (m = 1, 5, 17: one rows tile; 40, 65, 129: two and a last single one);
-    # "extreme" sums reach 128 * 128 * 4160 ~ 2^26
+    # "extreme" sums reach 128 * 128 * 4160 ~ 2^26; from 128 rows (129, 300) the weight
+    # blocks packed as B tiles, the rows of a read as stored
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
     a, _, b, *_ = int8_linear_case(m, n, k, values, False, False, torch.float32)
@@ -843,7 +847,7 @@ def test_cpu_int8_mm_amx_gives_torch_int_mm_integers(m, n, k, values):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_point, bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("values", ["random", "extreme"])
-@pytest.mark.parametrize("m, n, k", [(2, 8, 64), (17, 33, 576), (40, 70, 1536), (129, 24, 4160)])
+@pytest.mark.parametrize("m, n, k", [(2, 8, 64), (17, 33, 576), (40, 70, 1536), (129, 24, 4160), (150, 33, 576)])
 def test_cpu_int8_linear_amx_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
     # amx_linear.cpp's epilogue (int8_epilogue.h, gemm_int8.cpp's) on the transposed C tiles,
     # the weight's row sums for the zero-point term taken from the tiles' rows

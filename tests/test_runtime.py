@@ -196,6 +196,19 @@ def test_dense_amx_is_the_float32_sum_of_the_bf16_values_rounded_once(n, k):
 
 
 @pytest.mark.skipif(not AMX_BF16, reason="no AMX bf16 tiles on this machine (or not compiled in)")
+@pytest.mark.parametrize("m", [128, 200])
+def test_dense_amx_from_128_rows_gives_each_row_its_bits_alone(m):
+    # from PACKED_WEIGHT_MIN_M = 128 rows the weight's blocks are packed as B tiles and x's
+    # rows read as A tiles (200: the last 8 rows a zero-padded tile): the same sums in the
+    # same order, so the bits of each row computed alone (the other layout)
+    x, w, b = (torch.randn(*s).bfloat16() for s in ((m, 576), (70, 576), (70,)))
+    out = cpu._C.dense_amx(x, w, b)
+    for i in (0, 17, m - 9, m - 1):
+        assert torch.equal(cpu._C.dense_amx(x[i:i + 1], w, b), out[i:i + 1])
+    assert torch.equal(cpu._C.dense_amx(x[:100], w, b), out[:100])
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="no AMX bf16 tiles on this machine (or not compiled in)")
 @pytest.mark.parametrize("x, w, b, match", [
     (torch.randn(2, 64).bfloat16(), torch.randn(4, 64), None, "bfloat16 x"),
     (torch.randn(2, 40).bfloat16(), torch.randn(4, 40).bfloat16(), None, "K must be a multiple of 32"),

@@ -19,7 +19,8 @@
 // a], transposed back on the way out.  A block of 32 weight rows x 32 rows of a keeps four
 // C tiles: per 64 bytes of K two A and two B tile loads feed four tile products (the loads,
 // not the products, would bound a 1 x 2 block).  Blocks of 32 weight rows and ranges of
-// rows of a (PanelWork) go to the threads as they ask (each_item).  Each output is summed in the same order
+// rows of a (PanelWork) go to the threads as they ask (each_item).  From PACKED_WEIGHT_MIN_M
+// rows on, the roles swap (see there).  Each output is summed in the same order
 // (k ascending, one tile product per 64 bytes) whatever M and its place in the tiles.
 
 #include "int8_epilogue.h"
@@ -54,17 +55,20 @@ void configure() {
 
 // a [M, K] into B tiles: dword xp[(t * K / 4 + q) * 16 + r] = bytes 4q .. 4q + 3 of row 16t + r
 // (zero past M); tile t's product with the A tile at k reads the 1 KiB at q = k / 4.
+inline void pack_tile(const uint8_t* a, int64_t M, int64_t K, int64_t t, int32_t* xp) {
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i r[TILE];
+    for (int i = 0; i < TILE; ++i)
+      r[i] = TILE * t + i < M ? _mm512_loadu_si512(a + (TILE * t + i) * K + k) : _mm512_setzero_si512();
+    transpose16(r);  // r[q]: dword q of every row
+    int32_t* out = xp + (t * (K / 4) + k / 4) * TILE;
+    for (int q = 0; q < TILE; ++q) _mm512_store_si512(out + q * TILE, r[q]);
+  }
+}
+
 void pack_rows(const uint8_t* a, int64_t M, int64_t K, int64_t tiles, int32_t* xp) {
   at::parallel_for(0, tiles, M * K >= (1 << 16) ? 1 : tiles, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t k = 0; k < K; k += 64) {
-        __m512i r[TILE];
-        for (int i = 0; i < TILE; ++i)
-          r[i] = TILE * t + i < M ? _mm512_loadu_si512(a + (TILE * t + i) * K + k) : _mm512_setzero_si512();
-        transpose16(r);  // r[q]: dword q of every row
-        int32_t* out = xp + (t * (K / 4) + k / 4) * TILE;
-        for (int q = 0; q < TILE; ++q) _mm512_store_si512(out + q * TILE, r[q]);
-      }
+    for (int64_t t = t0; t < t1; ++t) pack_tile(a, M, K, t, xp);
   });
 }
 
@@ -150,16 +154,37 @@ struct StoredRows {
   }
 };
 
+// Rows of a from which the weight is packed instead of a: from here on each block of 32
+// weight rows is laid out once per call as B tiles (the transposes pack_rows does for a),
+// a's rows are read as stored into A tiles, and the C tiles come out as rows of a, without
+// the 4 transposes per block of the other layout.  Both sum every output in one order.
+// Median us, 2 threads, this layout (with each_item) against the other (with a static
+// split), AMX Xeon: 576x1536 M=512 int8_linear_amx 277 / 446, dense_amx 561 / 823, 4-bit
+// weight_only_gemm_bf16_amx 846 / 1269; 192x576 M=512 int8 48 / 99, dense 88 / 181.  Below
+// 128 rows the packing costs more than it saves (M=96, both with each_item: 1536x576 int8
+// 149 / 147, dense 303 / 256; M=32 int8 69 / 50).
+constexpr int64_t PACKED_WEIGHT_MIN_M = 128;
+
 // Every block of 32 weight rows (N of them, rows of Kb bytes: int8 values, or bf16 ones with
-// BF16; source = make(), one per thread, gives block n0's rows) x 32 rows of a; out(c, m,
-// rows, n0, cols, sums) writes one C tile's outputs: c [16 weight rows n0 ..][16 rows m ..]
-// (int32, or float32 bits), `rows` and `cols` of them real, sums: the block's from n0 on.
+// BF16; source = make(), one per thread, gives block n0's rows) x 32 rows of a; out(r, m,
+// rows, n0, cols, sums) writes one C tile's outputs, r[i] (int32, or float32 bits) the 16
+// weight rows n0 .. of row m + i of a, `rows` and `cols` of them real, sums: the block's
+// from n0 on.
 template <bool BF16, typename Make, typename Out>
 void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out) {
-  const int64_t tiles = (M + TILE - 1) / TILE;
-  std::vector<int32_t> keep(tiles * Kb / 4 * TILE + 16);
+  const bool packed_weight = M >= PACKED_WEIGHT_MIN_M;
+  // the rows of a as B tiles; or, with the weight packed, a's last rows past a multiple of
+  // 32 with zero rows after them (tile loads read 32 rows)
+  const int64_t tiles = packed_weight ? 0 : (M + TILE - 1) / TILE;
+  const int64_t tail = packed_weight ? M % BLOCK : 0;
+  std::vector<int32_t> keep((packed_weight ? BLOCK * Kb / 4 : tiles * Kb / 4 * TILE) + 16);
   int32_t* xp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(keep.data()) + 63) & ~uintptr_t(63));
-  pack_rows(a, M, Kb, tiles, xp);
+  if (packed_weight) {
+    std::memset(xp, 0, BLOCK * Kb);
+    std::memcpy(xp, a + (M - tail) * Kb, tail * Kb);
+  } else {
+    pack_rows(a, M, Kb, tiles, xp);
+  }
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
   // at least 8 items per thread: each_item gives them out as threads ask, so a thread running
   // slower than the other takes fewer
@@ -171,22 +196,45 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
   struct State {
     Tiles tiles;
     decltype(make()) source;
+    std::vector<int32_t> wp;  // a block's weight rows as B tiles (packed_weight)
     alignas(64) int32_t c[4][TILE * TILE];
   };
-  each_item(work.items(blocks), [&] { return State{{}, make(), {}}; }, [&](State& s, int64_t i) {
+  const auto setup = [&] {
+    return State{{}, make(), std::vector<int32_t>(packed_weight ? BLOCK * Kb / 4 + 16 : 0), {}};
+  };
+  each_item(work.items(blocks), setup, [&](State& s, int64_t i) {
     const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
     const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
     const Block blk = s.source(n0);
     const int64_t m_end = std::min(M, (part + 1) * work.rows);
+    __m512i r[TILE];
+    if (packed_weight) {
+      int32_t* wp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(s.wp.data()) + 63) & ~uintptr_t(63));
+      pack_tile(blk.w, BLOCK, Kb, 0, wp);
+      pack_tile(blk.w, BLOCK, Kb, 1, wp);
+      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+        const uint8_t* rows = m + BLOCK <= M ? a + m * Kb : reinterpret_cast<const uint8_t*>(xp);
+        block<BF16, true>(rows, Kb, wp, s.c);  // c[2h + j]: rows of a m + 16h .. x weight rows n0 + 16j ..
+        for (int h = 0; h < 2 && m + TILE * h < m_end; ++h)
+          for (int j = 0; j < 2 && TILE * j < cols; ++j) {
+            for (int q = 0; q < TILE; ++q) r[q] = _mm512_load_si512(s.c[2 * h + j] + q * TILE);
+            out(r, m + TILE * h, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * h)), n0 + TILE * j,
+                std::min(TILE, cols - TILE * j), blk.sums ? blk.sums + TILE * j : nullptr);
+          }
+      }
+      return;
+    }
     for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
       const bool two = m + TILE < m_end;
       const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
-      if (two) block<BF16, true>(blk.w, Kb, xt, s.c);
+      if (two) block<BF16, true>(blk.w, Kb, xt, s.c);  // c[2h + j]: weight rows n0 + 16h .. x rows m + 16j ..
       else block<BF16, false>(blk.w, Kb, xt, s.c);
       for (int j = 0; j < (two ? 2 : 1); ++j)
-        for (int h = 0; h < 2 && TILE * h < cols; ++h)
-          out(s.c[2 * h + j], m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)),
-              n0 + TILE * h, std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
+        for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+          rows_of(s.c[2 * h + j], r);
+          out(r, m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)), n0 + TILE * h,
+              std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
+        }
     }
   });
 }
@@ -197,9 +245,7 @@ template <typename T>
 void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, const int8_epilogue::RowCol& e) {
   const auto make = [&] { return StoredRows{reinterpret_cast<const uint8_t*>(b), K, N, e.a_zp != nullptr}; };
   run<false>(reinterpret_cast<const uint8_t*>(a), M, K, N, make,
-             [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
-    __m512i r[TILE];
-    rows_of(c, r);
+             [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
     const __mmask16 mask = lanes(cols);
     const __m512i colsum = sums ? _mm512_maskz_loadu_epi32(mask, sums) : _mm512_setzero_si512();
     for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(e, r[i], colsum, m + i, n0, mask);
@@ -207,10 +253,8 @@ void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t 
 }
 
 // y[m, n] = bf16(acc (+ bias[n])) for one C tile of float32 sums.
-void dense_out(const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const float* bias, uint16_t* y,
+void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const float* bias, uint16_t* y,
                int64_t N) {
-  __m512i r[TILE];
-  rows_of(c, r);
   const __mmask16 mask = lanes(cols);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
   for (int i = 0; i < rows; ++i) {
@@ -293,9 +337,7 @@ template <int BITS, bool SIGNED>
 void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
                      int64_t N, int64_t group, float* y) {
   run<true>(x, M, 2 * K, N, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
-            [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
-              __m512i r[TILE];
-              rows_of(c, r);
+            [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               for (int i = 0; i < rows; ++i)
                 _mm512_mask_storeu_ps(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
             });
@@ -326,9 +368,7 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
   int32_t* py = y.data_ptr<int32_t>();
   const uint8_t* pb = reinterpret_cast<const uint8_t*>(bc.data_ptr());
   run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, N, [&] { return StoredRows{pb, K, N, false}; },
-      [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
-        __m512i r[TILE];
-        rows_of(c, r);
+      [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
         for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes(cols), r[i]);
       });
 #else
@@ -395,8 +435,8 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
   uint16_t* py = reinterpret_cast<uint16_t*>(y.data_ptr());
   const uint8_t* pw = reinterpret_cast<const uint8_t*>(wc.data_ptr());
   run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, N, [&] { return StoredRows{pw, 2 * K, N, false}; },
-            [&](const int32_t* c, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
-              dense_out(c, m, rows, n0, cols, pb, py, N);
+            [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+              dense_out(r, m, rows, n0, cols, pb, py, N);
             });
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
