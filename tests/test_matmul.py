@@ -805,13 +805,15 @@ def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(s
     codes, s, z, bits, group = weight_parts(qt)
     s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
     x = torch.randn(m, k, generator=g).bfloat16()
-    y = cpu._C.weight_only_gemm_bf16_amx(x, codes.contiguous(), s, z, bits, group)
+    y = cpu._C.weight_only_gemm_bf16_amx(x.float(), codes.contiguous(), s, z, bits, group)
     w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16).double()
     want = x.double() @ w.T
     tol = gamma(k) * (x.double().abs() @ w.abs().T) + k * 2.0**-126
     assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= tol).all())
     for rows in (1, m):  # each row's bits whatever the number of rows
-        assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x[:rows], codes, s, z, bits, group), y[:rows])
+        assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x[:rows].float(), codes, s, z, bits, group), y[:rows])
+    # bf16 x: the same sums rounded once to bf16, without a float32 y
+    assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x, codes, s, z, bits, group), y.bfloat16())
 
 
 def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():

@@ -332,15 +332,24 @@ struct DequantizedRows {
 };
 
 // x bf16 [M, K] (as bytes) times a 4- or 8-bit weight, each block of 32 weight rows
-// dequantized once; y float32 [M, N].
-template <int BITS, bool SIGNED>
+// dequantized once; y [M, N] float32 (T float), or its sums rounded once to bf16.
+template <int BITS, bool SIGNED, typename T>
 void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
-                     int64_t N, int64_t group, float* y) {
+                     int64_t N, int64_t group, T* y) {
   run<true>(x, M, 2 * K, N, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
             [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               for (int i = 0; i < rows; ++i)
-                _mm512_mask_storeu_ps(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
+                int8_epilogue::store<T>(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
             });
+}
+
+template <typename T>
+void weight_only_bits(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
+                      int64_t N, int64_t group, int64_t bits, T* y) {
+  if (bits == 4)
+    (z ? weight_only_run<4, false, T> : weight_only_run<4, true, T>)(x, M, K, w, s, z, N, group, y);
+  else
+    (z ? weight_only_run<8, false, T> : weight_only_run<8, true, T>)(x, M, K, w, s, z, N, group, y);
 }
 #endif
 
@@ -446,7 +455,8 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 
 // weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX tiles, the weight as A tiles: x float32,
 // bf16 or float16 [M, K] (rounded to bf16), codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K],
-// scale and zero_point float32 [N, K/group] (zero_point none: signed codes); y float32 [M, N].
+// scale and zero_point float32 [N, K/group] (zero_point none: signed codes); y float32 [M, N],
+// or for bf16 x the float32 sums rounded once to bf16 (as y.to(bf16), without the float32 y).
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
   TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
@@ -465,7 +475,8 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
                                    zero_point->sizes() == scale.sizes())),
               "lowbit._C.weight_only_gemm_bf16_amx: contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and "
               "zero_point [N, K/group] expected");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
 #ifdef LOWBIT_AMX_LINEAR
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
@@ -473,11 +484,10 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scale.data_ptr<float>();
   const float* z = zero_point ? zero_point->data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
-  if (bits == 4)
-    (z ? weight_only_run<4, false> : weight_only_run<4, true>)(px, M, K, w, s, z, N, group, py);
+  if (bf16)
+    weight_only_bits(px, M, K, w, s, z, N, group, bits, reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
   else
-    (z ? weight_only_run<8, false> : weight_only_run<8, true>)(px, M, K, w, s, z, N, group, py);
+    weight_only_bits(px, M, K, w, s, z, N, group, bits, y.data_ptr<float>());
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif

@@ -744,7 +744,7 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
 
 namespace {
 // x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
-// kernels (gemv_*), x's dtype from gemm_bf16.
+// kernels (gemv_*) and gemm_bf16, x's dtype from gemm_bf16_amx for bf16 x.
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {

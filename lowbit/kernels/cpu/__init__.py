@@ -54,7 +54,14 @@ TILE_BYTES = 4 << 20
 #                       M=512 0.69 / 0.66 / 0.42
 #   576x1536 g128:      M=8 0.12 / 0.21 / 0.07, M=128 0.25 / 0.32 / 0.16, M=512 0.72 / 0.61 / 0.44
 #   1536x576 8-bit:     M=8 0.08 / 0.17 / 0.07, M=128 0.19 / 0.29 / 0.16, M=512 0.63 / 0.61 / 0.64
-AMX_BF16_GEMM_MAX_M = 256
+# From 128 rows the kernel packs each weight block as B tiles and reads x's rows as stored,
+# and for bf16 x it rounds its sums to bf16 itself (no float32 y to convert): against the
+# tiles through torch.mm and a bf16 F.linear of the float weight, median ms, same machine:
+#   1536x576 4-bit: M=256 0.63 / 1.47 / 1.05, M=512 1.16 / 2.60 / 2.29, M=1280 5.6 / 6.1 / 6.5
+#   576x1536 4-bit: M=256 0.86 / 1.86 / 1.50, M=512 1.59 / 2.93 / 2.56, M=1280 4.7 / 12.0 / 11.4
+#   1536x576 4-bit: M=2048 7.5 / 5.5 / 4.8;  576x1536 M=2048 6.2 / 5.4 / 4.9
+# Beyond ~1-2k rows x outgrows the L2 and each block of weight rows reads it from the L3 again.
+AMX_BF16_GEMM_MAX_M = 1024
 # Where torch's bf16 GEMM runs on AMX tiles (oneDNN) it beats gemm_bf16.cpp by far, so bf16
 # GEMMs go to dequantized bf16 tiles and torch.mm there (``_amx``); 512 rows, AVX-512 Xeon
 # with AMX, 2 threads (ms): 1536x576 int4 g64 7.40 vs 1.46 (bf16 F.linear on the float
