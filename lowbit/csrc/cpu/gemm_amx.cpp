@@ -58,6 +58,21 @@ void configure_tiles(int kstep) {
   load_tile_config({TILE, TILE, 0, 0, TILE, TILE, b, b}, {TILE * 4, TILE * 4, 0, 0, a, a, TILE * 4, TILE * 4});
 }
 
+// A thread's tile configuration (released when its items are done), its panel, per-group
+// values of the panel's columns and C tiles.
+struct TileState {
+  TileState(int kstep, int64_t panel_dwords, int64_t values, int64_t zp_values = 0, int64_t usum_values = 0)
+      : panel(panel_dwords), sp(values), sz(values), zp(zp_values), usum(usum_values) {
+    configure_tiles(kstep);
+  }
+  TileState(const TileState&) = delete;  // one per thread, made in place (its panel points into itself)
+  ~TileState() { _tile_release(); }
+  PanelBuffer panel;
+  std::vector<float> sp, sz;
+  std::vector<int32_t> zp, usum;
+  alignas(64) int32_t c[2 * TILE * TILE];
+};
+
 // 64 codes of weight row `row` from element k (32 past a K % 64 == 32 tail: the rest zero),
 // one byte each in k order: 4-bit codes (byte i holds element 2i in its low nibble) as u8,
 // signed ones as q + 8; 8-bit codes as stored.
@@ -173,36 +188,33 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
   const bool has_term = bits == 4 || wt.z;
   const int64_t panels = (N + COLS - 1) / COLS;
   const PanelWork work(panels, M, TILE, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    configure_tiles(BLOCK);
-    PanelBuffer panel(K * COLS / 4);
-    std::vector<float> sp(G * COLS), sz(G * COLS);
-    alignas(64) int32_t c[2 * TILE * TILE];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
-      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
-      const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
-      pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(panel.data));
-      pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
-      pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) { return a8::zero_factor(wt, n * G + g); });
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      for (int64_t m = part * work.rows; m < m_end; m += TILE) {
-        const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
-        for (int h = 0; h < 2 && TILE * h < cols; ++h) {
-          const int hc = std::min(TILE, cols - TILE * h);
-          const float* szp = has_term ? sz.data() + TILE * h : nullptr;
-          const uint8_t* hp = pb + h * K * TILE;
-          float* ym = wt.y + m * N + n0 + TILE * h;
-          if (signed_b)
-            tile16<true>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
-                         sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
-          else
-            tile16<false>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
-                          sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
-        }
+  const auto setup = [&] { return TileState(BLOCK, K * COLS / 4, G * COLS); };
+  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
+    auto& panel = st.panel;
+    auto &sp = st.sp, &sz = st.sz;
+    int32_t* c = st.c;
+    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+    const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
+    const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
+    pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(panel.data));
+    pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
+    pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) { return a8::zero_factor(wt, n * G + g); });
+    const int64_t m_end = std::min(M, (part + 1) * work.rows);
+    for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+      const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+      for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+        const int hc = std::min(TILE, cols - TILE * h);
+        const float* szp = has_term ? sz.data() + TILE * h : nullptr;
+        const uint8_t* hp = pb + h * K * TILE;
+        float* ym = wt.y + m * N + n0 + TILE * h;
+        if (signed_b)
+          tile16<true>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
+                       sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
+        else
+          tile16<false>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
+                        sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
       }
     }
-    _tile_release();
   });
   return true;
 }
@@ -292,30 +304,27 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   const PackedWeight wt{w, s, z, N, y};
   const int64_t panels = (N + COLS - 1) / COLS;
   const PanelWork work(panels, M, TILE, at::get_num_threads());
-  at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    configure_tiles(static_cast<int>(kstep));
-    PanelBuffer panel(K * COLS / 4);
-    std::vector<float> sp(G * COLS);
-    std::vector<int32_t> zp(G * COLS), usum(2 * G * TILE);
-    alignas(64) int32_t c[2 * TILE * TILE];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
-      const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
-      const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
-      pack_codes(wt, K, 4, n0, reinterpret_cast<uint8_t*>(panel.data));
-      pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
-      pack_groups<COLS>(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
-      for (int h = 0; h < 2; ++h) code_sums(pb + h * K * TILE, K, group, usum.data() + h * G * TILE);
-      const int64_t m_end = std::min(M, (part + 1) * work.rows);
-      for (int64_t m = part * work.rows; m < m_end; m += TILE) {
-        const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
-        for (int h = 0; h < 2 && TILE * h < cols; ++h)
-          w4a8_tile16(xq.data() + m * K, xg.data() + m * G, xz.data() + m, K, G, group, kstep, pb + h * K * TILE,
-                      sp.data() + TILE * h, zp.data() + TILE * h, usum.data() + h * G * TILE, y + m * N + n0 + TILE * h,
-                      N, rows, std::min(TILE, cols - TILE * h), c);
-      }
+  const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
+  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
+    auto& panel = st.panel;
+    auto& sp = st.sp;
+    auto &zp = st.zp, &usum = st.usum;
+    int32_t* c = st.c;
+    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+    const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
+    const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
+    pack_codes(wt, K, 4, n0, reinterpret_cast<uint8_t*>(panel.data));
+    pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
+    pack_groups<COLS>(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
+    for (int h = 0; h < 2; ++h) code_sums(pb + h * K * TILE, K, group, usum.data() + h * G * TILE);
+    const int64_t m_end = std::min(M, (part + 1) * work.rows);
+    for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+      const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+      for (int h = 0; h < 2 && TILE * h < cols; ++h)
+        w4a8_tile16(xq.data() + m * K, xg.data() + m * G, xz.data() + m, K, G, group, kstep, pb + h * K * TILE,
+                    sp.data() + TILE * h, zp.data() + TILE * h, usum.data() + h * G * TILE, y + m * N + n0 + TILE * h,
+                    N, rows, std::min(TILE, cols - TILE * h), c);
     }
-    _tile_release();
   });
 }
 #endif
