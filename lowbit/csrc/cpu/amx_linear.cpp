@@ -6,8 +6,9 @@
 //   (int8_epilogue.h, int8_linear_amx: the bits of gemm_int8.cpp's int8_linear and of the
 //   composed path);
 // * W4A16 / W8A16 (weight_only_gemm_bf16_amx): each block of 32 weight rows dequantized once
-//   per call into bf16 rows, the A tiles as stored ((q - z) * s in float32, rounded: the
-//   reference's bf16 weight), times bf16 x, float32 sums out;
+//   per call into bf16 rows ((q - z) * s in float32, rounded: the reference's bf16 weight),
+//   the A tiles as stored (B tiles from PACKED_WEIGHT_MIN_M rows), times bf16 x, float32 sums
+//   out (rounded once to bf16 for bf16 x);
 // * a bf16 nn.Linear (dense_amx): bf16 x [M, K] times a bf16 weight [N, K], float32 sums of
 //   the exact products (tdpbf16ps), the bias added in float32, one rounding to bf16: what
 //   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums.
@@ -453,7 +454,7 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
   return y;
 }
 
-// weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX tiles, the weight as A tiles: x float32,
+// weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX tiles (run's two layouts): x float32,
 // bf16 or float16 [M, K] (rounded to bf16), codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K],
 // scale and zero_point float32 [N, K/group] (zero_point none: signed codes); y float32 [M, N],
 // or for bf16 x the float32 sums rounded once to bf16 (as y.to(bf16), without the float32 y).

@@ -177,7 +177,7 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b);
 // bf16 tiles, float32 sums, one rounding to bf16.
 at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX bf16 tiles, each block of 32 weight
-// rows dequantized once into A tiles as stored (the same bf16 weight values, the same bits);
+// rows dequantized once (the same bf16 weight values, the same bits);
 // y bf16 for bf16 x (the float32 sums rounded once), float32 otherwise.
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);

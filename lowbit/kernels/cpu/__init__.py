@@ -343,8 +343,9 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
     if (bf16 and m <= AMX_BF16_GEMM_MAX_M and _C is not None and _C.has_amx_bf16()
             and _C.gemm_bf16_supported(k, group)):
         return Plan("gemm_bf16_amx", f"up to {AMX_BF16_GEMM_MAX_M} rows where AMX runs: each block of 32 weight "
-                                     "rows dequantized into bf16 A tiles, AMX bf16 tiles (1.2-2.3x bf16 tiles "
-                                     "through torch.mm before the A tiles, 1.2-2.4x more since)")
+                                     "rows dequantized into bf16 A tiles (packed as B tiles from 128 rows), AMX "
+                                     "bf16 tiles (faster than bf16 tiles through torch.mm up to here: figures at "
+                                     "AMX_BF16_GEMM_MAX_M)")
     if _amx():
         return Plan("tiles_bf16", "weight tiles dequantized to bf16, torch.mm on AMX tiles (oneDNN): 4-10x "
                                   "gemm_bf16.cpp's AVX512-BF16 panels")
