@@ -660,6 +660,21 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   return true;
 }
 
+// Weight-only 4-bit projections on the bf16 dot-product kernel (gemv_bf16, x rounded to
+// bf16 or split in two bf16 parts: the same kernel for all) share x's preparation and one
+// parallel region (gemv_bf16_into), as share_gemv_f32's do.
+bool share_gemv_bf16(const std::vector<const Proj*>& ps) {
+  const int64_t kernel = ps[0]->kernel;
+  if (kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16) &&
+      kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split))
+    return false;
+  for (const Proj* p : ps)
+    if (!p->codes.defined() || p->act != 0 || p->kernel != kernel || p->bits != 4 || p->group != ps[0]->group ||
+        p->zero_point_min || p->zero_point.has_value() != ps[0]->zero_point.has_value())
+      return false;
+  return true;
+}
+
 // Projections of one input that a decode step runs as one call: q/k/v, gate/up, or one alone.
 // Where they share the int8-block kernel (share_blocks) or gemv_f32 (share_gemv_f32), the
 // step calls that kernel on its own buffers (a8_blocks_into, gemv_f32_into): no tensor and
@@ -685,6 +700,8 @@ class Group {
       kind_ = kBlocks;
     else if (share_gemv_f32(ptrs) && has_gemv_f32())
       kind_ = kGemv;
+    else if (share_gemv_bf16(ptrs) && gemv_bf16_supported(in_features(p0), p0.group))
+      kind_ = kGemvBf16;
     else if (share_tokens(ptrs))
       kind_ = kTokens;
     if (kind_ == kTensors) return;
@@ -696,7 +713,9 @@ class Group {
         for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
       return;
     }
-    const char* who = kind_ == kBlocks ? "lowbit._C.linear_a8_blocks" : "lowbit._C.weight_only_gemv";
+    const char* who = kind_ == kBlocks   ? "lowbit._C.linear_a8_blocks"
+                      : kind_ == kGemv   ? "lowbit._C.weight_only_gemv"
+                                         : "lowbit._C.weight_only_gemv_bf16";
     TORCH_CHECK(bits_ == 4 || bits_ == 8, who, ": bits must be 4 or 8");
     TORCH_CHECK(group_ > 0 && group_ % (kind_ == kBlocks || bits_ == 4 ? 32 : 16) == 0 && K_ % group_ == 0, who,
                 ": the weight group must divide K, a multiple of ", kind_ == kBlocks || bits_ == 4 ? 32 : 16);
@@ -704,9 +723,12 @@ class Group {
     std::vector<c10::optional<at::Tensor>> zero_points;
     for (const Proj& p : ps_) {
       codes.push_back(p.codes);
-      scales.push_back(p.scale);
-      zero_points.push_back(p.zero_point);
+      scales.push_back(kind_ == kGemvBf16 ? as_float(p.scale) : p.scale);  // gemv_bf16 reads float32
+      zero_points.push_back(kind_ == kGemvBf16 && p.zero_point ? as_float(*p.zero_point) : p.zero_point);
     }
+    converted_ = scales;  // kept alive: w_ points into them
+    for (const auto& z : zero_points)
+      if (z) converted_.push_back(*z);
     const at::Tensor x = at::empty({1, K_}, at::kFloat);  // packed_weights' checks against [1, K]
     w_ = packed_weights(who, x, codes, scales, zero_points, bits_, group_, ys, p0.zero_point_min);
     for (PackedWeight& w : w_) w.y = nullptr;  // ys is freed here: each call sets its own
@@ -743,8 +765,10 @@ class Group {
       w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + off;
     if (kind_ == kBlocks) {
       TORCH_CHECK(a8_blocks_into(xf, M, K_, bits_, group_, w), "lowbit decode: the activations contain NaN or Inf");
-    } else {
+    } else if (kind_ == kGemv) {
       gemv_f32_into(xf, M, K_, bits_, group_, w);
+    } else {
+      gemv_bf16_into(xf, M, K_, group_, ps_[0].kernel == static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split), w);
     }
     for (size_t i = 0; i < w.size(); ++i) {
       const int64_t N = w[i].N;
@@ -755,7 +779,7 @@ class Group {
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv, kTokens };
+  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens };
 
   // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on
   // int8_mm_rows or W4A8 codes, all of one kind: what Proj::int8_activations does, on
@@ -859,7 +883,8 @@ class Group {
 
   std::vector<Proj> ps_;
   Kind kind_ = kTensors;
-  std::vector<PackedWeight> w_;  // kBlocks, kGemv: the packed weights (y set at each call)
+  std::vector<PackedWeight> w_;  // kBlocks, kGemv, kGemvBf16: the packed weights (y set at each call)
+  std::vector<at::Tensor> converted_;  // the scales and zero points w_ points to
   std::vector<at::Tensor> code_sums_;  // kTokens, asymmetric x, 8-bit codes: int32 sums of each row's codes
   int64_t K_ = 0, bits_ = 0, group_ = 0;
 };

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define LOWBIT_HAVE_BF16_DOT 1
@@ -51,18 +52,20 @@ struct Z {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
   }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  // scale of the group of element p + 8t, for each lane t
-  static F scales(const float* s, int64_t p, int64_t group) {
-    if (group % 128 == 0) return _mm512_set1_ps(s[p / group]);
-    if (group == 64) {
+  // scale of the group of element p + 8t, for each lane t (groups of 32 or 64: groups of
+  // 128 k take one scale for the whole block, read by rows)
+  template <int GROUP>
+  static F scales(const float* s, int64_t p) {
+    if constexpr (GROUP == 64) {
       const int64_t g = p / 64;
       return _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(s[g + 1]), 1);
+    } else {
+      const int64_t g = p / 32;
+      __m512 v = _mm512_set1_ps(s[g]);
+      v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 1]), 1);
+      v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 2]), 2);
+      return _mm512_insertf32x4(v, _mm_set1_ps(s[g + 3]), 3);
     }
-    const int64_t g = p / 32;  // group == 32
-    __m512 v = _mm512_set1_ps(s[g]);
-    v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 1]), 1);
-    v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 2]), 2);
-    return _mm512_insertf32x4(v, _mm_set1_ps(s[g + 3]), 3);
   }
 };
 
@@ -82,22 +85,23 @@ struct Y {
     return _mm256_dpbf16_ps(acc, (__m256bh)w, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F scales(const float* s, int64_t p, int64_t group) {
-    if (group % 64 == 0) return _mm256_set1_ps(s[p / group]);
+  template <int GROUP>
+  static F scales(const float* s, int64_t p) {
+    if constexpr (GROUP == 64) return _mm256_set1_ps(s[p / 64]);
     const int64_t g = p / 32;
     return _mm256_insertf32x4(_mm256_set1_ps(s[g]), _mm_set1_ps(s[g + 1]), 1);
   }
 };
 
 // One block of V::VALUES values at element p for R rows; xh/xl point at the block's
-// prepared activations of row 0 (4 vectors of V::VALUES / 4 bf16 each), rows xstride apart.
+// prepared activations of row 0 (4 vectors of V::VALUES / 4 bf16 each), rows xstride apart;
+// sv: the scale of each float lane's group.
 template <typename V, int R, bool SIGNED, bool SPLIT>
-inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int64_t xstride, const float* s,
-                  int64_t p, int64_t group, typename V::F* total) {
+inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int64_t xstride, typename V::F sv,
+                  int64_t p, typename V::F* total) {
   typename V::I wv = V::load(w + p / 2);
   if constexpr (SIGNED) wv = V::flip(wv);
   const typename V::I n0 = V::nib(wv, 0), n1 = V::nib(wv, 4), n2 = V::nib(wv, 8), n3 = V::nib(wv, 12);
-  const typename V::F sv = V::scales(s, p, group);
   constexpr int Q = V::VALUES / 4;  // bf16 per vector
   for (int r = 0; r < R; ++r) {
     const uint16_t* h = xh + r * xstride;
@@ -117,16 +121,27 @@ inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int6
   }
 }
 
-// y[r] = sum_blocks (scaled dots) - sum_g s_g (128 + z_g) xsum[r, g]
-template <int R, bool SIGNED, bool HAS_ZP, bool SPLIT>
+// y[r] = sum_blocks (scaled dots) - sum_g s_g (128 + z_g) xsum[r, g].  GROUP: 32, 64, or 0
+// for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit
+// idiv there (~10 cycles each) was more than a block's vector work.
+template <int R, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
 void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
           int64_t group, const float* s, const float* z, float* y, int64_t ldy) {
   __m512 tz[R];
   __m256 ty[R];
   for (int r = 0; r < R; ++r) { tz[r] = Z::zero(); ty[r] = Y::zero(); }
   const int64_t full = K / 128 * 128;
-  for (int64_t p = 0; p < full; p += 128) block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, s, p, group, tz);
-  if (full < K) block<Y, R, SIGNED, SPLIT>(w, xh + full, xl + full, K, s, full, group, ty);
+  if constexpr (GROUP == 0) {
+    for (int64_t g = 0, p = 0; g < G; ++g) {
+      const __m512 sv = _mm512_set1_ps(s[g]);
+      for (const int64_t end = p + group; p < end; p += 128)
+        block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, sv, p, tz);
+    }
+  } else {
+    for (int64_t p = 0; p < full; p += 128)
+      block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, Z::scales<GROUP>(s, p), p, tz);
+    if (full < K) block<Y, R, SIGNED, SPLIT>(w, xh + full, xl + full, K, Y::scales<GROUP>(s, full), full, ty);
+  }
   // The offset term, 16 groups per vector, taken from the dot products' lanes before their
   // one reduction (a scalar loop over the groups and two reductions per row were a third
   // of a row's work at K = 576).
@@ -175,29 +190,31 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
   }
 }
 
-template <bool SIGNED, bool HAS_ZP, bool SPLIT>
-void run(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t M, int64_t N,
-         int64_t K, int64_t G, int64_t group, const float* s, const float* z, float* y) {
-  // Row n + kRowsAhead is fetched as row n starts: a decode step's weights (SmolLM2's
-  // 53 MB of 4-bit codes) stream from beyond the L2, where the hardware prefetcher alone
-  // leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at 128 positions:
-  // 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of weights, one
-  // thread: 96 -> 73 us a call, 63 us cache-resident).
-  parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wn = w + n * (K / 2);
-      if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
-      const float* sn = s + n * G;
-      const float* zn = HAS_ZP ? z + n * G : nullptr;
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB)
-        rows<MB, SIGNED, HAS_ZP, SPLIT>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
-                                        y + m * N + n, N);
-      for (; m < M; ++m)
-        rows<1, SIGNED, HAS_ZP, SPLIT>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
-                                       y + m * N + n, N);
-    }
-  });
+// Rows n0 .. n1 - 1 of one weight (float32 scales and zero points) for every row of x.
+template <bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
+void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t M,
+                 int64_t K, int64_t G, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t N = wt.N;
+  const float* s = static_cast<const float*>(wt.s);
+  const float* z = static_cast<const float*>(wt.z);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = wt.w + n * (K / 2);
+    // Row n + kRowsAhead is fetched as row n starts: a decode step's weights (SmolLM2's
+    // 53 MB of 4-bit codes) stream from beyond the L2, where the hardware prefetcher alone
+    // leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at 128 positions:
+    // 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of weights, one
+    // thread: 96 -> 73 us a call, 63 us cache-resident).
+    if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
+    const float* sn = s + n * G;
+    const float* zn = HAS_ZP ? z + n * G : nullptr;
+    int64_t m = 0;
+    for (; m + MB <= M; m += MB)
+      rows<MB, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
+                                      wt.y + m * N + n, N);
+    for (; m < M; ++m)
+      rows<1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
+                                     wt.y + m * N + n, N);
+  }
 }
 #endif
 
@@ -214,34 +231,47 @@ bool gemv_bf16_supported(int64_t K, int64_t group) {
 #endif
 }
 
+void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool split,
+                    const std::vector<PackedWeight>& weights) {
+  TORCH_CHECK(gemv_bf16_supported(K, group), "lowbit._C.weight_only_gemv_bf16: unsupported K/group");
+#ifdef LOWBIT_HAVE_BF16_DOT
+  const int64_t G = K / group;
+  thread_local std::vector<uint16_t> xh_keep, xl_keep;
+  thread_local std::vector<float> xsum_keep;
+  uint16_t* xh = grown(xh_keep, M * K);
+  uint16_t* xl = split ? grown(xl_keep, M * K) : nullptr;
+  float* xsum = grown(xsum_keep, M * G);
+  prepare(x, xh, xl, xsum, M, K, group);
+  const auto all = [&](auto signed_, auto has_zp, auto split_) {
+    parallel_weight_rows(weights, 32, [&](const PackedWeight& wt, int64_t n0, int64_t n1) {
+      constexpr bool S = decltype(signed_)::value, H = decltype(has_zp)::value, P = decltype(split_)::value;
+      if (group == 32) weight_rows<S, H, P, 32>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+      else if (group == 64) weight_rows<S, H, P, 64>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+      else weight_rows<S, H, P, 0>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+    });
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (weights[0].z) {
+    if (split) all(F{}, T{}, T{}); else all(F{}, T{}, F{});
+  } else {
+    if (split) all(T{}, F{}, T{}); else all(T{}, F{}, F{});
+  }
+#else
+  (void)x, (void)M, (void)split, (void)weights;
+#endif
+}
+
 // x float32 [M, K] (split into two bf16 parts when `split`, else rounded to bf16: exact for
 // bf16 activations); codes int32 [N, K/8]; scale, zero_point float32 [N, G].
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split) {
-  TORCH_CHECK(gemv_bf16_supported(x.size(1), group), "lowbit._C.weight_only_gemv_bf16: unsupported K/group");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous(),
-              "lowbit._C.weight_only_gemv_bf16: contiguous float32 x and scale expected");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
-  at::Tensor y = at::empty({M, N}, x.options());
-#ifdef LOWBIT_HAVE_BF16_DOT
-  at::Tensor xh = at::empty({M, K}, x.options().dtype(at::kShort));
-  at::Tensor xl = split ? at::empty({M, K}, x.options().dtype(at::kShort)) : at::Tensor();
-  uint16_t* ph = reinterpret_cast<uint16_t*>(xh.data_ptr());
-  uint16_t* pl = split ? reinterpret_cast<uint16_t*>(xl.data_ptr()) : nullptr;
-  at::Tensor xsum = at::empty({M, G}, x.options());
-  prepare(x.data_ptr<float>(), ph, pl, xsum.data_ptr<float>(), M, K, group);
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scale.data_ptr<float>();
-  const float* z = zero_point.has_value() ? zero_point->data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
-  const float* pxs = xsum.data_ptr<float>();
-#define LOWBIT_RUN(SIGNED, HAS_ZP, SPLIT) run<SIGNED, HAS_ZP, SPLIT>(w, ph, pl, pxs, M, N, K, G, group, s, z, py)
-  if (z) {
-    if (split) LOWBIT_RUN(false, true, true); else LOWBIT_RUN(false, true, false);
-  } else {
-    if (split) LOWBIT_RUN(true, false, true); else LOWBIT_RUN(true, false, false);
-  }
-#undef LOWBIT_RUN
-#endif
-  return y;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  (!zero_point.has_value() || zero_point->scalar_type() == at::kFloat),
+              "lowbit._C.weight_only_gemv_bf16: contiguous float32 x, float32 scale and zero point expected");
+  std::vector<at::Tensor> ys;
+  const std::vector<PackedWeight> weights =
+      packed_weights("lowbit._C.weight_only_gemv_bf16", x, {codes}, {scale}, {zero_point}, 4, group, ys);
+  gemv_bf16_into(x.data_ptr<float>(), x.size(0), x.size(1), group, split, weights);
+  return ys[0];
 }

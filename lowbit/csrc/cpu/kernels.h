@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include "balance.h"
+
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -62,6 +64,25 @@ struct PackedWeight {
     return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
   }
 };
+// f(weight, n0, n1) for rows n0 .. n1 - 1 of every weight, all weights' rows numbered in one
+// range and shared between the threads in chunks of `chunk` rows (parallel_chunks): one
+// parallel region for q/k/v or gate/up of a decode step.
+template <typename F>
+void parallel_weight_rows(const std::vector<PackedWeight>& weights, int64_t chunk, const F& f) {
+  thread_local std::vector<int64_t> first_keep;  // no malloc per call (see grown)
+  first_keep.assign(weights.size() + 1, 0);
+  const int64_t* first = first_keep.data();
+  for (size_t i = 0; i < weights.size(); ++i) first_keep[i + 1] = first[i] + weights[i].N;
+  parallel_chunks(0, first[weights.size()], chunk, [&](int64_t r0, int64_t r1) {
+    size_t i = 0;
+    for (int64_t r = r0; r < r1;) {
+      while (r >= first[i + 1]) ++i;
+      const int64_t n0 = r - first[i], n1 = std::min(r1, first[i + 1]) - first[i];
+      f(weights[i], n0, n1);
+      r += n1 - n0;
+    }
+  });
+}
 // n values of scratch memory in v, which keeps it between calls: a function's buffers as
 // `thread_local std::vector<T>`, one per calling thread.  A decode step calls its kernels
 // ~120 times a token, and a malloc there cost about a microsecond each (glibc, 2 threads).
@@ -190,6 +211,11 @@ bool has_dense_rows();
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);
+// weight_only_gemv_bf16 over several weights of one kind (4-bit, float32 scales and zero
+// points on all or none, not the "min" domain), y set by the caller: one preparation of x
+// [M, K] float32 and one parallel region.
+void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool split,
+                    const std::vector<PackedWeight>& weights);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
 // gemm_bf16.cpp

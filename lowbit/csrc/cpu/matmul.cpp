@@ -460,23 +460,12 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
 template <bool SIGNED, bool HAS_ZP, bool MIN = false>
 void wo_all(const float* xa, const float* xb, const float* xs, int64_t M, int64_t K, int64_t G, int64_t group,
             int64_t bits, const std::vector<PackedWeight>& weights) {
-  thread_local std::vector<int64_t> first_keep;  // rows of every weight, numbered in one range
-  int64_t* first = grown(first_keep, weights.size() + 1);
-  first[0] = 0;
-  for (size_t i = 0; i < weights.size(); ++i) first[i + 1] = first[i] + weights[i].N;
-  parallel_chunks(0, first[weights.size()], 32, [&](int64_t r0, int64_t r1) {
-    size_t i = 0;
-    for (int64_t r = r0; r < r1;) {
-      while (r >= first[i + 1]) ++i;
-      const PackedWeight& wt = weights[i];
-      const int64_t n0 = r - first[i], n1 = std::min(r1, first[i + 1]) - first[i];
-      with_scales(wt, [&](auto s, auto z) {  // s, z: float32 or float16 bits
-        with_group(bits == 4 ? group : 0, [&](auto size) {
-          wo_rows<SIGNED, HAS_ZP, MIN, decltype(size)::value>(xa, xb, xs, M, K, G, group, bits, wt, s, z, n0, n1);
-        });
+  parallel_weight_rows(weights, 32, [&](const PackedWeight& wt, int64_t n0, int64_t n1) {
+    with_scales(wt, [&](auto s, auto z) {  // s, z: float32 or float16 bits
+      with_group(bits == 4 ? group : 0, [&](auto size) {
+        wo_rows<SIGNED, HAS_ZP, MIN, decltype(size)::value>(xa, xb, xs, M, K, G, group, bits, wt, s, z, n0, n1);
       });
-      r += n1 - n0;
-    }
+    });
   });
 }
 
