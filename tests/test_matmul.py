@@ -97,6 +97,19 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+def test_cpu_bf16_decode_kernel_takes_only_groups_that_divide_k():
+    # K = 576 with groups of 128 would leave the last 64 values out of every row
+    if cpu._C is None:
+        pytest.skip("no cpu kernels")
+    assert not cpu._C.gemv_bf16_supported(576, 128) and not cpu._C.gemv_bf16_supported(576, 0)
+    if not cpu._C.gemv_bf16_supported(576, 64):
+        pytest.skip("no AVX512-BF16 decode kernel here")
+    assert cpu._C.gemv_bf16_supported(512, 256)
+    x, codes = torch.randn(1, 576), torch.zeros(8, 72, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="unsupported K/group"):
+        cpu._C.weight_only_matmul(x, codes, torch.ones(8, 4), None, 4, 128, 1, False)
+
+
 @pytest.mark.parametrize("scheme", ["int4-asym-g32-f16", "int4-asym-g64", "int4-sym-g128-f16", "int4-asym-g256",
                                     "int4-asym-g64-zpmin-f16"])
 @pytest.mark.parametrize("m", [1, 2, 5])

@@ -209,11 +209,11 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
-      rows<MB, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
-                                      wt.y + m * N + n, N);
+      rows<MB, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+                                             sn, zn, wt.y + m * N + n, N);
     for (; m < M; ++m)
-      rows<1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, sn, zn,
-                                     wt.y + m * N + n, N);
+      rows<1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+                                            sn, zn, wt.y + m * N + n, N);
   }
 }
 #endif
@@ -221,10 +221,10 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
 }  // namespace
 
 // Whether weight_only_gemv_bf16 handles this shape: K a multiple of 64, groups of 32, 64
-// or a multiple of 128 (so each vector's lanes map onto whole groups).
+// or a multiple of 128 (so each vector's lanes map onto whole groups) that divide K.
 bool gemv_bf16_supported(int64_t K, int64_t group) {
 #ifdef LOWBIT_HAVE_BF16_DOT
-  return K % 64 == 0 && (group == 32 || group == 64 || group % 128 == 0);
+  return K % 64 == 0 && group > 0 && K % group == 0 && (group == 32 || group == 64 || group % 128 == 0);
 #else
   (void)K, (void)group;
   return false;
