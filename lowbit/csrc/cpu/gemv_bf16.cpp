@@ -52,6 +52,7 @@ struct Z {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
   }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   // scale of the group of element p + 8t, for each lane t (groups of 32 or 64: groups of
   // 128 k take one scale for the whole block, read by rows)
   template <int GROUP>
@@ -85,6 +86,7 @@ struct Y {
     return _mm256_dpbf16_ps(acc, (__m256bh)w, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   template <int GROUP>
   static F scales(const float* s, int64_t p) {
     if constexpr (GROUP == 64) return _mm256_set1_ps(s[p / 64]);
@@ -104,20 +106,17 @@ inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int6
   const typename V::I n0 = V::nib(wv, 0), n1 = V::nib(wv, 4), n2 = V::nib(wv, 8), n3 = V::nib(wv, 12);
   constexpr int Q = V::VALUES / 4;  // bf16 per vector
   for (int r = 0; r < R; ++r) {
+    // two chains of dot products, then one add: a single chain of four (eight split) held
+    // one row's blocks back by their latency
     const uint16_t* h = xh + r * xstride;
-    typename V::F d = V::zero();
-    d = V::dot(d, n0, h);
-    d = V::dot(d, n1, h + Q);
-    d = V::dot(d, n2, h + 2 * Q);
-    d = V::dot(d, n3, h + 3 * Q);
+    typename V::F d = V::dot(V::dot(V::zero(), n0, h), n1, h + Q);
+    typename V::F e = V::dot(V::dot(V::zero(), n2, h + 2 * Q), n3, h + 3 * Q);
     if constexpr (SPLIT) {
       const uint16_t* l = xl + r * xstride;
-      d = V::dot(d, n0, l);
-      d = V::dot(d, n1, l + Q);
-      d = V::dot(d, n2, l + 2 * Q);
-      d = V::dot(d, n3, l + 3 * Q);
+      d = V::dot(V::dot(d, n0, l), n1, l + Q);
+      e = V::dot(V::dot(e, n2, l + 2 * Q), n3, l + 3 * Q);
     }
-    total[r] = V::fma(d, sv, total[r]);
+    total[r] = V::fma(V::add(d, e), sv, total[r]);
   }
 }
 
