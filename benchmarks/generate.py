@@ -267,7 +267,9 @@ def print_batched(batched: dict, vllm: dict, args) -> None:
     print(head)
     print("-" * len(head))
     nan = float("nan")
-    base = batched.get("float32", {})
+    # the faster of lowbit's float32 and bfloat16 models at each batch size, as the table above
+    floats = [batched[n] for n in ("float32", "bfloat16") if n in batched]
+    base = {b: max(f[b] for f in floats) for b in args.batch} if floats else {}
     for name, row in batched.items():
         cls = vllm.get(VLLM_CLASS.get(name), ({}, None))[0]
         print(f"{name:<27}" + "".join(f"{row[b]:>13.1f}{row[b] / base.get(b, nan):>8.2f}{row[b] / cls.get(b, nan):>8.2f}"
