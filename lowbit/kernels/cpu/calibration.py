@@ -34,8 +34,8 @@ import torch
 # MKL's sgemm.  A file of an older format measured other kernels and is not used.
 # 4: on AMX machines the GEMM sides run AMX tiles (int8: gemm_amx.cpp; bf16 weight-only:
 # gemm_bf16.cpp's weight_only_gemm_bf16_amx), and the a8 blocks have thresholds of their own there.
-# 5: gemv_bf16 lost a 64-bit division per 128 weights (about twice as fast at 1-4 rows) and
-# the AMX weight-only kernels one per 32 values: the bf16 gemv's crossover moved.
+# 5: gemv_bf16 lost a 64-bit division per 128 weights (1.06-1.24x a call) and the AMX
+# weight-only kernels one per 32 values: the bf16 gemv's crossover may have moved.
 FORMAT = 5
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
