@@ -174,6 +174,22 @@ void tile16(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_
 }
 #undef LOWBIT_BLOCK_DOTS
 
+// The loop of both tile GEMMs here: every panel of COLS weight rows and every part of x's
+// M rows (PanelWork), shared between the threads as each_item shares items; the panel's
+// codes packed into the thread's TileState, then f(state, n0, cols, m0, m_end): the
+// panel's first row and how many of its rows exist, the part's rows m0 .. m_end - 1.
+template <typename Setup, typename F>
+void each_panel_part(const PackedWeight& wt, int64_t M, int64_t K, int bits, Setup setup, F f) {
+  const int64_t panels = (wt.N + COLS - 1) / COLS;
+  const PanelWork work(panels, M, TILE, at::get_num_threads());
+  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
+    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+    pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(st.panel.data));
+    f(st, n0, static_cast<int>(std::min<int64_t>(COLS, wt.N - n0)), part * work.rows,
+      std::min(M, (part + 1) * work.rows));
+  });
+}
+
 // x [M, K] quantized once (rows padded to a multiple of 16 with zero codes), then every
 // panel of 32 weight rows times every 16 rows, panels and row ranges split between
 // threads as the other panel GEMMs (PanelWork).  False (nothing written) if x held NaN or Inf.
@@ -186,21 +202,14 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const Pa
   const bool signed_b = bits == 8 && !wt.z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
   const float zscale = bits == 4 && !wt.z ? 8.f : 1.f;
   const bool has_term = bits == 4 || wt.z;
-  const int64_t panels = (N + COLS - 1) / COLS;
-  const PanelWork work(panels, M, TILE, at::get_num_threads());
   const auto setup = [&] { return TileState(BLOCK, K * COLS / 4, G * COLS); };
-  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
-    auto& panel = st.panel;
+  each_panel_part(wt, M, K, bits, setup, [&](TileState& st, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     auto &sp = st.sp, &sz = st.sz;
     int32_t* c = st.c;
-    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
-    const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
-    const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
-    pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(panel.data));
+    const uint8_t* pb = reinterpret_cast<const uint8_t*>(st.panel.data);
     pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
     pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) { return a8::zero_factor(wt, n * G + g); });
-    const int64_t m_end = std::min(M, (part + 1) * work.rows);
-    for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+    for (int64_t m = m0; m < m_end; m += TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
       for (int h = 0; h < 2 && TILE * h < cols; ++h) {
         const int hc = std::min(TILE, cols - TILE * h);
@@ -302,23 +311,16 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
       xg[m * G + g] = t - static_cast<int32_t>(group) * xz[m];
     }
   const PackedWeight wt{w, s, z, N, y};
-  const int64_t panels = (N + COLS - 1) / COLS;
-  const PanelWork work(panels, M, TILE, at::get_num_threads());
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
-  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
-    auto& panel = st.panel;
+  each_panel_part(wt, M, K, 4, setup, [&](TileState& st, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     auto& sp = st.sp;
     auto &zp = st.zp, &usum = st.usum;
     int32_t* c = st.c;
-    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
-    const int cols = static_cast<int>(std::min<int64_t>(COLS, N - n0));
-    const uint8_t* pb = reinterpret_cast<const uint8_t*>(panel.data);
-    pack_codes(wt, K, 4, n0, reinterpret_cast<uint8_t*>(panel.data));
+    const uint8_t* pb = reinterpret_cast<const uint8_t*>(st.panel.data);
     pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
     pack_groups<COLS>(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
     for (int h = 0; h < 2; ++h) code_sums(pb + h * K * TILE, K, group, usum.data() + h * G * TILE);
-    const int64_t m_end = std::min(M, (part + 1) * work.rows);
-    for (int64_t m = part * work.rows; m < m_end; m += TILE) {
+    for (int64_t m = m0; m < m_end; m += TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
       for (int h = 0; h < 2 && TILE * h < cols; ++h)
         w4a8_tile16(xq.data() + m * K, xg.data() + m * G, xz.data() + m, K, G, group, kstep, pb + h * K * TILE,
