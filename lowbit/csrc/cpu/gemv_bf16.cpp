@@ -241,6 +241,9 @@ bool gemv_bf16_supported(int64_t K, int64_t group) {
 void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool split,
                     const std::vector<PackedWeight>& weights) {
   TORCH_CHECK(gemv_bf16_supported(K, group), "lowbit._C.weight_only_gemv_bf16: unsupported K/group");
+  for (const PackedWeight& wt : weights)  // weight_rows reads s and z as float32, (q - z) * s
+    TORCH_CHECK(!wt.half && !wt.min, "lowbit._C.weight_only_gemv_bf16: float32 scales and zero points expected "
+                                     "(not float16, not the \"min\" domain)");
 #ifdef LOWBIT_HAVE_BF16_DOT
   const int64_t G = K / group;
   thread_local std::vector<uint16_t> xh_keep, xl_keep;
@@ -273,9 +276,8 @@ void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool sp
 // bf16 activations); codes int32 [N, K/8]; scale, zero_point float32 [N, G].
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && scale.scalar_type() == at::kFloat &&
-                  (!zero_point.has_value() || zero_point->scalar_type() == at::kFloat),
-              "lowbit._C.weight_only_gemv_bf16: contiguous float32 x, float32 scale and zero point expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
+              "lowbit._C.weight_only_gemv_bf16: contiguous float32 x [M, K] expected");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
       packed_weights("lowbit._C.weight_only_gemv_bf16", x, {codes}, {scale}, {zero_point}, 4, group, ys);
