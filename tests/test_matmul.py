@@ -829,6 +829,75 @@ def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(s
     assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x, codes, s, z, bits, group), y.bfloat16())
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (7, 33, 576), (17, 70, 128), (40, 32, 1536), (300, 70, 128)])
+def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m, n, k):
+    # amx_linear.cpp's exact_run: x = x1 + x2 + x3 (three bf16 parts, exactly), q - z exact in
+    # bf16, so every product is exact; each group's 3 * group products are float32 sums on the
+    # tiles, then times s added over the G groups in float32: within gamma_(3 group + G) of
+    # sum |x| |q - z| |s| (the tiles flush float32 subnormals, 2^-126 per addition).  m = 1, 7,
+    # 17: a single tile of rows (the second skipped), 40: one block of 32 rows and a tail,
+    # 300: nine blocks and a tail; n = 1, 33, 70: blocks of 32 weight rows cut short
+    if not cpu.available() or not cpu._C.has_amx_bf16():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m * n + k)
+    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    # magnitudes over 2^-20 .. 2^20, so every part of x matters
+    x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-20, 21, (m, k), generator=g)
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z, bits, group)
+    q = reference.dequantize_weight(codes, torch.ones_like(s), z, bits, group, k, torch.float64)  # q - z
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float64)
+    want = x.double() @ w.T
+    terms = x.double().abs() @ w.abs().T
+    tol = gamma(3 * group + k // group) * terms + k * 2.0**-126 * s.abs().max().item()
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert bool(((y.double() - want).abs() <= tol).all()), float(((y.double() - want).abs() / terms).max())
+    assert bool((q.abs() <= 255).all())  # the integers the tiles take exactly
+    for rows in (1, m):  # each row's bits whatever the number of rows
+        assert torch.equal(cpu._C.weight_only_gemm_f32_amx(x[:rows], codes, s, z, bits, group), y[:rows])
+
+
+def test_cpu_weight_only_gemm_f32_amx_keeps_infinities_and_checks_its_zero_points():
+    if not cpu.available() or not cpu._C.has_amx_bf16():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    from lowbit.ops.matmul import weight_parts
+    qt = lowbit.quantize(torch.randn(40, 128), "int4-asym-g64")
+    codes, s, z, bits, group = weight_parts(qt)
+    s, z = s.float().contiguous(), z.float().contiguous()
+    x = torch.randn(3, 128)
+    x[1, 5], x[2, 7] = float("inf"), float("nan")
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z, bits, group)
+    want = x @ reference.dequantize_weight(codes, s, z, bits, group, 128, torch.float32).T
+    # an infinite x is its first part (x - x1 would be inf - inf): the reference's inf * w
+    assert torch.equal(torch.isinf(y), torch.isinf(want)) and torch.equal(torch.isnan(y), torch.isnan(want))
+    assert torch.equal(y[1][torch.isinf(y[1])], want[1][torch.isinf(want[1])]) and bool(torch.isnan(y[2]).all())
+    with pytest.raises(RuntimeError, match="integer zero points expected"):
+        cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z + 0.5, bits, group)
+    with pytest.raises(RuntimeError, match="float32 x"):
+        cpu._C.weight_only_gemm_f32_amx(x.bfloat16(), codes.contiguous(), s, z, bits, group)
+
+
+def test_cpu_plan_runs_exact_amx_tiles_for_float32_at_highest_precision(monkeypatch):
+    # float32 x at "highest" past the decode kernels: gemm_f32_amx for integer zero points (or
+    # none); float and "min" zero points keep the float32 tiles (q - z, q * s + m not exact in bf16)
+    if not cpu.available() or not cpu._C.has_amx_bf16() or not cpu._amx():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    plan = get_backend("cpu").plan
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    rows = cpu.GEMV_MAX_M + 1
+    for scheme in ("int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel"):
+        assert plan(QuantScheme.parse(scheme), None, rows, 576, torch.float32).kernel == "gemm_f32_amx", scheme
+    for scheme in ("int4-asym-g32-zpfloat-f16", "int4-asym-g32-zpmin-f16"):
+        assert plan(QuantScheme.parse(scheme), None, rows, 576, torch.float32).kernel == "tiles_f32", scheme
+    assert plan(QuantScheme.parse("int4-asym-g64"), None, rows - 1, 576, torch.float32).kernel == "gemv_f32"
+    assert plan(QuantScheme.parse("int4-asym-g64"), None, rows, 80, torch.float32).kernel == "tiles_f32"  # K % 32
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert plan(QuantScheme.parse("int4-asym-g64"), None, rows, 576, torch.float32).kernel == "gemm_bf16_amx"
+
+
 def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
     # the rows of test_weight_only_gemm_rows_matches_the_reference past the decode kernels run
     # weight_only_gemm_bf16_amx here (its 32-row steps, a 16-row half step, the bf16 panels),

@@ -268,7 +268,8 @@ void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, cons
 // Weight rows [n0, n0 + 32) of a 4- or 8-bit weight (codes: packed u32x8 words, or one byte
 // each) dequantized to bf16 into out [32][K], the A tiles' rows as stored: (q - z) * s (or
 // q * s for signed codes) in float32, rounded to nearest even, as gemm_bf16.cpp's panels and
-// the reference compute it (s, z float32 [N, G]); rows past N zero.
+// the reference compute it (s, z float32 [N, G]); rows past N zero.  With s null, q - z (or q)
+// unscaled: exact in bf16 for integer z (|q - z| <= 255, 8 significant bits).
 template <int BITS, bool SIGNED>
 void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G,
                    int64_t group, int64_t n0, uint16_t* out) {
@@ -287,7 +288,7 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
     const uint8_t* row = w + n * row_bytes;
     // group by group (no division per 32 values: a 64-bit idiv each was ~10 cycles)
     for (int64_t k = 0, g = n * G; k < K; ++g) {
-      const __m512 sv = _mm512_set1_ps(s[g]);
+      const __m512 sv = _mm512_set1_ps(s ? s[g] : 1.f);  // s null: q - z unscaled (exact in bf16)
       for (const int64_t end = k + group; k < end; k += 32) {
         __m512 a, b;  // values (0, 2, .., 30) and (1, 3, .., 31) of 4-bit codes; 0..15 and 16..31 of 8-bit ones
         if constexpr (BITS == 4) {
@@ -353,6 +354,160 @@ void weight_only_bits(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, 
     (z ? weight_only_run<4, false, T> : weight_only_run<4, true, T>)(x, M, K, w, s, z, N, group, y);
   else
     (z ? weight_only_run<8, false, T> : weight_only_run<8, true, T>)(x, M, K, w, s, z, N, group, y);
+}
+
+// float32 x times a weight with integer zero points, every product exact (the float32
+// matmul precision "highest" on bf16 tiles): x = x1 + x2 + x3, three bf16 numbers that are
+// x's significand 8 bits at a time (truncated: x1 = x's top 16 bits, x2 the top 16 bits of
+// x - x1, x3 = x - x1 - x2, each difference exact in float32); d = q - z, an integer of at
+// most 8 significant bits, exact in bf16.  Each tdpbf16ps adds exact products x_p d in
+// float32; a group's three parts are summed in the C tiles, times s[n, g] added to float32
+// sums per output.  Bound: |y - sum_k x w| <= gamma_(3 group + G) sum_k |x| |q - z| |s| (the
+// tiles path: gamma_(K + 1)), plus what tdpbf16ps flushes: bf16 parts below 2^-126 read as
+// zero (only where |x| < 2^-110) and partial sums below 2^-126 flushed to zero.
+//
+// grown(v, n) 64-byte aligned (tile loads and aligned vector stores).
+template <typename T>
+T* aligned_grown(std::vector<T>& v, size_t n) {
+  T* p = grown(v, n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
+// x's parts [3][M][K], bf16 bits; an infinite x is x1 (x2 = x3 = 0, as x * d would give),
+// a NaN stays NaN in every part.
+void split3(const float* x, int64_t M, int64_t K, uint16_t* parts) {
+  const int64_t n = M * K;
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto bits = [](__m512i v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)); };
+  parallel_chunks(0, (n + 15) / 16, 4096, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t i = 16 * v;
+      const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+      const __m512i h1 = _mm512_and_si512(_mm512_castps_si512(xv), top);
+      // x - x1 where they differ (inf - inf would be NaN)
+      const __m512 r = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(xv, _mm512_castsi512_ps(h1), _CMP_NEQ_UQ), xv,
+                                           _mm512_castsi512_ps(h1));
+      const __m512i h2 = _mm512_and_si512(_mm512_castps_si512(r), top);
+      const __m512i h3 = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(h2)));
+      _mm256_mask_storeu_epi16(parts + i, m, bits(h1));
+      _mm256_mask_storeu_epi16(parts + n + i, m, bits(h2));
+      _mm256_mask_storeu_epi16(parts + 2 * n + i, m, bits(h3));
+    }
+  });
+}
+
+// Bytes of x's parts that one chunk of rows keeps (in the L2 of the thread running it, while
+// the weight's blocks stream past), and of q - z packed per range of the weight.
+constexpr int64_t kExactChunkBytes = int64_t(1) << 20;
+constexpr int64_t kExactRangeBytes = int64_t(4) << 20;
+
+// y [M, N] float32 = x [M, K] float32 times the weight (codes, s, z as in weight_only_run; z
+// integer).  The weight goes by ranges of blocks of 32 rows: each block's q - z in bf16,
+// packed as B tiles (two per 32 values of K), with its scales [G][32]; then every chunk of
+// rows of x (its three parts read as A tiles as stored) runs against every block of the
+// range, a thread taking a chunk's blocks one after the other.  Per 32 rows of the chunk,
+// four C tiles per group (rows m, m + 16 x weight rows n0, n0 + 16), the three parts of a
+// step sharing its B tiles.
+template <int BITS, bool SIGNED>
+void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z, int64_t N,
+               int64_t group, float* y) {
+  const int64_t Kb = 2 * K, G = K / group, n = M * K;
+  // the calling thread's buffers, kept between calls (no allocation, page faults or zeroing per call)
+  thread_local std::vector<uint16_t> parts_keep, tail_keep;
+  thread_local std::vector<int32_t> wp_keep;
+  thread_local std::vector<float> sb_keep;
+  uint16_t* parts = aligned_grown(parts_keep, 3 * n);
+  split3(x, M, K, parts);
+  // the last M % 32 rows of every part with zero rows after them (tile loads read 32 rows)
+  const int64_t tail = M % BLOCK;
+  uint16_t* tails = tail ? aligned_grown(tail_keep, 3 * BLOCK * K) : nullptr;
+  if (tail) {
+    std::fill(tails, tails + 3 * BLOCK * K, uint16_t(0));
+    for (int p = 0; p < 3; ++p) std::memcpy(tails + p * BLOCK * K, parts + p * n + (M - tail) * K, tail * K * 2);
+  }
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_dwords = BLOCK * K / 2;
+  const int64_t range = std::max<int64_t>(1, std::min(blocks, kExactRangeBytes / (4 * block_dwords)));
+  const int64_t chunk = std::max<int64_t>(1, kExactChunkBytes / (3 * Kb * BLOCK)) * BLOCK;  // rows of x
+  const int64_t chunks = (M + chunk - 1) / chunk;
+  int32_t* wp_all = aligned_grown(wp_keep, range * block_dwords);
+  float* sb_all = grown(sb_keep, range * G * BLOCK);
+  struct Tiles {
+    Tiles() { configure(); }
+    ~Tiles() { _tile_release(); }
+  };
+  struct State {
+    Tiles tiles;
+    alignas(64) float c[4][TILE * TILE];
+    alignas(64) float acc[BLOCK][BLOCK];
+  };
+  const int64_t tile_dwords = Kb / 4 * TILE;  // dwords from one B tile of a block to the next
+  for (int64_t b0 = 0; b0 < blocks; b0 += range) {
+    const int64_t nb = std::min(range, blocks - b0);
+    each_item(nb, [] { return 0; }, [&](int, int64_t i) {
+      const int64_t n0 = (b0 + i) * BLOCK;
+      thread_local std::vector<uint16_t> d_keep;  // the block's q - z as rows, [32][K]
+      uint16_t* d = aligned_grown(d_keep, BLOCK * K);
+      dequant_block<BITS, SIGNED>(w, nullptr, z, N, K, G, group, n0, d);
+      pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 0, wp_all + i * block_dwords);
+      pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 1, wp_all + i * block_dwords);
+      pack_groups<BLOCK>(N, G, n0, sb_all + i * G * BLOCK, [&](int64_t row, int64_t g) { return s[row * G + g]; });
+    });
+    each_item(chunks * nb, [] { return State{}; }, [&](State& st, int64_t i) {
+      const int64_t c0 = i / nb * chunk, bi = i % nb, n0 = (b0 + bi) * BLOCK;
+      const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
+      const int32_t* wp = wp_all + bi * block_dwords;
+      const float* sb = sb_all + bi * G * BLOCK;
+      for (int64_t m = c0; m < std::min(M, c0 + chunk); m += BLOCK) {
+        const bool full = m + BLOCK <= M, two = m + TILE < M;  // two: rows m + 16 .. exist
+        const uint16_t* xs[3];
+        for (int p = 0; p < 3; ++p) xs[p] = full ? parts + p * n + m * K : tails + p * BLOCK * K;
+        for (int64_t g = 0; g < G; ++g) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t k = g * group, end = k + group; k < end; k += 32) {  // 32 values of K: 64 bytes
+            const int32_t* b = wp + k / 2 * TILE;
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + tile_dwords, 64);
+            // the smallest part first; each A tile loaded again as soon as its two products are issued
+            _tile_loadd(4, xs[2] + k, Kb);
+            if (two) _tile_loadd(5, xs[2] + TILE * K + k, Kb);
+            for (int p = 2; p >= 0; --p) {
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              if (p) _tile_loadd(4, xs[p - 1] + k, Kb);
+              if (!two) continue;
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+              if (p) _tile_loadd(5, xs[p - 1] + TILE * K + k, Kb);
+            }
+          }
+          _tile_stored(0, st.c[0], 64);
+          _tile_stored(1, st.c[1], 64);
+          if (two) {
+            _tile_stored(2, st.c[2], 64);
+            _tile_stored(3, st.c[3], 64);
+          }
+          for (int j = 0; j < 2; ++j) {  // c[2h + j]: rows m + 16h .. x weight rows n0 + 16j ..
+            const __m512 sv = _mm512_loadu_ps(sb + g * BLOCK + TILE * j);
+            for (int h = 0; h < (two ? 2 : 1); ++h)
+              for (int r = 0; r < TILE; ++r) {
+                float* a = st.acc[TILE * h + r] + TILE * j;
+                const __m512 cv = _mm512_load_ps(st.c[2 * h + j] + r * TILE);
+                _mm512_store_ps(a, g ? _mm512_fmadd_ps(cv, sv, _mm512_load_ps(a)) : _mm512_mul_ps(cv, sv));
+              }
+          }
+        }
+        const int64_t rows = std::min<int64_t>(BLOCK, M - m);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < 2 && TILE * j < cols; ++j)
+            _mm512_mask_storeu_ps(y + (m + r) * N + n0 + TILE * j, lanes(cols - TILE * j),
+                                  _mm512_load_ps(st.acc[r] + TILE * j));
+      }
+    });
+  }
 }
 #endif
 
@@ -491,6 +646,47 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
     weight_only_bits(px, M, K, w, s, z, N, group, bits, reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
   else
     weight_only_bits(px, M, K, w, s, z, N, group, bits, y.data_ptr<float>());
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
+#endif
+  return y;
+}
+
+// x float32 [M, K] @ W.T for a 4- or 8-bit weight with integer zero points (or signed codes),
+// every product exact: x in three bf16 parts on AMX bf16 tiles (exact_run).  codes, scale,
+// zero_point as weight_only_gemm_bf16_amx's (zero_point's values integers: float32 [N, K/group]);
+// y float32 [M, N].
+at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  const char* who = "lowbit._C.weight_only_gemm_f32_amx";
+  TORCH_CHECK(has_amx_bf16(), who, " needs AMX (amx-tile, amx-bf16) and the kernel's permission to use its tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && codes.dim() == 2 && (bits == 4 || bits == 8), who,
+              ": float32 x [M, K], codes [N, ...] and 4 or 8 bits expected");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0, who,
+              ": K and group must be multiples of 32, group dividing K");
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) * (bits == 4 ? 8 : 1) == K &&
+                  (bits == 4 ? codes.scalar_type() == at::kInt
+                             : (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == N && scale.size(1) == K / group &&
+                  (!zero_point || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous() &&
+                                   zero_point->sizes() == scale.sizes())),
+              who, ": contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and zero_point [N, K/group] "
+              "expected");
+  if (zero_point)  // q - z exact in bf16 only for integers z (|q - z| <= 255)
+    TORCH_CHECK(at::equal(*zero_point, zero_point->round()), who, ": integer zero points expected");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef LOWBIT_AMX_LINEAR
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* s = scale.data_ptr<float>();
+  const float* z = zero_point ? zero_point->data_ptr<float>() : nullptr;
+  if (bits == 4)
+    (z ? exact_run<4, false> : exact_run<4, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>());
+  else
+    (z ? exact_run<8, false> : exact_run<8, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>());
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif

@@ -129,7 +129,9 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
                                               int64_t bits, int64_t group, bool zero_point_min);
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
 // which lowbit.kernels.cpu's plan returns).
-enum class WeightOnlyKernel : int64_t { kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4 };
+enum class WeightOnlyKernel : int64_t {
+  kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4, kGemmF32Amx = 5
+};
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
@@ -202,6 +204,10 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 // y bf16 for bf16 x (the float32 sums rounded once), float32 otherwise.
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+// float32 x @ W.T for a 4/8-bit weight with integer zero points, every product exact (x in
+// three bf16 parts on AMX bf16 tiles), y float32.
+at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
 // int8_linear (gemm_int8.cpp) on AMX tiles: the same contract and bits, K a multiple of 64.
 at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                            const at::Tensor& row_scale, const at::Tensor& col_scale,

@@ -676,7 +676,8 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
 // scale, zero_point [N, G] of any float (zero_point also integer) dtype.  Runs the kernel
 // lowbit.kernels.cpu's plan chose (WeightOnlyKernel) and returns [..., N] in x's dtype.
 
-const char* const kWeightOnlyKernels[] = {"gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx"};
+const char* const kWeightOnlyKernels[] = {"gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx",
+                                           "gemm_f32_amx"};
 
 std::vector<std::string> weight_only_kernels() {
   return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
@@ -733,7 +734,7 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
 
 namespace {
 // x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
-// kernels (gemv_*) and gemm_bf16, x's dtype from gemm_bf16_amx for bf16 x.
+// kernels (gemv_*), gemm_bf16 and gemm_f32_amx, x's dtype from gemm_bf16_amx for bf16 x.
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {
@@ -760,6 +761,9 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
       break;
     case WeightOnlyKernel::kGemmBf16Amx:
       y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group);
+      break;
+    case WeightOnlyKernel::kGemmF32Amx:
+      y = weight_only_gemm_f32_amx(as_float(x2), c, s, z, bits, group);
       break;
     default:
       TORCH_CHECK(false, "lowbit._C.weight_only_matmul: unknown kernel ", kernel);
@@ -793,7 +797,8 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const at::Tensor& outliers, const at::Tensor& high_codes, const at::Tensor& high_scale,
                         const c10::optional<at::Tensor>& high_zero_point, int64_t high_group) {
   TORCH_CHECK(static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16 &&
-                  static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16Amx,
+                  static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16Amx &&
+                  static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmF32Amx,
               "lowbit._C.split_matmul: decode kernels (gemv_*) only");
   TORCH_CHECK(high_codes.scalar_type() == (high_zero_point.has_value() ? at::kByte : at::kChar),
               "lowbit._C.split_matmul: high codes must be int8 (no zero point) or uint8 (with one)");

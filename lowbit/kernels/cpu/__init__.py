@@ -308,12 +308,21 @@ def _has_amx_int8() -> bool:
     return _C is not None and _C.has_amx_int8()
 
 
-def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype, zero_point_min: bool = False) -> Plan:
-    return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision(), zero_point_min)
+def _weight_only_plan(bits: int, group: int, m: int, k: int, dtype: torch.dtype,
+                      zero_point_domain: str = "int") -> Plan:
+    return _weight_only_plan_at(bits, group, m, k, dtype, torch.get_float32_matmul_precision(), zero_point_domain)
+
+
+def _zero_point_domain(zero_point, zero_point_min: bool) -> str:
+    # what a matmul's arguments say of its weight's zero points: integer ones are stored as
+    # integers (QuantScheme.zero_point_dtype), float ones as floats, the "min" domain flagged
+    if zero_point_min:
+        return "min"
+    return "float" if zero_point is not None and zero_point.is_floating_point() else "int"
 
 
 @lru_cache(maxsize=4096)  # a decode step asks for the same few plans over and over
-def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=False) -> Plan:
+def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain="int") -> Plan:
     if bits not in (4, 8):
         return Plan("reference", f"no CPU kernel for {bits}-bit codes")
     if dtype == torch.float64:
@@ -322,7 +331,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
     rows = _gemv_max_m(bits, dtype, exact)
     # q * s + m weights (the "min" domain) run the float32 kernels: the bf16 ones compute (q - z) * s
-    bf16 = not zero_point_min
+    bf16 = zero_point_domain != "min"
     if fused and m <= rows:
         split = dtype != torch.bfloat16
         if (bf16 and bits == 4 and _C.gemv_bf16_supported(k, group)
@@ -333,6 +342,11 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_min=Fal
         return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
     if bf16 and not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
+    if (exact and zero_point_domain == "int" and k % 32 == 0 and group % 32 == 0 and k % group == 0
+            and _has_amx_bf16()):
+        return Plan("gemm_f32_amx", f"over {rows} rows, float32 x at matmul precision 'highest' where AMX runs: x in "
+                                    "three bf16 parts (every product exact), q - z on bf16 tiles, float32 scaling "
+                                    "per group: 1.05-2.5x the float32 tiles (figures at GEMV_MAX_M)")
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
                else "no AVX-512: float32 GEMMs beat bf16 ones without bf16 dot products")
@@ -433,8 +447,8 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 
 class CpuBackend(Backend):
     name = "cpu"
-    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "tiles_f32",
-               "tiles_bf16",
+    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
+               "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
 
@@ -443,7 +457,7 @@ class CpuBackend(Backend):
             return _a8_blocks_plan(weight.bits, weight.group_size or k, act.group_size, m, k)
         if act is not None:
             return _act8_plan(weight.bits, weight.group_size or k, m, k)
-        return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype, weight.zero_point_domain == "min")
+        return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype, weight.zero_point_domain)
 
     def dequantize(self, codes, scale, zero_point, scheme, shape, out_dtype):
         if scheme.bits == 3:  # 3-bit codes straddle words
@@ -504,7 +518,12 @@ class CpuBackend(Backend):
         gemm_f32.cpp's 6 x 16 FMA register tiles instead (1.2-1.5x MKL's sgemm at prefill
         shapes on a Zen 2; each output summed in the order of k, within gamma_K) on panels
         of 16 rows of W dequantized as they are reached (``weight_only_gemm_f32``).  No
-        float copy of W larger than x is made (none at all in gemm_f32).
+        float copy of W larger than x is made (none at all in gemm_f32).  Where AMX runs,
+        float32 x at "highest" times a weight with integer zero points (or none) is
+        ``gemm_f32_amx`` (amx_linear.cpp) instead: x = x1 + x2 + x3 exactly in three bf16
+        parts, q - z exact in bf16, so every product is exact and summed in float32 on
+        the tiles per group, times the group's scale, within gamma_(3 group + G) of
+        sum |x| |q - z| |s| (tests/test_matmul.py), the tiles' bound being gamma_(K + 1).
 
         A weight in the "min" domain (``zero_point_min``: W = q * s + m) runs the float32
         kernels: ``gemv_f32`` takes its codes as unsigned without a zero point and adds
@@ -513,7 +532,8 @@ class CpuBackend(Backend):
         dequantize q * s + m, the reference's weight."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        kernel = _weight_only_plan(bits, group_size, m, k, x.dtype, zero_point_min).kernel
+        kernel = _weight_only_plan(bits, group_size, m, k, x.dtype,
+                                   _zero_point_domain(zero_point, zero_point_min)).kernel
         if kernel == "reference":
             return super().weight_only_matmul(x, codes, scale, zero_point, bits, group_size, zero_point_min)
         if kernel.startswith("tiles"):
@@ -539,7 +559,8 @@ class CpuBackend(Backend):
         composition's bound (``Backend.split_matmul``), with one rounding fewer.  Else the
         composition of this backend's weight-only matmuls."""
         k = x.shape[-1]
-        kernel = _weight_only_plan(bits, group_size, x.numel() // k, k, x.dtype).kernel
+        kernel = _weight_only_plan(bits, group_size, x.numel() // k, k, x.dtype,
+                                   _zero_point_domain(zero_point, False)).kernel
         if kernel.startswith("gemv") and high_bits == 8:
             return _C.split_matmul(x, codes, scale, zero_point, bits, group_size, weight_only_kernel_index(kernel),
                                    outliers, high_codes, high_scale, high_zero_point, high_group_size)
@@ -759,8 +780,8 @@ BACKEND = CpuBackend()
 DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_amx")
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
 DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm")
-DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", *DECODE_W8A8_KERNELS,
-                  *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
+                  *DECODE_W8A8_KERNELS, *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 
 
 def has_bf16_dot() -> bool:
