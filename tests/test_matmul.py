@@ -836,8 +836,9 @@ def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m
     # bf16, so every product is exact; each group's 3 * group products are float32 sums on the
     # tiles, then times s added over the G groups in float32: within gamma_(3 group + G) of
     # sum |x| |q - z| |s| (the tiles flush float32 subnormals, 2^-126 per addition).  m = 1, 7,
-    # 17: a single tile of rows (the second skipped), 40: one block of 32 rows and a tail,
-    # 300: nine blocks and a tail; n = 1, 33, 70: blocks of 32 weight rows cut short
+    # 17: a single tile of rows (the second skipped), 40: one block of 32 rows and a tail (both
+    # in exact_few_rows' layout), 300: nine blocks and a tail in the other layout, its first row
+    # also alone in the first; n = 1, 33, 70: blocks of 32 weight rows cut short
     if not cpu.available() or not cpu._C.has_amx_bf16():
         pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
     from lowbit.ops.matmul import weight_parts
