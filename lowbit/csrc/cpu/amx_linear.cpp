@@ -11,7 +11,9 @@
 //   out (rounded once to bf16 for bf16 x);
 // * a bf16 nn.Linear (dense_amx): bf16 x [M, K] times a bf16 weight [N, K], float32 sums of
 //   the exact products (tdpbf16ps), the bias added in float32, one rounding to bf16: what
-//   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums.
+//   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums;
+// * W4A16 / W8A16 with float32 x at the matmul precision "highest" (weight_only_gemm_f32_amx):
+//   x in three bf16 parts and q - z on bf16 tiles, every product exact (exact_run).
 //
 // 16 weight rows x 64 bytes of K are an A tile (tileloadd with the row stride; no packing,
 // so a decode step streams the weight once, straight into the tiles).  The rows of x are the

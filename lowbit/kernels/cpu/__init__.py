@@ -75,6 +75,15 @@ AMX_BF16_GEMM_MAX_M = 1024
 #   8-bit, any x:      M=1 0.57 vs 0.88, M=2 1.10-1.20 vs 0.63-0.84
 # float32 x at the matmul precision "highest" has no bf16 GEMM: float32 FMAs up to
 # GEMV_MAX_M rows (M=4 0.62 vs 1.18 ms for float32 tiles through torch.mm, M=8 1.85 vs 1.49).
+# Beyond, where AMX runs and the zero points are integers, amx_linear.cpp's gemm_f32_amx (x in
+# three bf16 parts, every product exact, three tile products per step where bf16 x takes one)
+# against the float32 tiles through torch.mm and F.linear on the float32 weight, AVX-512 Xeon
+# with AMX (whose tile products ran 30-70 ns in this VM), 2 threads, 4-bit, median ms:
+#   1536x576 g64:  M=7 0.31 / 0.52 / 0.21, M=32 0.46 / 1.01 / 0.71, M=128 1.16 / 1.69 / 1.44,
+#                  M=512 2.64 / 4.58 / 4.27
+#   576x1536 g128: M=7 0.33 / 0.42 / 0.20, M=32 0.41 / 0.86 / 0.71, M=512 2.78 / 4.55 / 4.40
+#   192x576 g64:   M=7 0.061 / 0.063 / 0.035, M=128 0.24 / 0.29 / 0.24, M=512 0.52 / 0.66 / 0.59
+# (before exact_few_rows below 64 rows, 1.1-1.5x faster at 8-32 rows since).
 GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
 # 4-bit weights with bf16 x: gemv_bf16 up to this many rows, then the GEMM path (gemm_bf16,
