@@ -56,6 +56,13 @@ void configure() {
                    {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
+// A thread's tile configuration (configure), released when its items are done: one per thread
+// in each_item's state.
+struct Tiles {
+  Tiles() { configure(); }
+  ~Tiles() { _tile_release(); }
+};
+
 // a [M, K] into B tiles: dword xp[(t * K / 4 + q) * 16 + r] = bytes 4q .. 4q + 3 of row 16t + r
 // (zero past M); tile t's product with the A tile at k reads the 1 KiB at q = k / 4.
 inline void pack_tile(const uint8_t* a, int64_t M, int64_t K, int64_t t, int32_t* xp) {
@@ -192,10 +199,6 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
   // at least 8 items per thread: each_item gives them out as threads ask, so a thread running
   // slower than the other takes fewer
   const PanelWork work(blocks, M, BLOCK, 2 * at::get_num_threads());
-  struct Tiles {  // this thread's tile configuration, released when its items are done
-    Tiles() { configure(); }
-    ~Tiles() { _tile_release(); }
-  };
   struct State {
     Tiles tiles;
     decltype(make()) source;
@@ -420,10 +423,6 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
   int32_t* xp = aligned_grown(xp_keep, 3 * part_dwords);
   for (int p = 0; p < 3; ++p)
     pack_rows(reinterpret_cast<const uint8_t*>(parts + p * M * K), M, Kb, tiles, xp + p * part_dwords);
-  struct Tiles {
-    Tiles() { configure(); }
-    ~Tiles() { _tile_release(); }
-  };
   struct State {
     Tiles tiles;
     alignas(64) float c[4][TILE * TILE];
@@ -524,10 +523,6 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
   const int64_t chunks = (M + chunk - 1) / chunk;
   int32_t* wp_all = aligned_grown(wp_keep, range * block_dwords);
   float* sb_all = grown(sb_keep, range * G * BLOCK);
-  struct Tiles {
-    Tiles() { configure(); }
-    ~Tiles() { _tile_release(); }
-  };
   struct State {
     Tiles tiles;
     alignas(64) float c[4][TILE * TILE];
@@ -615,6 +610,27 @@ void check_int8_pair(const char* name, const at::Tensor& a, const at::Tensor& b)
               " ", b.scalar_type());
   TORCH_CHECK(a.size(1) % 64 == 0 && a.size(1) < (int64_t(1) << 17), name,
               ": K must be a multiple of 64 below 2^17, got ", a.size(1));
+}
+
+// The weight-only AMX entries' checks (x's dtype is the caller's): x [M, K], 4- or 8-bit codes,
+// float32 scale and zero_point [N, K / group] as the kernels read them.
+void check_weight_only_amx(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+  TORCH_CHECK(has_amx_bf16(), who, " needs AMX (amx-tile, amx-bf16) and the kernel's permission to use its tiles");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && (bits == 4 || bits == 8), who,
+              ": x [M, K], codes [N, ...] and 4 or 8 bits expected");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0, who,
+              ": K and group must be multiples of 32, group dividing K");
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) * (bits == 4 ? 8 : 1) == K &&
+                  (bits == 4 ? codes.scalar_type() == at::kInt
+                             : (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == N && scale.size(1) == K / group &&
+                  (!zero_point || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous() &&
+                                   zero_point->sizes() == scale.sizes())),
+              who, ": contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and zero_point [N, K/group] "
+              "expected");
 }
 
 }  // namespace
@@ -713,22 +729,8 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 // or for bf16 x the float32 sums rounded once to bf16 (as y.to(bf16), without the float32 y).
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  TORCH_CHECK(has_amx_bf16(), "lowbit._C.weight_only_gemm_bf16_amx needs AMX (amx-tile, amx-bf16) and the kernel's "
-                              "permission to use its tiles");
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && (bits == 4 || bits == 8),
-              "lowbit._C.weight_only_gemm_bf16_amx: x [M, K], codes [N, ...] and 4 or 8 bits expected");
+  check_weight_only_amx("lowbit._C.weight_only_gemm_bf16_amx", x, codes, scale, zero_point, bits, group);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0,
-              "lowbit._C.weight_only_gemm_bf16_amx: K and group must be multiples of 32, group dividing K");
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) * (bits == 4 ? 8 : 1) == K &&
-                  (bits == 4 ? codes.scalar_type() == at::kInt
-                             : (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) &&
-                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == N && scale.size(1) == K / group &&
-                  (!zero_point || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous() &&
-                                   zero_point->sizes() == scale.sizes())),
-              "lowbit._C.weight_only_gemm_bf16_amx: contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and "
-              "zero_point [N, K/group] expected");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
 #ifdef LOWBIT_AMX_LINEAR
@@ -755,21 +757,9 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
 at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
   const char* who = "lowbit._C.weight_only_gemm_f32_amx";
-  TORCH_CHECK(has_amx_bf16(), who, " needs AMX (amx-tile, amx-bf16) and the kernel's permission to use its tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && codes.dim() == 2 && (bits == 4 || bits == 8), who,
-              ": float32 x [M, K], codes [N, ...] and 4 or 8 bits expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, who, ": float32 x expected, got ", x.scalar_type());
+  check_weight_only_amx(who, x, codes, scale, zero_point, bits, group);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0, who,
-              ": K and group must be multiples of 32, group dividing K");
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) * (bits == 4 ? 8 : 1) == K &&
-                  (bits == 4 ? codes.scalar_type() == at::kInt
-                             : (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte)) &&
-                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == N && scale.size(1) == K / group &&
-                  (!zero_point || (zero_point->scalar_type() == at::kFloat && zero_point->is_contiguous() &&
-                                   zero_point->sizes() == scale.sizes())),
-              who, ": contiguous codes (int32 [N, K/8] or 8-bit [N, K]), float32 scale and zero_point [N, K/group] "
-              "expected");
   if (zero_point)  // q - z exact in bf16 only for integers z (|q - z| <= 255)
     TORCH_CHECK(at::equal(*zero_point, zero_point->round()), who, ": integer zero points expected");
   at::Tensor y = at::empty({M, N}, x.options());
