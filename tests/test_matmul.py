@@ -777,7 +777,8 @@ def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone(monkey
         pytest.skip(cpu.load_error())
     _force_gemm_f32(monkeypatch, gemm_f32)
     x = torch.randn(300, 256)
-    ws = [lowbit.quantize(torch.randn(96, 256), "int4-asym-g64") for _ in range(2)]
+    # float zero points: the tiles path also where AMX runs (gemm_f32_amx takes integer ones)
+    ws = [lowbit.quantize(torch.randn(96, 256), "int4-asym-g64-zpfloat") for _ in range(2)]
     assert cpu.BACKEND.plan(ws[0].scheme, None, 300, 256, torch.float32).kernel == "tiles_f32"
     first = linear(x, ws[0], backend="cpu")
     kept = first.clone()
