@@ -1,6 +1,8 @@
 """The lowbit::* custom ops: torch.library.opcheck, torch.compile(fullgraph=True)
 and torch.export."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -144,27 +146,55 @@ def test_export_shows_lowbit_ops_by_name():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_inference_mode_path_gives_the_dispatcher_bits(backend):
-    # Under torch.inference_mode the public functions run the ops' implementations without
-    # the dispatcher (library._eager); everywhere else the registered ops run.
+def test_the_eager_path_gives_the_dispatcher_bits(backend):
+    # Where autograd records nothing (torch.inference_mode, torch.no_grad, or no argument
+    # that requires grad) the public functions run the ops' implementations without the
+    # dispatcher (library._eager); where an argument requires grad the registered ops run.
     w4 = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
     w8 = lowbit.quantize(torch.randn(16, 64), "int8-sym")
     x = torch.randn(3, 64)
+    xg = x.clone().requires_grad_()
 
-    def run():
-        return [lowbit.linear(x, w4, backend=backend), lowbit.linear(x, w8, act_scheme="int8-asym-token",
-                                                                     backend=backend),
+    def run(x):  # (int8 activations refuse an x that requires grad: that call takes x detached)
+        return [lowbit.linear(x, w4, backend=backend), lowbit.linear(x[:1], w4, backend=backend),
+                lowbit.linear(x.detach(), w8, act_scheme="int8-asym-token", backend=backend),
                 lowbit.dequantize(w4, torch.bfloat16, backend=backend), *quantize_per_token(x, backend=backend)]
 
-    assert not library._eager([x])
+    assert library._eager([x]) and not library._eager([xg]) and not library._eager([w4.codes, xg])
     with torch.inference_mode():
-        assert library._eager([x])
-        fast = run()
+        assert library._eager([xg])
+        fast = run(x)
     with torch.no_grad():
-        assert library._eager([x])
-        fast_no_grad = run()
-    for a, b, c in zip(fast, fast_no_grad, run()):
-        assert torch.equal(a, c) and torch.equal(b, c)
+        assert library._eager([xg])
+        fast_no_grad = run(x)
+    plain = run(x)
+    dispatched = run(xg)
+    assert dispatched[0].requires_grad and dispatched[1].requires_grad  # recorded: the dispatcher ran
+    assert not any(t.requires_grad for t in plain)
+    for a, b, c, d in zip(fast, fast_no_grad, plain, dispatched):
+        assert torch.equal(a, d.detach()) and torch.equal(b, d.detach()) and torch.equal(c, d.detach())
+
+
+def test_one_row_outside_no_grad_records_what_requires_grad():
+    # a one-row linear takes the prepared row kernel where nothing requires grad; a bias or
+    # x that does gets its gradient through the registered op, the same forward bits
+    w = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    x = torch.randn(1, 64)
+    bias = torch.nn.Parameter(torch.randn(16))
+    y = lowbit.linear(x, w, bias)
+    assert y.requires_grad
+    y.sum().backward()
+    assert torch.equal(bias.grad, torch.ones(16))
+    xg = x.clone().requires_grad_()
+    yx = lowbit.linear(xg, w)
+    yx.sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
+    with torch.no_grad():
+        ref = lowbit.linear(x, w, bias)
+        ref_x = lowbit.linear(x, w)
+    plain = lowbit.linear(x, w)
+    assert not plain.requires_grad
+    assert torch.equal(y.detach(), ref) and torch.equal(yx.detach(), ref_x) and torch.equal(plain, ref_x)
 
 
 def test_the_eager_path_stays_off_where_the_op_must_be_seen():
@@ -175,4 +205,13 @@ def test_the_eager_path_stays_off_where_the_op_must_be_seen():
         with FlopCounterMode(display=False):  # a dispatch mode: it must see lowbit::* by name
             assert not library._eager([x])
     with torch.enable_grad():
-        assert not library._eager([x])
+        assert not library._eager([x.requires_grad_()])
+    # vmap's batched tensors have no storage for a kernel: the registered op runs (its
+    # batching fallback, one row at a time), also where autograd records nothing
+    w = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    xs = torch.randn(3, 64)
+    for mode in (torch.no_grad, torch.enable_grad):
+        with mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no batching rule for lowbit::weight_only_matmul"
+            y = torch.func.vmap(lambda r: lowbit.linear(r[None], w))(xs)
+        assert torch.equal(y[:, 0], torch.cat([lowbit.linear(r[None], w) for r in xs]))

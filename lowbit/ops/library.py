@@ -363,24 +363,31 @@ def linear_qta8a_qga4w_qta8o(backend, x_q, x_scale, x_zero_point, w_codes, w_sca
 
 def _eager(args) -> bool:
     """Whether ``call`` may run an op's implementation without the dispatcher: when
-    autograd records nothing (torch.inference_mode, or torch.no_grad, which
-    ``transformers``' ``generate`` runs under), outside torch.compile and torch.export,
-    with no dispatch mode active (make_fx, FlopCounterMode: they must see the op), on
-    plain tensors (fake, functional and other traced tensors are subclasses).  The
-    dispatcher's Python kernel costs ~20 us a call: 6-8% of a weight-only decode step of
-    the bundled model where the steps run in Python (measured on a Zen 2 without
-    AVX-512), a quarter of a transformers forward under no_grad."""
-    return eager_mode() and all(type(a) is Tensor for a in args if isinstance(a, Tensor))
+    autograd records nothing (torch.inference_mode, torch.no_grad, which ``transformers``'
+    ``generate`` runs under, or no argument that requires grad), outside torch.compile and
+    torch.export, with no dispatch mode active (make_fx, FlopCounterMode: they must see
+    the op), on plain tensors (fake, functional and other traced tensors are subclasses).
+    The dispatcher's Python kernel costs ~20 us a call (~35 us with its autograd layer):
+    6-8% of a weight-only decode step of the bundled model where the steps run in Python
+    (measured on a Zen 2 without AVX-512), a quarter of a transformers forward under
+    no_grad, and more than the kernel of a one-row matmul at the bundled model's shapes."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return (eager_mode(any(a.requires_grad for a in tensors))
+            and all(type(a) is Tensor for a in tensors))
 
 
-def eager_mode() -> bool:
-    """``_eager``'s conditions but the arguments' types: no autograd recording, no
-    tracing, no dispatch mode."""
+def eager_mode(requires_grad: bool = True) -> bool:
+    """``_eager``'s conditions but the arguments' types: no autograd recording (grad mode
+    off, inference mode, or ``requires_grad`` False: no argument of the call requires
+    grad, so autograd would record nothing), no tracing, no dispatch mode, no functorch
+    transform."""
     if torch.compiler.is_compiling():  # dynamo cannot trace what follows
         return False
-    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+    if requires_grad and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         return False
-    return not torch.compiler.is_exporting() and _dispatch_mode() is None
+    # functorch transforms (vmap, grad) wrap tensors that have no storage for a kernel to read
+    return (not torch.compiler.is_exporting() and _dispatch_mode() is None
+            and not torch._C._are_functorch_transforms_active())
 
 
 def backend_for(device: torch.device):
