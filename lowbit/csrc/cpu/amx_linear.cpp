@@ -402,6 +402,31 @@ void split3(const float* x, int64_t M, int64_t K, uint16_t* parts) {
   });
 }
 
+// exact_run's pieces, both layouts: a block's q - z rows (the calling thread's buffer), the
+// four C tiles zeroed and stored.
+template <int BITS, bool SIGNED>
+const uint16_t* unscaled_block(const uint8_t* w, const float* z, int64_t N, int64_t K, int64_t group, int64_t n0) {
+  thread_local std::vector<uint16_t> d_keep;  // [32][K]
+  uint16_t* d = aligned_grown(d_keep, BLOCK * K);
+  dequant_block<BITS, SIGNED>(w, nullptr, z, N, K, K / group, group, n0, d);
+  return d;
+}
+
+inline void zero_c_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// used: a bit per C tile that holds products (tile loads name their tile at compile time)
+inline void store_c_tiles(float (*c)[TILE * TILE], unsigned used) {
+  if (used & 1) _tile_stored(0, c[0], 64);
+  if (used & 2) _tile_stored(1, c[1], 64);
+  if (used & 4) _tile_stored(2, c[2], 64);
+  if (used & 8) _tile_stored(3, c[3], 64);
+}
+
 // Below this many rows exact_run takes exact_few_rows' layout: against the other one (the same
 // bits), AMX Xeon, 2 threads, 4-bit weights, median ms: M=8 1536x576 0.17 / 0.24, 576x1536
 // 0.15 / 0.22, 192x576 0.037 / 0.043; M=32 0.35 / 0.41, 0.27 / 0.36, 0.068 / 0.077; M=64
@@ -431,17 +456,12 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
   each_item((N + BLOCK - 1) / BLOCK, [] { return State{}; }, [&](State& st, int64_t i) {
     const int64_t n0 = i * BLOCK;
     const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-    thread_local std::vector<uint16_t> d_keep;  // the block's q - z as rows, [32][K]
-    uint16_t* d = aligned_grown(d_keep, BLOCK * K);
-    dequant_block<BITS, SIGNED>(w, nullptr, z, N, K, G, group, n0, d);
+    const uint16_t* d = unscaled_block<BITS, SIGNED>(w, z, N, K, group, n0);
     for (int64_t m = 0; m < M; m += BLOCK) {
       const bool two = m + TILE < M;  // rows m + 16 .. exist
       const int64_t t = m / TILE;
       for (int64_t g = 0; g < G; ++g) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_c_tiles();
         for (int64_t k = g * group, end = k + group; k < end; k += 32) {  // 32 values of K: 64 bytes
           _tile_loadd(4, d + k, Kb);
           _tile_loadd(5, d + TILE * K + k, Kb);
@@ -456,14 +476,9 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
             _tile_dpbf16ps(3, 5, 7);
           }
         }
+        store_c_tiles(st.c, two ? 0xF : 0x5);
         for (int c = 0; c < 4; ++c) {  // c = 2h + j
           if (c & 1 && !two) continue;
-          switch (c) {
-            case 0: _tile_stored(0, st.c[0], 64); break;
-            case 1: _tile_stored(1, st.c[1], 64); break;
-            case 2: _tile_stored(2, st.c[2], 64); break;
-            default: _tile_stored(3, st.c[3], 64);
-          }
           const int h = c >> 1, j = c & 1;
           for (int r = 0; r < TILE; ++r) {
             const int64_t row = std::min<int64_t>(n0 + TILE * h + r, N - 1);  // rows past N are zero
@@ -533,9 +548,7 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
     const int64_t nb = std::min(range, blocks - b0);
     const auto prepare = [&](int64_t i) {  // block b0 + i into slot i
       const int64_t n0 = (b0 + i) * BLOCK;
-      thread_local std::vector<uint16_t> d_keep;  // the block's q - z as rows, [32][K]
-      uint16_t* d = aligned_grown(d_keep, BLOCK * K);
-      dequant_block<BITS, SIGNED>(w, nullptr, z, N, K, G, group, n0, d);
+      const uint16_t* d = unscaled_block<BITS, SIGNED>(w, z, N, K, group, n0);
       pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 0, wp_all + i * block_dwords);
       pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 1, wp_all + i * block_dwords);
       pack_groups<BLOCK>(N, G, n0, sb_all + i * G * BLOCK, [&](int64_t row, int64_t g) { return s[row * G + g]; });
@@ -554,10 +567,7 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
         const uint16_t* xs[3];
         for (int p = 0; p < 3; ++p) xs[p] = full ? parts + p * n + m * K : tails + p * BLOCK * K;
         for (int64_t g = 0; g < G; ++g) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_c_tiles();
           for (int64_t k = g * group, end = k + group; k < end; k += 32) {  // 32 values of K: 64 bytes
             const int32_t* b = wp + k / 2 * TILE;
             _tile_loadd(6, b, 64);
@@ -575,12 +585,7 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
               if (p) _tile_loadd(5, xs[p - 1] + TILE * K + k, Kb);
             }
           }
-          _tile_stored(0, st.c[0], 64);
-          _tile_stored(1, st.c[1], 64);
-          if (two) {
-            _tile_stored(2, st.c[2], 64);
-            _tile_stored(3, st.c[3], 64);
-          }
+          store_c_tiles(st.c, two ? 0xF : 0x3);
           for (int j = 0; j < 2; ++j) {  // c[2h + j]: rows m + 16h .. x weight rows n0 + 16j ..
             const __m512 sv = _mm512_loadu_ps(sb + g * BLOCK + TILE * j);
             for (int h = 0; h < (two ? 2 : 1); ++h)
