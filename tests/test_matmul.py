@@ -800,6 +800,16 @@ def test_cpu_scratch_buffers_made_in_inference_mode_serve_calls_outside_it():
     assert torch.equal(cpu.int8_mm_f32(a, a), first[0]) and torch.equal(linear(x, w, backend="cpu"), first[1])
 
 
+def _amx_weight(scheme, n, k, g):
+    """(codes, scale, zero_point, bits, group) of a random [n, k] weight as the weight-only
+    AMX kernels take them (float32 scales and zero points); skips where no AMX bf16 tiles run."""
+    if not cpu.available() or not cpu._C.has_amx_bf16():
+        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
+    from lowbit.ops.matmul import weight_parts
+    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k, generator=g), scheme))
+    return codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous(), bits, group
+
+
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536), (140, 33, 576),
                                      (300, 70, 128)])
@@ -811,15 +821,10 @@ def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(s
     # the weight is the reference's bf16 dequantization exactly, so only the float32 sums
     # of the exact bf16 products differ from float64: gamma_k sum |x w| (the tiles flush
     # float32 subnormals, at most 2^-126 per addition)
-    if not cpu.available() or not cpu._C.has_amx_bf16():
-        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
-    from lowbit.ops.matmul import weight_parts
     g = torch.Generator().manual_seed(m * n + k)
-    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
-    codes, s, z, bits, group = weight_parts(qt)
-    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
     x = torch.randn(m, k, generator=g).bfloat16()
-    y = cpu._C.weight_only_gemm_bf16_amx(x.float(), codes.contiguous(), s, z, bits, group)
+    y = cpu._C.weight_only_gemm_bf16_amx(x.float(), codes, s, z, bits, group)
     w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16).double()
     want = x.double() @ w.T
     tol = gamma(k) * (x.double().abs() @ w.abs().T) + k * 2.0**-126
@@ -840,16 +845,11 @@ def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m
     # 17: a single tile of rows (the second skipped), 40: one block of 32 rows and a tail (both
     # in exact_few_rows' layout), 300: nine blocks and a tail in the other layout, its first row
     # also alone in the first; n = 1, 33, 70: blocks of 32 weight rows cut short
-    if not cpu.available() or not cpu._C.has_amx_bf16():
-        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
-    from lowbit.ops.matmul import weight_parts
     g = torch.Generator().manual_seed(m * n + k)
-    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
-    codes, s, z, bits, group = weight_parts(qt)
-    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
     # magnitudes over 2^-20 .. 2^20, so every part of x matters
     x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-20, 21, (m, k), generator=g)
-    y = cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z, bits, group)
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group)
     q = reference.dequantize_weight(codes, torch.ones_like(s), z, bits, group, k, torch.float64)  # q - z
     w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float64)
     want = x.double() @ w.T
@@ -863,23 +863,18 @@ def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m
 
 
 def test_cpu_weight_only_gemm_f32_amx_keeps_infinities_and_checks_its_zero_points():
-    if not cpu.available() or not cpu._C.has_amx_bf16():
-        pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
-    from lowbit.ops.matmul import weight_parts
-    qt = lowbit.quantize(torch.randn(40, 128), "int4-asym-g64")
-    codes, s, z, bits, group = weight_parts(qt)
-    s, z = s.float().contiguous(), z.float().contiguous()
+    codes, s, z, bits, group = _amx_weight("int4-asym-g64", 40, 128, torch.Generator().manual_seed(0))
     x = torch.randn(3, 128)
     x[1, 5], x[2, 7] = float("inf"), float("nan")
-    y = cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z, bits, group)
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group)
     want = x @ reference.dequantize_weight(codes, s, z, bits, group, 128, torch.float32).T
     # an infinite x is its first part (x - x1 would be inf - inf): the reference's inf * w
     assert torch.equal(torch.isinf(y), torch.isinf(want)) and torch.equal(torch.isnan(y), torch.isnan(want))
     assert torch.equal(y[1][torch.isinf(y[1])], want[1][torch.isinf(want[1])]) and bool(torch.isnan(y[2]).all())
     with pytest.raises(RuntimeError, match="integer zero points expected"):
-        cpu._C.weight_only_gemm_f32_amx(x, codes.contiguous(), s, z + 0.5, bits, group)
+        cpu._C.weight_only_gemm_f32_amx(x, codes, s, z + 0.5, bits, group)
     with pytest.raises(RuntimeError, match="float32 x"):
-        cpu._C.weight_only_gemm_f32_amx(x.bfloat16(), codes.contiguous(), s, z, bits, group)
+        cpu._C.weight_only_gemm_f32_amx(x.bfloat16(), codes, s, z, bits, group)
 
 
 def test_cpu_plan_runs_exact_amx_tiles_for_float32_at_highest_precision(monkeypatch):
