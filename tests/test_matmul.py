@@ -97,6 +97,31 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512)])
+@pytest.mark.parametrize("kernel", ["gemv_bf16", "gemv_bf16_split"])
+def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k, kernel):
+    # gemv_bf16.cpp: below 4 rows of x the weight rows go 4 at a time (weight_group), the
+    # rest of a thread's range and 4 rows of x or more one weight row at a time (rows<R>):
+    # the same operations per output, so the same bits.  n = 39: groups and a remainder.
+    if cpu._C is None or not cpu._C.gemv_bf16_supported(k, int(scheme.split("-g")[1])):
+        pytest.skip("no AVX512-BF16 decode kernel here")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(k)
+    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(39, k, generator=g), scheme))
+    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    x = torch.randn(6, k, generator=g)
+    if kernel == "gemv_bf16":
+        x = x.bfloat16().float()
+    index = cpu.weight_only_kernel_index(kernel)
+    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
+    for m in (1, 2, 3, 4, 5):
+        assert torch.equal(cpu._C.weight_only_matmul(x[:m], codes, s, z, bits, group, index, False), full[:m])
+    for n in (1, 4, 7, 33):  # other splits of the weight rows
+        z_n = None if z is None else z[:n]
+        assert torch.equal(cpu._C.weight_only_matmul(x[:1], codes[:n], s[:n], z_n, bits, group, index, False),
+                           full[:1, :n])
+
+
 def test_cpu_bf16_decode_kernel_takes_only_groups_that_divide_k():
     # K = 576 with groups of 128 would leave the last 64 values out of every row
     if cpu._C is None:
