@@ -56,6 +56,7 @@ ROWS = [
     ("bfloat16", torch.bfloat16, None, None, None),
     ("w8a16", torch.bfloat16, "w8a16", "Q8_0", None),
     ("w8a16-head8", torch.bfloat16, "w8a16-head8", "Q8_0", None),
+    ("w4a16-g128", torch.bfloat16, "w4a16-g128", "Q4_0", None),
     ("w4a16-g64", torch.bfloat16, "w4a16-g64", "Q4_0", None),
     ("w4a16-g128-head8", torch.bfloat16, "w4a16-g128-head8", "Q4_0", None),
     ("w8a8", torch.bfloat16, "w8a8", "Q8_0", None),
@@ -64,6 +65,9 @@ ROWS = [
     ("w4a8-g128-head8", torch.bfloat16, "w4a8-g128-head8", "Q4_0", None),
     # the bundled weights' own grid, GGUF Q4_1's form (q * s + m): the bundled file itself on llama.cpp
     ("q4_1", torch.bfloat16, "q4_1", "Q4_1", None),
+    # GGUF Q8_0 / Q4_0's weights exactly, float activations (the head stays float)
+    ("q8_0", torch.bfloat16, "q8_0", "Q8_0", None),
+    ("q4_0", torch.bfloat16, "q4_0", "Q4_0", None),
     # llama.cpp's own arithmetic: Q8_0 / Q4_0 weights (output projection Q8_0), int8 blocks of x
     ("q8_0-a8", torch.bfloat16, "q8_0-a8", "Q8_0", None),
     ("q4_0-a8", torch.bfloat16, "q4_0-a8", "Q4_0", None),
@@ -180,6 +184,10 @@ def main() -> None:
     args = ap.parse_args()
     if any(b < 1 for b in args.batch) or args.batch_tokens < 1:
         ap.error("--batch sizes and --batch-tokens must be >= 1")
+    names = [name for name, *_ in ROWS]
+    unknown = [r for r in args.rows or [] if r not in names]
+    if unknown:
+        ap.error(f"--rows: no row named {', '.join(map(repr, unknown))}; the rows are {', '.join(names)}")
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bundled SmolLM2-135M-Instruct")
     models = {dt: lowbit.load_model(dtype=dt) for dt in (torch.float32, torch.bfloat16)}
