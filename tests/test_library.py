@@ -215,3 +215,21 @@ def test_the_eager_path_stays_off_where_the_op_must_be_seen():
             warnings.simplefilter("ignore")  # "no batching rule for lowbit::weight_only_matmul"
             y = torch.func.vmap(lambda r: lowbit.linear(r[None], w))(xs)
         assert torch.equal(y[:, 0], torch.cat([lowbit.linear(r[None], w) for r in xs]))
+
+
+def test_a_forward_mode_dual_tensor_is_refused_by_name():
+    # lowbit's ops have no forward-mode derivative: a dual tensor's tangent would be lost
+    # silently, so every public path through the ops refuses it (the one-row fast path too)
+    import torch.autograd.forward_ad as fwad
+
+    w = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32")
+    x = torch.randn(3, 64)
+    for mode in (torch.enable_grad, torch.no_grad):  # (inference_mode makes no dual tensors)
+        with mode(), fwad.dual_level():
+            dual = fwad.make_dual(x, torch.randn_like(x))
+            for call in (lambda: lowbit.linear(dual, w), lambda: lowbit.linear(dual[:1], w),
+                         lambda: lowbit.quantize(dual, "int8-sym"), lambda: quantize_per_token(dual)):
+                with pytest.raises(NotImplementedError, match="argument 0 is a forward-mode AD dual tensor"):
+                    call()
+            plain = lowbit.linear(x, w)  # tensors without a tangent run as before
+    assert torch.equal(plain, lowbit.linear(x, w))

@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .. import _validate, kernels
@@ -395,11 +396,26 @@ def backend_for(device: torch.device):
     return kernels.for_device(device.type)
 
 
+def refuse_tangents(name: str, args) -> None:
+    """Raise for an argument that is a forward-mode AD dual tensor (inside a
+    ``torch.autograd.forward_ad.dual_level``): no lowbit op has a forward-mode derivative,
+    so the result would silently carry no tangent."""
+    if torch.compiler.is_compiling() or forward_ad._current_level < 0:  # no dual level open: none
+        return
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            raise NotImplementedError(f"{name}: argument {i} is a forward-mode AD dual tensor "
+                                      "(torch.autograd.forward_ad); lowbit's ops have no forward-mode "
+                                      "derivative, so its tangent would be lost")
+
+
 def call(op, backend: str | None, device: torch.device, *args):
     """Run ``op(*args)``: on the automatic backend when ``backend`` is None, else inside a
-    ``kernels.use_backend(backend)`` block (which checks it can run on ``device``).  Under
-    inference mode on plain tensors the op's implementation runs directly (``_eager``);
-    whatever traces (torch.compile, torch.export, fake tensors) sees the op by name."""
+    ``kernels.use_backend(backend)`` block (which checks it can run on ``device``).  Where
+    autograd records nothing, on plain tensors, the op's implementation runs directly
+    (``_eager``); whatever traces (torch.compile, torch.export, fake tensors) sees the op by
+    name.  A forward-mode AD dual tensor is refused (``refuse_tangents``)."""
+    refuse_tangents(str(op), args)
     if backend is None:
         if _eager(args):
             return _EAGER[op](kernels.for_device(device.type), *args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.autograd import forward_ad
 
 from .. import _validate
 from ..qtensor import QTensor, SplitQTensor
@@ -171,6 +172,8 @@ def _one_row(x, qweight, bias, act_scheme):
         return None
     # autograd records a call only where an argument requires grad (a float scale may)
     grad = x.requires_grad or qweight.scale.requires_grad or (bias is not None and bias.requires_grad)
+    if forward_ad._current_level >= 0:  # a dual level is open: the general path checks x for a tangent
+        return None
     if not (library.eager_mode(grad) and type(codes) is torch.Tensor and not codes.is_inference()
             and not qweight.scale.is_inference()):
         return None  # as _cacheable: eager_mode says it does not compile
