@@ -35,7 +35,7 @@ namespace {
 // Rows computed together: each unpacked weight vector is reused by all of them (16 rows
 // measured slower than 4 on Zen 5: the extra accumulators spill).
 constexpr int MB = 4;
-// Weight rows weight_group takes together below MB rows of x.
+// Weight rows rows<> takes together below MB rows of x (1.0-1.1x one at a time at M = 1).
 constexpr int kWeightGroup = 4;
 
 // 512-bit block: 128 values, 64 packed bytes, float lanes t = 0..15.
@@ -122,34 +122,6 @@ inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int6
   }
 }
 
-template <bool SIGNED, bool HAS_ZP>
-inline float finish(__m512 t, const float* xs, const float* s, const float* z, int64_t G);
-
-// y[r] = sum_blocks (scaled dots) - sum_g s_g (128 + z_g) xsum[r, g].  GROUP: 32, 64, or 0
-// for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit
-// idiv there (~10 cycles each) was more than a block's vector work.
-template <int R, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
-void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
-          int64_t group, const float* s, const float* z, float* y, int64_t ldy) {
-  __m512 tz[R];
-  __m256 ty[R];
-  for (int r = 0; r < R; ++r) { tz[r] = Z::zero(); ty[r] = Y::zero(); }
-  const int64_t full = K / 128 * 128;
-  if constexpr (GROUP == 0) {
-    for (int64_t g = 0, p = 0; g < G; ++g) {
-      const __m512 sv = _mm512_set1_ps(s[g]);
-      for (const int64_t end = p + group; p < end; p += 128)
-        block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, sv, p, tz);
-    }
-  } else {
-    for (int64_t p = 0; p < full; p += 128)
-      block<Z, R, SIGNED, SPLIT>(w, xh + p, xl + p, K, Z::scales<GROUP>(s, p), p, tz);
-    if (full < K) block<Y, R, SIGNED, SPLIT>(w, xh + full, xl + full, K, Y::scales<GROUP>(s, full), full, ty);
-  }
-  for (int r = 0; r < R; ++r)
-    y[r * ldy] = finish<SIGNED, HAS_ZP>(_mm512_add_ps(tz[r], _mm512_zextps256_ps512(ty[r])), xsum + r * G, s, z, G);
-}
-
 // One output from a row's block sums t (float lanes): the offset term, 16 groups per vector,
 // taken from the lanes before their one reduction (a scalar loop over the groups and two
 // reductions per row were a third of a row's work at K = 576).  xs: x's group sums, s and z
@@ -165,34 +137,38 @@ inline float finish(__m512 t, const float* xs, const float* s, const float* z, i
   return _mm512_reduce_add_ps(t);
 }
 
-// rows' arithmetic for R weight rows (wstride bytes apart; scales and zero points G apart)
-// times one row of x: each block's x vectors are read once for the R rows (rows<1> per
-// weight row read them again for each).  The same operations per output as rows<1>, so
-// the same bits.
-template <int R, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
-void weight_group(const uint8_t* w, int64_t wstride, const uint16_t* xh, const uint16_t* xl, const float* xsum,
-                  int64_t K, int64_t G, int64_t group, const float* s, const float* z, float* y) {
-  __m512 tz[R];
-  __m256 ty[R];
-  for (int r = 0; r < R; ++r) { tz[r] = Z::zero(); ty[r] = Y::zero(); }
-  const int64_t full = K / 128 * 128;
+// y[r * ldy + j] = sum_blocks (scaled dots) - sum_g s_g (128 + z_g) xsum[r, g] for R rows of
+// x (K apart) times W weight rows (K / 2 bytes apart; scales and zero points G apart): each
+// unpacked weight vector serves the R rows, each block's x vectors the W weight rows.  Every
+// output takes the same operations whatever R and W, so the same bits.  GROUP: 32, 64, or 0
+// for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit idiv
+// there (~10 cycles each) was more than a block's vector work.
+template <int R, int W, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
+void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
+          int64_t group, const float* s, const float* z, float* y, int64_t ldy) {
+  __m512 tz[W][R];
+  __m256 ty[W][R];
+  for (int j = 0; j < W; ++j)
+    for (int r = 0; r < R; ++r) { tz[j][r] = Z::zero(); ty[j][r] = Y::zero(); }
+  const int64_t full = K / 128 * 128, wstride = K / 2;
   if constexpr (GROUP == 0) {
     for (int64_t g = 0, p = 0; g < G; ++g)
       for (const int64_t end = p + group; p < end; p += 128)
-        for (int r = 0; r < R; ++r)
-          block<Z, 1, SIGNED, SPLIT>(w + r * wstride, xh + p, xl + p, K, _mm512_set1_ps(s[r * G + g]), p, tz + r);
+        for (int j = 0; j < W; ++j)
+          block<Z, R, SIGNED, SPLIT>(w + j * wstride, xh + p, xl + p, K, _mm512_set1_ps(s[j * G + g]), p, tz[j]);
   } else {
     for (int64_t p = 0; p < full; p += 128)
-      for (int r = 0; r < R; ++r)
-        block<Z, 1, SIGNED, SPLIT>(w + r * wstride, xh + p, xl + p, K, Z::scales<GROUP>(s + r * G, p), p, tz + r);
+      for (int j = 0; j < W; ++j)
+        block<Z, R, SIGNED, SPLIT>(w + j * wstride, xh + p, xl + p, K, Z::scales<GROUP>(s + j * G, p), p, tz[j]);
     if (full < K)
-      for (int r = 0; r < R; ++r)
-        block<Y, 1, SIGNED, SPLIT>(w + r * wstride, xh + full, xl + full, K, Y::scales<GROUP>(s + r * G, full), full,
-                                   ty + r);
+      for (int j = 0; j < W; ++j)
+        block<Y, R, SIGNED, SPLIT>(w + j * wstride, xh + full, xl + full, K, Y::scales<GROUP>(s + j * G, full), full,
+                                   ty[j]);
   }
-  for (int r = 0; r < R; ++r)
-    y[r] = finish<SIGNED, HAS_ZP>(_mm512_add_ps(tz[r], _mm512_zextps256_ps512(ty[r])), xsum, s + r * G,
-                                  HAS_ZP ? z + r * G : nullptr, G);
+  for (int j = 0; j < W; ++j)
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + j] = finish<SIGNED, HAS_ZP>(_mm512_add_ps(tz[j][r], _mm512_zextps256_ps512(ty[j][r])),
+                                              xsum + r * G, s + j * G, HAS_ZP ? z + j * G : nullptr, G);
 }
 
 // Lay out x [M, K] for the lane bookkeeping above: within each block of W values, vector j
@@ -248,15 +224,15 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
   // 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of weights, one
   // thread: 96 -> 73 us a call, 63 us cache-resident).
   int64_t n = n0;
-  if (M < MB)  // fewer rows of x than rows<MB> takes: the weight rows kWeightGroup at a time
+  if (M < MB)  // fewer rows of x than rows<MB, 1> takes: the weight rows kWeightGroup at a time
     for (; n + kWeightGroup <= n1; n += kWeightGroup) {
       const uint8_t* wn = wt.w + n * (K / 2);
       for (int64_t r = 0; r < kWeightGroup; ++r)
         if (n + kRowsAhead + r < N) prefetch_row(wn + (kRowsAhead + r) * (K / 2), K / 2);
       for (int64_t m = 0; m < M; ++m)
-        weight_group<kWeightGroup, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, K / 2, xh + m * K, xl ? xl + m * K : nullptr,
-                                                                 xsum + m * G, K, G, group, s + n * G,
-                                                                 HAS_ZP ? z + n * G : nullptr, wt.y + m * N + n);
+        rows<1, kWeightGroup, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G,
+                                                            K, G, group, s + n * G, HAS_ZP ? z + n * G : nullptr,
+                                                            wt.y + m * N + n, N);
     }
   for (; n < n1; ++n) {
     const uint8_t* wn = wt.w + n * (K / 2);
@@ -265,10 +241,10 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
-      rows<MB, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+      rows<MB, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
                                              sn, zn, wt.y + m * N + n, N);
     for (; m < M; ++m)
-      rows<1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+      rows<1, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
                                             sn, zn, wt.y + m * N + n, N);
   }
 }
