@@ -396,7 +396,7 @@ def backend_for(device: torch.device):
     return kernels.for_device(device.type)
 
 
-def refuse_tangents(name: str, args) -> None:
+def refuse_tangents(op, args) -> None:
     """Raise for an argument that is a forward-mode AD dual tensor (inside a
     ``torch.autograd.forward_ad.dual_level``): no lowbit op has a forward-mode derivative,
     so the result would silently carry no tangent."""
@@ -404,7 +404,7 @@ def refuse_tangents(name: str, args) -> None:
         return
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and forward_ad.unpack_dual(a).tangent is not None:
-            raise NotImplementedError(f"{name}: argument {i} is a forward-mode AD dual tensor "
+            raise NotImplementedError(f"{op}: argument {i} is a forward-mode AD dual tensor "
                                       "(torch.autograd.forward_ad); lowbit's ops have no forward-mode "
                                       "derivative, so its tangent would be lost")
 
@@ -415,7 +415,7 @@ def call(op, backend: str | None, device: torch.device, *args):
     autograd records nothing, on plain tensors, the op's implementation runs directly
     (``_eager``); whatever traces (torch.compile, torch.export, fake tensors) sees the op by
     name.  A forward-mode AD dual tensor is refused (``refuse_tangents``)."""
-    refuse_tangents(str(op), args)
+    refuse_tangents(op, args)
     if backend is None:
         if _eager(args):
             return _EAGER[op](kernels.for_device(device.type), *args)

@@ -170,10 +170,10 @@ def _one_row(x, qweight, bias, act_scheme):
     if bias is not None and (type(bias) not in _PLAIN or bias.shape != wshape[:1] or not bias.is_floating_point()
                              or bias.get_device() != codes.get_device()):
         return None
-    # autograd records a call only where an argument requires grad (a float scale may)
-    grad = x.requires_grad or qweight.scale.requires_grad or (bias is not None and bias.requires_grad)
     if forward_ad._current_level >= 0:  # a dual level is open: the general path checks x for a tangent
         return None
+    # autograd records a call only where an argument requires grad (a float scale may)
+    grad = x.requires_grad or qweight.scale.requires_grad or (bias is not None and bias.requires_grad)
     if not (library.eager_mode(grad) and type(codes) is torch.Tensor and not codes.is_inference()
             and not qweight.scale.is_inference()):
         return None  # as _cacheable: eager_mode says it does not compile
