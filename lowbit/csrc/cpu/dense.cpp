@@ -3,14 +3,20 @@
 //
 // ATen's at::linear for one row (MKL's sgemv) streams a float32 weight at 12-14 GB/s on a
 // 2-thread Zen 2, where a plain read reaches ~30 GB/s; the bundled model's float lm_head
-// (49152 x 576, 113 MB) alone then costs 8 ms per token.  Here every weight row is read
-// once per call, eight rows at a time, and multiplied with every row of x while it is in L1.
+// (49152 x 576, 113 MB) alone then costs 8 ms per token.  Here the weight is read once per
+// call, one row after another, front to back: each row is multiplied with every row of x
+// (in L1) before the next row starts.  Reading several rows side by side instead (8 rows,
+// 16 values of each in turn, as this file did before) is 8 interleaved streams 1 KiB
+// apart, which the Zen 4 prefetcher does not follow: the bf16 head streamed at 12-14 GB/s
+// there against 29-33 GB/s one row at a time (a plain read: 26-37 GB/s).
 //
-// Each output y[m, n] is summed in one fixed order, whatever M is: one accumulator of 8
-// lanes (AVX2) or 16 (AVX-512) takes the columns k = lane (mod lanes) in order, its lanes
-// are reduced, the K % lanes tail columns are added one by one, and the bias last.  So a
-// batch's rows get the bits each row gets alone (the runtime relies on it: a sequence
-// decodes the same tokens in a batch as alone).
+// Each output y[m, n] is summed in one fixed order, whatever M is: two accumulators of 8
+// lanes (AVX2) or 16 (AVX-512) take the blocks of `lanes` columns alternately (block b
+// into accumulator b % 2, each in order), the two are added, their lanes reduced, the
+// K % lanes tail columns added one by one, and the bias last.  So a batch's rows get the
+// bits each row gets alone (the runtime relies on it: a sequence decodes the same tokens
+// in a batch as alone).  Two accumulators, not one: one row's FMAs are then two chains,
+// not one (in-cache weights, 1536 x 576 bf16: 1.3-1.5x one chain).
 //
 // A bfloat16 linear is the same float32 arithmetic on the bf16 values, widened exactly (a
 // bf16 is the high half of a float32): the products of two bf16 are exact in float32, the
@@ -35,6 +41,7 @@ using F = __m512;
 inline F fzero() { return _mm512_setzero_ps(); }
 inline F fload(const float* p) { return _mm512_loadu_ps(p); }
 inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F fadd(F a, F b) { return _mm512_add_ps(a, b); }
 inline float fsum(F a) { return _mm512_reduce_add_ps(a); }
 inline F fload(const uint16_t* p) {  // 16 bf16 widened to float32 (<< 16: exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -46,6 +53,7 @@ using F = __m256;
 inline F fzero() { return _mm256_setzero_ps(); }
 inline F fload(const float* p) { return _mm256_loadu_ps(p); }
 inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F fadd(F a, F b) { return _mm256_add_ps(a, b); }
 inline float fsum(F a) { return fsum8(a); }
 inline F fload(const uint16_t* p) {  // 8 bf16 widened to float32 (<< 16: exact)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -57,63 +65,43 @@ inline F fload(const uint16_t* p) {  // 8 bf16 widened to float32 (<< 16: exact)
 inline float value(float w) { return w; }
 inline float value(uint16_t w) { return bf16_value(w); }
 
-// MR rows of x (row stride K) times R weight rows w (row stride K, float32 or bf16 bits):
-// y[i * ldy + r] = sum_k x[i, k] * w[r, k], one accumulator per output, so every output
-// is summed in the same order whatever MR and R are (MR * R accumulators in flight).
-template <int MR, int R, typename W>
-inline void dot_tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy) {
-  F acc[MR][R];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = fzero();
+// MR rows of x (row stride K) times one weight row w (float32 or bf16 bits):
+// y[i * ldy] = sum_k x[i, k] * w[k] in the order the header gives, whatever MR is.
+template <int MR, typename W>
+inline void dot_rows(const float* x, const W* w, int64_t K, float* y, int64_t ldy) {
+  F acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = fzero();
   int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    F xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = fload(x + i * K + k);
-    for (int r = 0; r < R; ++r) {
-      const F wv = fload(w + r * K + k);
-      for (int i = 0; i < MR; ++i) acc[i][r] = fmadd(wv, xv[i], acc[i][r]);
+  for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+    for (int h = 0; h < 2; ++h) {
+      const F wv = fload(w + k + h * kLanes);
+      for (int i = 0; i < MR; ++i) acc[i][h] = fmadd(wv, fload(x + i * K + k + h * kLanes), acc[i][h]);
     }
+  if (k + kLanes <= K) {  // an odd block: accumulator 0's turn
+    const F wv = fload(w + k);
+    for (int i = 0; i < MR; ++i) acc[i][0] = fmadd(wv, fload(x + i * K + k), acc[i][0]);
+    k += kLanes;
   }
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < R; ++r) {
-      float t = fsum(acc[i][r]);
-      for (int64_t j = k; j < K; ++j) t += x[i * K + j] * value(w[r * K + j]);
-      y[i * ldy + r] = t;
-    }
+  for (int i = 0; i < MR; ++i) {
+    float t = fsum(fadd(acc[i][0], acc[i][1]));
+    for (int64_t j = k; j < K; ++j) t += x[i * K + j] * value(w[j]);
+    y[i * ldy] = t;
+  }
 }
 
-// One x row against 8 weight rows, or 2 x rows against 4 (8 accumulators either way),
-// the weight rows read once per call and kept in L1 across x's rows.  A bf16 weight's next
-// 8 rows are fetched as these start (simd.h's prefetch_row); AMX Xeon, 2 threads, weights
-// cycled through more than the L3, with against without: bf16 49152 x 576 M=1 1.12x, M=4
-// 1.28x, 1536 x 576 1.25x; float32 M=4 1.06-1.08x but M=1 0.84-0.93x (18 KiB a block
-// fetched at once), so float32 rows leave it to the hardware.
+// Weight rows in chunks of 8 shared between the threads; each row read once, against x's
+// rows four at a time (eight accumulators), then the rest.
 template <typename W>
 void linear_rows(const float* px, const W* pw, const float* pb, float* py, int64_t M, int64_t K, int64_t N) {
-  constexpr int64_t R = 8;
-  static_assert(R == kRowsAhead, "a block of R rows prefetches the next block");
-  parallel_chunks(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
-    float out[2 * R];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n = blk * R, rows = std::min(R, N - n);
+  parallel_chunks(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
       const W* w = pw + n * K;
-      if constexpr (sizeof(W) == 2)
-        if (blk + 1 < b1) prefetch_row(w + R * K, std::min(R, N - n - R) * K * 2);
       int64_t m = 0;
-      for (; m + 2 <= M && rows == R; m += 2) {
-        dot_tile<2, 4>(px + m * K, w, K, out, R);
-        dot_tile<2, 4>(px + m * K, w + 4 * K, K, out + 4, R);
-        for (int64_t i = 0; i < 2; ++i)
-          for (int64_t r = 0; r < R; ++r) py[(m + i) * N + n + r] = pb ? out[i * R + r] + pb[n + r] : out[i * R + r];
-      }
-      for (; m < M; ++m) {
-        if (rows == R) {
-          dot_tile<1, 8>(px + m * K, w, K, out, R);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) dot_tile<1, 1>(px + m * K, w + r * K, K, out + r, R);
-        }
-        for (int64_t r = 0; r < rows; ++r) py[m * N + n + r] = pb ? out[r] + pb[n + r] : out[r];
-      }
+      for (; m + 4 <= M; m += 4) dot_rows<4>(px + m * K, w, K, py + m * N + n, N);
+      for (; m + 2 <= M; m += 2) dot_rows<2>(px + m * K, w, K, py + m * N + n, N);
+      if (m < M) dot_rows<1>(px + m * K, w, K, py + m * N + n, N);
+      if (pb)
+        for (int64_t i = 0; i < M; ++i) py[i * N + n] += pb[n];
     }
   });
 }
