@@ -195,7 +195,8 @@ def bf16_matmul_precision():
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g32-zpfloat-f16", "int8-sym",
-                                    "int8-asym-g32", "int4-asym-channel"])
+                                    "int8-asym-g32", "int4-asym-channel", "int4-asym-g32-zpmin-f16",
+                                    "int8-asym-g32-zpmin"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64), (20, 200, 1216)])
 def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):

@@ -14,8 +14,8 @@
 //
 // Per thread, for each panel of its column range and each chunk of K (KC values, so the
 // panel stays in L2):
-//   1. dequantize the chunk of 64 weight rows, (q - z) * s in float32 as the reference
-//      computes it, rounded to bf16 (the one rounding of the weight).  16 rows at a time:
+//   1. dequantize the chunk of 64 weight rows, (q - z) * s (q * s + m in the "min"
+//      domain) in float32 as the reference computes it, rounded to bf16 (the one rounding of the weight).  16 rows at a time:
 //      a 16 x 16 transpose of dwords turns 16 rows of packed codes into vectors whose
 //      lane i belongs to row i (4-bit: a dword is 8 values, its byte b the pair
 //      (2b, 2b + 1); 8-bit: a dword is 4 values, two pairs);
@@ -55,7 +55,7 @@ constexpr int64_t KC_MAX = 512;
 // same block of the next call's panel (next_n0, next_k0; next_n0 < 0: none): 64 rows read
 // in short runs are too many streams for the hardware prefetchers, and weights read once
 // come from DRAM.
-template <int BITS, bool SIGNED, bool HAS_ZP>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
 void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
                 int64_t n0, int64_t k0, int64_t kc, uint32_t* panel, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
@@ -97,12 +97,16 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
             hi = _mm512_and_si512(_mm512_srli_epi32(r[j], W * (2 * p + 1)), m);
           }
           __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
-          if constexpr (HAS_ZP) {
+          if constexpr (HAS_ZP && !MIN) {
             a = _mm512_sub_ps(a, zv);
             b = _mm512_sub_ps(b, zv);
           }
           a = _mm512_mul_ps(a, sv);
           b = _mm512_mul_ps(b, sv);
+          if constexpr (MIN) {  // q * s + m: the product rounded, then the sum (the reference's two steps)
+            a = _mm512_add_ps(a, zv);
+            b = _mm512_add_ps(b, zv);
+          }
           // vcvtne2ps2bf16 rounds to nearest even, as torch's .to(torch.bfloat16)
           const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
           _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
@@ -146,7 +150,7 @@ constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
 // 32-blocks) the chunk dequantized into the thread's panel and step(panel, m0, m1, n0, k0,
 // kc, ncols) for the item's rows [m0, m1); then finish().  The codes of the next chunk (or
 // item) arrive while this one is multiplied.
-template <int BITS, bool SIGNED, bool HAS_ZP, typename Start, typename Step, typename Finish>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename Start, typename Step, typename Finish>
 void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K, int64_t Npad,
                 int64_t group, int64_t kc_max, int64_t tile_rows, Start start, Step step, Finish finish) {
   const int64_t panels = Npad / NP;
@@ -162,7 +166,7 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel<BITS, SIGNED, HAS_ZP>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
+        pack_panel<BITS, SIGNED, HAS_ZP, MIN>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
                                          k0 + kc < K ? k0 + kc : 0);
         step(static_cast<const uint32_t*>(buf.data), m0, m1, n0, k0, kc, ncols);
       }
@@ -171,11 +175,11 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
   });
 }
 
-template <int BITS, bool SIGNED, bool HAS_ZP>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
 void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
           int64_t Npad, int64_t group, float* y) {
   const int64_t ldx = K / 2;
-  each_chunk<BITS, SIGNED, HAS_ZP>(
+  each_chunk<BITS, SIGNED, HAS_ZP, MIN>(
       w, st, zt, M, N, K, Npad, group, KC_MAX, MR, [] {},
       [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
         for (int64_t m = m0; m < m1; m += MR) {
@@ -205,11 +209,12 @@ namespace {
 // The entry below: its checks, x rounded to bf16, scale and zero point transposed to [G][Npad]
 // (lane i of a vector load is column i's value), then the GEMM for the weight's kind.
 at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool zero_point_min) {
   TORCH_CHECK(gemm_bf16_supported(x.size(1), group), who, ": unsupported K/group");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat,
               who, ": contiguous x [M, K] and float32 scale expected");
+  TORCH_CHECK(!zero_point_min || zero_point.has_value(), who, ": zero_point_min needs the mins (zero_point)");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
@@ -224,28 +229,27 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const float* s = st.data_ptr<float>();
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
-  const auto run = [&](auto bits_c, auto signed_c, auto zp_c) {
+  const auto run = [&](auto bits_c) {  // signed codes without z, unsigned ones with z (or with mins)
     constexpr int B = decltype(bits_c)::value;
-    constexpr bool S = decltype(signed_c)::value, Z = decltype(zp_c)::value;
-    gemm<B, S, Z>(static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+    const uint32_t* xa = static_cast<const uint32_t*>(pa);
+    if (zero_point_min) gemm<B, false, true, true>(xa, w, s, z, M, N, K, Npad, group, py);
+    else if (z) gemm<B, false, true, false>(xa, w, s, z, M, N, K, Npad, group, py);
+    else gemm<B, true, false, false>(xa, w, s, z, M, N, K, Npad, group, py);
   };
-  using T = std::true_type;
-  using F = std::false_type;
-  if (bits == 4) {
-    if (z) run(std::integral_constant<int, 4>{}, F{}, T{}); else run(std::integral_constant<int, 4>{}, T{}, F{});
-  } else {
-    if (z) run(std::integral_constant<int, 8>{}, F{}, T{}); else run(std::integral_constant<int, 8>{}, T{}, F{});
-  }
+  if (bits == 4) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
 #else
-  (void)bits, (void)zero_point, (void)K;
+  (void)bits, (void)zero_point, (void)K, (void)zero_point_min;
 #endif
   return y;
 }
 }  // namespace
 
 // x float32/bfloat16/float16 [M, K] (rounded to bf16); codes int8/uint8 [N, K] or int32
-// [N, K/8]; scale, zero_point float32 [N, G].  Returns float32 [M, N].
+// [N, K/8]; scale, zero_point float32 [N, G]: (q - z) * s, or q * s + z with zero_point_min
+// (unsigned codes, the "min" domain).  Returns float32 [M, N].
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
-  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group);
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                 bool zero_point_min) {
+  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, zero_point_min);
 }

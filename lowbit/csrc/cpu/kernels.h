@@ -227,7 +227,8 @@ at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, c
 // gemm_bf16.cpp
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                 bool zero_point_min = false);
 // gemm_f32.cpp
 bool has_gemm_f32();
 // y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).

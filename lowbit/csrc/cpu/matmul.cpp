@@ -738,8 +738,10 @@ namespace {
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {
-  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32,
-              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) run the gemv_f32 kernel only");
+  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32 ||
+                  static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemmBf16,
+              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) run the gemv_f32 and gemm_bf16 "
+              "kernels only");
   const at::Tensor c = codes.contiguous();
   if (static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32) {
     const auto [s, z] = packed_scales(scale, zero_point);
@@ -757,7 +759,7 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
                                 static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split);
       break;
     case WeightOnlyKernel::kGemmBf16:
-      y = weight_only_gemm_bf16(x2, c, s, z, bits, group);
+      y = weight_only_gemm_bf16(x2, c, s, z, bits, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemmBf16Amx:
       y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group);

@@ -339,7 +339,8 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
     rows = _gemv_max_m(bits, dtype, exact)
-    # q * s + m weights (the "min" domain) run the float32 kernels: the bf16 ones compute (q - z) * s
+    # q * s + m weights (the "min" domain): the bf16 decode and AMX kernels compute (q - z) * s;
+    # gemm_bf16 dequantizes either form into its panels
     bf16 = zero_point_domain != "min"
     if fused and m <= rows:
         split = dtype != torch.bfloat16
@@ -349,7 +350,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
                 return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
             return Plan("gemv_bf16", f"up to {rows} rows: packed weight, bf16 dot products")
         return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
-    if bf16 and not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
+    if not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if (exact and zero_point_domain == "int" and k % 32 == 0 and group % 32 == 0 and k % group == 0
             and _has_amx_bf16()):
