@@ -8,7 +8,7 @@ from lowbit.formats import ggml
 from lowbit.formats.gguf_export import encode
 from lowbit.scheme import QuantScheme
 
-from lowbit.kernels import get_backend
+from lowbit.kernels import cpu, get_backend
 
 from .conftest import BACKENDS
 from .test_matmul import assert_weight_only_close
@@ -148,3 +148,17 @@ def test_a_model_saves_loads_and_generates(tmp_path):
             # group, against (q * s + m).x), ~1e-7 relative over K <= 1536 per layer, far inside 1e-4
             assert (q(x).logits - ref(x).logits).abs().max() <= 1e-4
     assert lowbit.Runner(back).generate(ids[0], 4).tokens == lowbit.Runner(ref).generate(ids[0], 4).tokens
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs lowbit._C")
+def test_the_cpu_kernels_that_compute_q_minus_z_refuse_the_min_form():
+    """_C.weight_only_matmul runs zero_point_min on gemv_f32 and gemm_bf16 only; the bf16
+    decode kernel would compute (q - z) * s from the mins, so it is refused by name."""
+    qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32-zpmin")
+    x, s, z = torch.randn(2, 64), qt.scale.reshape(16, 2).float(), qt.zero_point.reshape(16, 2).float()
+    if "gemv_bf16" in cpu._WEIGHT_ONLY_KERNELS:
+        with pytest.raises(RuntimeError, match="run the gemv_f32 and gemm_bf16 kernels only"):
+            cpu._C.weight_only_matmul(x, qt.codes, s, z, 4, 32, cpu.weight_only_kernel_index("gemv_bf16"), True)
+    if cpu._C.gemm_bf16_supported(64, 32):
+        with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
+            cpu._C.weight_only_matmul(x, qt.codes, s, None, 4, 32, cpu.weight_only_kernel_index("gemm_bf16"), True)

@@ -30,7 +30,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
 
 namespace {
