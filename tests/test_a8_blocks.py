@@ -124,7 +124,7 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
     assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
-    beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_tiles"
+    beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_vnni"
     for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
         assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
@@ -149,7 +149,7 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
     # groups of one or several blocks
     _needs_gemm()
     monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
-    monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", 0)
+    monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "_a8_gemm", lambda: True)
     cpu.clear_plans()
@@ -377,3 +377,93 @@ def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad):
         cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 2, group, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu._C.gemm_a8_blocks_amx(torch.randn(4, 48), codes.contiguous(), scale.float(), None, 4, 48, False)
+
+
+def _needs_vnni():
+    if not cpu.available() or not cpu._C.has_a8_vnni():
+        pytest.skip("no AVX-512 VNNI build of lowbit._C")
+
+
+@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
+                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
+                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
+                                       ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192),
+                                       ("int4-sym-g32-f16", 1536)])
+@pytest.mark.parametrize("m, n", [(1, 1), (5, 40), (6, 32), (7, 33), (70, 15), (129, 70)])
+def test_vnni_gemm_gives_the_bits_of_the_avx2_panel_gemm(scheme, k, m, n):
+    # gemm_a8_vnni.cpp runs gemm_a8.cpp's / gemm_i16.cpp's float operations lane for lane on
+    # the same exact block dot products (signed 8-bit codes as q + 128, the offset taken away
+    # in the integers), so the two agree bit for bit: 6-row tiles and their tail, panels of
+    # 32 columns, a half panel cut short, K % 64 == 32 tails, groups of one or several
+    # blocks, signed / unsigned / "min" codes, float16 scales.
+    _needs_vnni()
+    _needs_gemm()
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(m * 1000 + n + k)
+    codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k), scheme))
+    s, zp = cpu._C.packed_scales(scale, zero_point)
+    x = torch.randn(m, k) * 3
+    x[0, :32] = 0  # an all-zero block: scale 1, codes and sums zero
+    min_form = "zpmin" in scheme
+    panel = cpu._C.gemm_a8_blocks if bits == 4 else cpu._C.gemm_a8_blocks8
+    y_avx2, ok_avx2 = panel(x, codes.contiguous(), s, zp, group, min_form)
+    y_vnni, ok_vnni = cpu._C.gemm_a8_blocks_vnni(x, codes.contiguous(), s, zp, bits, group, min_form)
+    assert ok_avx2 and ok_vnni
+    assert torch.equal(y_vnni, y_avx2)
+
+
+def test_vnni_gemm_takes_the_extreme_codes_exactly():
+    # signed 8-bit codes of -128 and 127 against activation codes of -128 and 127 (the offset
+    # q + 128 reaches both ends of u8).  Blocks of +-127.5 have d = 1 and codes -128 / 127
+    # (127.5 rounds to 128, clamped); with scales of 1 every float32 step is exact (block
+    # sums at most 32 * 128 * 128 = 2^19, 8 blocks), so y is the exact integer product.
+    _needs_vnni()
+    k, n = 256, 40
+    torch.manual_seed(0)
+    codes = torch.where(torch.rand(n, k) < 0.5, -128, 127).to(torch.int8)
+    x = torch.where(torch.rand(9, k) < 0.5, -127.5, 127.5)
+    xq = torch.where(x < 0, -128.0, 127.0).double()
+    y, ok = cpu._C.gemm_a8_blocks_vnni(x, codes, torch.ones(n, k // 32), None, 8, 32, False)
+    assert ok and torch.equal(y.double(), xq @ codes.double().T)
+
+
+@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64",
+                                    "int4-asym-g32-zpmin-f16", "int8-asym-g64-zpmin"])
+def test_vnni_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
+    _needs_vnni()
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(5)
+    x = torch.randn(13, 192)
+    parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
+    args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
+    bits, group, min_form = parts[0][3], parts[0][4], "zpmin" in scheme
+    ys, ok = cpu._C.gemm_a8_blocks_vnni_many(x, *map(list, zip(*args)), bits, group, min_form)
+    assert ok and len(ys) == 3
+    for y, (c, s, z) in zip(ys, args):
+        y1, ok1 = cpu._C.gemm_a8_blocks_vnni(x, c, s, z, bits, group, min_form)
+        assert ok1 and torch.equal(y, y1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_vnni_gemm_reports_non_finite_x_and_checks_its_arguments(bad):
+    _needs_vnni()
+    from lowbit.ops.matmul import weight_parts
+
+    codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(16, 64), "int4-sym-g32"))
+    s = scale.float().contiguous()
+    x = torch.randn(20, 64)
+    x[19, 5] = bad
+    _, ok = cpu._C.gemm_a8_blocks_vnni(x, codes, s, None, 4, group, False)
+    assert not ok
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        cpu._C.gemm_a8_blocks_vnni(x, codes, s, None, 2, group, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu._C.gemm_a8_blocks_vnni(torch.randn(4, 48), codes, s, None, 4, 48, False)
+    with pytest.raises(RuntimeError, match="contiguous float32 x"):
+        cpu._C.gemm_a8_blocks_vnni(x.double(), codes, s, None, 4, group, False)
+    with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
+        cpu._C.gemm_a8_blocks_vnni(torch.randn(2, 64), codes, s, None, 4, group, True)
+    y, ok = cpu._C.gemm_a8_blocks_vnni(torch.randn(0, 64), codes, s, None, 4, group, False)
+    assert ok and y.shape == (0, 16)

@@ -56,7 +56,7 @@ def test_batch_greedy_tokens_equal_one_prompt_at_a_time(smol, prompts, recipe, r
         # amplify (on an AVX-512 Xeon the prefill's logits moved by up to 1.0 and one prompt's
         # 4th token changed).  The batch's prefill here has sum(len(p)) rows: the rows kernel.
         rows = sum(p.numel() for p in prompts)
-        monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", rows)
+        monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", {4: rows, 8: rows})
         monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: rows, 8: rows})
         monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: rows, 8: rows})
         cpu.clear_plans()

@@ -201,4 +201,49 @@ bool blocks_by_panels(const float* x, int64_t M, int64_t K, int64_t group, const
   return true;
 }
 
+#if defined(LOWBIT_A8_BLOCKS) && defined(__AVX512F__) && defined(__AVX512BW__)
+// The panel layout of the AVX-512 block GEMMs (gemm_amx.cpp's B tiles, gemm_a8_vnni.cpp's
+// register tiles): 16 weight rows as the 16 dword lanes of a vector, 4 consecutive codes
+// of K in each dword, half_panel[k / 4][column][4], one byte per code.
+
+// 64 codes of weight row `row` from element k (32 past a K % 64 == 32 tail: the rest zero),
+// one byte each in k order: 4-bit codes (byte i holds element 2i in its low nibble) as u8,
+// signed ones as q + 8; 8-bit codes as stored, or with flip8 as u = q + 128 (q ^ 0x80: signed
+// 8-bit codes as the unsigned operand of vpdpbusd).
+inline __m512i row_codes(const uint8_t* row, int64_t k, int64_t K, int bits, bool is_signed, bool flip8) {
+  const int64_t n = std::min<int64_t>(64, K - k);
+  if (bits == 8) {
+    const __m512i c = _mm512_maskz_loadu_epi8(n == 64 ? ~0ULL : (1ULL << n) - 1, row + k);
+    return flip8 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
+  }
+  const __m128i low = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(is_signed ? 0x08 : 0x00);
+  __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int h = 0; h < n / 32; ++h) {  // 16 bytes: 32 codes
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2 + 16 * h));
+    const __m128i lo = _mm_xor_si128(_mm_and_si128(raw, low), flip);
+    const __m128i hi = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low), flip);
+    half[h] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+}
+
+// Weight rows [n0, n0 + 16 * halves) (rows past N repeat row N - 1: computed, never stored)
+// into `halves` panels of 16 columns, panel + h * K * 16 for half h (row_codes' bytes).
+inline void pack_half_panels(const PackedWeight& wt, int64_t K, int bits, int64_t n0, int halves, uint8_t* panel,
+                             bool flip8 = false) {
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  for (int h = 0; h < halves; ++h) {
+    uint8_t* out = panel + h * K * 16;
+    const uint8_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = wt.w + std::min<int64_t>(n0 + 16 * h + i, wt.N - 1) * row_bytes;
+    for (int64_t k = 0; k < K; k += 64) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = row_codes(rows[i], k, K, bits, !wt.z, flip8);
+      transpose16(r);  // r[j]: dword j (values k + 4j .. k + 4j + 3) of the 16 rows
+      for (int j = 0; j < 16 && k + 4 * j < K; ++j) _mm512_storeu_si512(out + (k / 4 + j) * 64, r[j]);
+    }
+  }
+}
+#endif
+
 }  // namespace a8

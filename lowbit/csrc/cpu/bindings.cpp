@@ -1,5 +1,5 @@
 // Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
-// gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gemm_a8.cpp, gemm_i16.cpp, gemm_amx.cpp, dense.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
+// gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gemm_a8.cpp, gemm_i16.cpp, gemm_a8_vnni.cpp, gemm_amx.cpp, dense.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
 // The instruction-set extensions this build was compiled for (-march=native at install).
@@ -65,6 +65,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "linear_a8_blocks for many rows and 8-bit codes: int16 panels of the codes, vpmaddwd register tiles");
   m.def("gemm_a8_blocks8_many", &gemm_a8_blocks8_many,
         "gemm_a8_blocks8 of one x with several weights of one kind: x quantized once, one parallel region");
+  m.def("has_a8_vnni", &has_a8_vnni, "whether gemm_a8_blocks_vnni (AVX-512 VNNI register tiles) was compiled in");
+  m.def("gemm_a8_blocks_vnni", &gemm_a8_blocks_vnni,
+        "gemm_a8_blocks / gemm_a8_blocks8 on AVX-512 VNNI register tiles (vpdpbusd per block), the same bits");
+  m.def("gemm_a8_blocks_vnni_many", &gemm_a8_blocks_vnni_many,
+        "gemm_a8_blocks_vnni of one x with several weights of one kind: x quantized once, one parallel region");
   m.def("has_amx_int8", &has_amx_int8, "whether AMX int8 tiles run here (compiled in, CPUID, kernel permission)");
   m.def("gemm_a8_blocks_amx", &gemm_a8_blocks_amx,
         "gemm_a8_blocks / gemm_a8_blocks8 on AMX int8 tiles (tdpbsud / tdpbssd per block), the same bits");

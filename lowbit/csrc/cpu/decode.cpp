@@ -532,7 +532,8 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
 // zero points as packed_scales gives them, bits, group, and the weight_only_matmul kernel
 // lowbit.kernels.cpu's plan chose for the step's rows; zero_point_min: the "min" domain's
 // q * s + m; bias added after), one with 8-bit activations in blocks of 32 (act 3, the weight as for weight-only;
-// kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8), or
+// kernel 0: linear_a8_blocks, 1: gemm_a8_blocks_amx, 2: gemm_a8_blocks / gemm_a8_blocks8,
+// 3: gemm_a8_blocks_vnni), or
 // one with 8-bit per-token activations (act 1: symmetric, 2: asymmetric): W8A8 (int8 codes
 // [N, K], scale [N] float32; kernel 0: torch._int_mm, 1: int8_mm_rows, 2: int8_linear, the
 // epilogue and bias fused, 3: int8_mm_panels, 4: int8_linear_amx, the same on AMX tiles) or
@@ -640,6 +641,7 @@ at::Tensor Proj::int8_blocks(const at::Tensor& x) const {
   auto [y, finite] = kernel == 1 ? gemm_a8_blocks_amx(x2, codes, scale, zero_point, bits, group, zero_point_min)
                      : kernel == 2 ? (bits == 4 ? gemm_a8_blocks(x2, codes, scale, zero_point, group, zero_point_min)
                                                 : gemm_a8_blocks8(x2, codes, scale, zero_point, group, zero_point_min))
+                     : kernel == 3 ? gemm_a8_blocks_vnni(x2, codes, scale, zero_point, bits, group, zero_point_min)
                                    : linear_a8_blocks(x2, codes, scale, zero_point, bits, group, zero_point_min);
   TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf");
   if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;

@@ -73,40 +73,6 @@ struct TileState {
   alignas(64) int32_t c[2 * TILE * TILE];
 };
 
-// 64 codes of weight row `row` from element k (32 past a K % 64 == 32 tail: the rest zero),
-// one byte each in k order: 4-bit codes (byte i holds element 2i in its low nibble) as u8,
-// signed ones as q + 8; 8-bit codes as stored.
-inline __m512i row_codes(const uint8_t* row, int64_t k, int64_t K, int bits, bool is_signed) {
-  const int64_t n = std::min<int64_t>(64, K - k);
-  if (bits == 8) return _mm512_maskz_loadu_epi8(n == 64 ? ~0ULL : (1ULL << n) - 1, row + k);
-  const __m128i low = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(is_signed ? 0x08 : 0x00);
-  __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int h = 0; h < n / 32; ++h) {  // 16 bytes: 32 codes
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2 + 16 * h));
-    const __m128i lo = _mm_xor_si128(_mm_and_si128(raw, low), flip);
-    const __m128i hi = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low), flip);
-    half[h] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-  }
-  return _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
-}
-
-// Weight rows [n0, n0 + 32) (rows past N repeat row N - 1: computed, never stored) into two
-// B panels of 16 columns, panel + h * K * 16 for half h, each [k / 4][column][4].
-void pack_codes(const PackedWeight& wt, int64_t K, int bits, int64_t n0, uint8_t* panel) {
-  const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  for (int h = 0; h < 2; ++h) {
-    uint8_t* out = panel + h * K * TILE;
-    const uint8_t* rows[TILE];
-    for (int i = 0; i < TILE; ++i) rows[i] = wt.w + std::min<int64_t>(n0 + TILE * h + i, wt.N - 1) * row_bytes;
-    for (int64_t k = 0; k < K; k += 64) {
-      __m512i r[16];
-      for (int i = 0; i < TILE; ++i) r[i] = row_codes(rows[i], k, K, bits, !wt.z);
-      transpose16(r);  // r[j]: dword j (values k + 4j .. k + 4j + 3) of the 16 rows
-      for (int j = 0; j < 16 && k + 4 * j < K; ++j) _mm512_storeu_si512(out + (k / 4 + j) * 64, r[j]);
-    }
-  }
-}
-
 // The AMX half of one block: tile C = tile A (16 activation rows, block b) x tile B (block b
 // of one half panel), exact int32.  A macro: GCC's tile intrinsics take the tile numbers as
 // tokens of their assembly.
@@ -184,7 +150,7 @@ void each_panel_part(const PackedWeight& wt, int64_t M, int64_t K, int bits, Set
   const PanelWork work(panels, M, TILE, at::get_num_threads());
   each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
     const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
-    pack_codes(wt, K, bits, n0, reinterpret_cast<uint8_t*>(st.panel.data));
+    a8::pack_half_panels(wt, K, bits, n0, 2, reinterpret_cast<uint8_t*>(st.panel.data));
     f(st, n0, static_cast<int>(std::min<int64_t>(COLS, wt.N - n0)), part * work.rows,
       std::min(M, (part + 1) * work.rows));
   });

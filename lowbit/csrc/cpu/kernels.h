@@ -183,6 +183,14 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
 std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                              const c10::optional<at::Tensor>& zero_point, int64_t group,
                                              bool zero_point_min);
+// gemm_a8_vnni.cpp
+bool has_a8_vnni();
+std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_vnni_many(
+    const at::Tensor& x, const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+    const std::vector<c10::optional<at::Tensor>>& zero_points, int64_t bits, int64_t group, bool zero_point_min);
+std::tuple<at::Tensor, bool> gemm_a8_blocks_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
+                                                 int64_t group, bool zero_point_min);
 // gemm_amx.cpp
 // Whether AMX int8 tiles run here: compiled in, in CPUID, and the kernel's permission granted.
 bool has_amx_int8();

@@ -171,11 +171,24 @@ AVX2_GEMV_MAX_M = {4: 16, 8: 8}
 # the same blocks dequantized and multiplied with float32 weight tiles, same setup (ms):
 #   4-bit: M=1 0.04 vs 0.33-0.37, M=16 0.37-0.47 vs 0.58-0.66, M=64 1.27-1.80 vs 1.17-1.38
 #   8-bit: M=1 0.04 vs 0.27, M=16 0.29 vs 0.48, M=64 0.96 vs 1.23
-A8_ROWS_MAX_M = 16
 # The same after the kernel's prefetch and shift fixes (weights hot, Zen 2, ms): 1536x576
 # 4-bit M=64 0.87 vs 1.50, M=128 1.78 vs 2.35, M=256 3.64 vs 3.65; 576x1536 M=128 1.62 vs
-# 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.  Where float32 FMAs are 16 lanes wide (AVX-512)
-# the tiles gain twice as much; not measured there since, so that threshold stays.
+# 2.04; 8-bit 1536x576 M=128 1.95 vs 2.01.
+# With AVX-512 VNNI (no AMX) the GEMM path is gemm_a8_vnni.cpp (the codes unpacked once per
+# call into panels of 32 columns, vpdpbusd register tiles of 6 rows, the AVX2 panels' bits);
+# the rows kernel / the AVX2 panels (gemm_a8.cpp, gemm_i16.cpp) / the VNNI panels / a bf16
+# F.linear of the same shape (oneDNN, AVX512-BF16), Zen 4, 2 threads, weights hot, median
+# of 7 alternating rounds (ms):
+#   4-bit 1536x576: M=4 0.065 / 0.090 / 0.099, M=8 0.102 / 0.086 / 0.107, M=12 0.146 / 0.108 / 0.119,
+#                   M=16 0.24 / 0.17 / 0.17 / 0.28, M=64 0.90 / 0.45 / 0.32 / 0.50,
+#                   M=512 6.7 / 2.9 / 2.1 / 2.4
+#   4-bit 576x1536: M=8 0.078 / 0.082 / 0.092, M=12 0.139 / 0.125 / 0.113, M=512 6.8 / 3.2 / 1.9 / 2.4
+#   8-bit 1536x576: M=4 0.057 / 0.087 / 0.066, M=6 0.107 / 0.095 / 0.073, M=16 0.37 / 0.29 / 0.24 / 0.37,
+#                   M=512 11.9 / 7.0 / 2.4 / 3.0
+#   8-bit 576x1536: M=4 0.080 / 0.103 / 0.088, M=6 0.133 / 0.128 / 0.101, M=512 12.5 / 7.1 / 2.6 / 2.8
+# (the path before it, the blocks dequantized into float32 weight tiles through torch.mm:
+# 7.0-9.0 ms at M=512).
+A8_ROWS_MAX_M = {4: 8, 8: 4}
 # 4-bit codes beyond it run gemm_a8.cpp (codes unpacked once into panels, vpmaddubsw register
 # tiles); against the rows kernel / the float32 tiles / a float32 F.linear of the same shape
 # (weights hot, Zen 2, 2 threads, ms):
@@ -378,7 +391,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
 
 def a8_rows_max_m(bits: int) -> int:
     """Up to how many rows activations in int8 blocks run gemv_a8.cpp's rows kernel with
-    ``bits``-bit weights; beyond, a GEMM path (``a8_gemm`` or ``a8_tiles``).
+    ``bits``-bit weights; beyond, a GEMM path (``a8_gemm``, ``a8_vnni`` or ``a8_amx``).
 
     Example::
 
@@ -387,7 +400,7 @@ def a8_rows_max_m(bits: int) -> int:
     """
     if not _has_avx512():
         return AVX2_A8_ROWS_MAX_M.get(bits, 0)
-    return AMX_A8_ROWS_MAX_M.get(bits, 0) if _has_amx_int8() else A8_ROWS_MAX_M
+    return (AMX_A8_ROWS_MAX_M if _has_amx_int8() else A8_ROWS_MAX_M).get(bits, 0)
 
 
 def _a8_gemm() -> bool:
@@ -411,7 +424,8 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if _has_amx_int8():
         return Plan("a8_amx", f"over {rows} rows: int8 blocks of x, AMX int8 tiles per block (tdpbsud / tdpbssd), "
                               "exact block dot products: 2.5-3x the float32 tiles")
-    return Plan("a8_tiles", f"over {rows} rows: int8 blocks of x dequantized, float32 weight tiles, torch.mm")
+    return Plan("a8_vnni", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into u8 panels, "
+                           "vpdpbusd register tiles, exact block dot products: 1.4-2.9x the AVX2 panels")
 
 
 @lru_cache(maxsize=4096)
@@ -460,7 +474,7 @@ class CpuBackend(Backend):
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
                "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
-               "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_tiles")
+               "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_vnni")
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
@@ -584,10 +598,8 @@ class CpuBackend(Backend):
         weight's; beyond, on AVX2 machines gemm_a8.cpp (4-bit) or gemm_i16.cpp (8-bit): the
         same blocks and exact block dot products, the codes unpacked once into panels; where
         AMX runs, gemm_amx.cpp: the same block dot products on int8 tiles, the bits of those
-        panel GEMMs; else the blocks
-        dequantized (the reference's float32 values) and multiplied with float32 weight
-        tiles (``_tiles``).  The codes and scales are the
-        reference's; the float32 roundings differ (order of the sums, one product of the
+        panel GEMMs; on other AVX-512 VNNI machines gemm_a8_vnni.cpp: the same on vpdpbusd
+        register tiles, the same bits again.  The codes and scales are the reference's; the float32 roundings differ (order of the sums, one product of the
         two scales per block, the zero-point term apart), within the bound derived in
         tests/test_a8_blocks.py.  A weight in the "min" domain (``zero_point_min``: q * s + m,
         llama.cpp's Q4_1 x Q8_1) adds m times the group sums of x where the others take
@@ -598,20 +610,15 @@ class CpuBackend(Backend):
         if kernel == "reference":
             return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
         x2 = _float32(x.reshape(m, k))
-        if kernel == "a8_tiles":
-            xd, ok = _C.fake_quantize_a8_blocks(x2)
-            if not ok:
-                return x.new_empty((*x.shape[:-1], n)), False
-            y = _tiles(xd, codes, scale, zero_point, bits, group_size, torch.float32, zero_point_min)
+        s, zp = _C.packed_scales(scale, zero_point)
+        if kernel == "a8_gemm":
+            gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
+            y, ok = gemm(x2, codes.contiguous(), s, zp, group_size, zero_point_min)
+        elif kernel in ("a8_amx", "a8_vnni"):
+            gemm = _C.gemm_a8_blocks_amx if kernel == "a8_amx" else _C.gemm_a8_blocks_vnni
+            y, ok = gemm(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
         else:
-            s, zp = _C.packed_scales(scale, zero_point)
-            if kernel == "a8_gemm":
-                gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
-                y, ok = gemm(x2, codes.contiguous(), s, zp, group_size, zero_point_min)
-            elif kernel == "a8_amx":
-                y, ok = _C.gemm_a8_blocks_amx(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
-            else:
-                y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
+            y, ok = _C.linear_a8_blocks(x2, codes.contiguous(), s, zp, bits, group_size, zero_point_min)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
 
@@ -789,7 +796,7 @@ BACKEND = CpuBackend()
 # by its index among the kernels of its kind of activations (weight-only: weight_only_kernels).
 DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_amx")
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
-DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm")
+DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm", "a8_vnni")
 DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
                   *DECODE_W8A8_KERNELS, *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 

@@ -36,7 +36,9 @@ import torch
 # gemm_bf16.cpp's weight_only_gemm_bf16_amx), and the a8 blocks have thresholds of their own there.
 # 5: gemv_bf16 lost a 64-bit division per 128 weights (1.06-1.24x a call) and the AMX
 # weight-only kernels one per 32 values: the bf16 gemv's crossover may have moved.
-FORMAT = 5
+# 6: on AVX-512 machines without AMX the a8 blocks' GEMM side runs gemm_a8_vnni.cpp (not
+# float32 tiles), with a threshold per weight bits.
+FORMAT = 6
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
@@ -73,7 +75,8 @@ THRESHOLDS = (
     Threshold("gemv 8-bit (AVX2)", "AVX2_GEMV_MAX_M", 8, "int8-sym", None, False),
     Threshold("a8 blocks 4-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", False),
     Threshold("a8 blocks 8-bit (AVX2)", "AVX2_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", False),
-    Threshold("a8 blocks (AVX-512)", "A8_ROWS_MAX_M", None, "int4-sym-g32-f16", "int8-sym-g32", True),
+    Threshold("a8 blocks 4-bit (AVX-512)", "A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", True),
+    Threshold("a8 blocks 8-bit (AVX-512)", "A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True),
     Threshold("a8 blocks 4-bit (AMX)", "AMX_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", True),
     Threshold("a8 blocks 8-bit (AMX)", "AMX_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True),
     Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
