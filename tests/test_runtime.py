@@ -1,4 +1,4 @@
-"""The runtime's single-query attention kernel against a float64 reference."""
+"""The runtime's attention kernels (one new token, and many: a prefill) against a float64 reference."""
 
 import math
 
@@ -248,3 +248,76 @@ def test_step_linear_runs_dense_amx_for_bfloat16_rows_where_amx_runs(monkeypatch
 def test_dense_rows_refuses_what_is_not_a_float32_linear(x, w, b, match):
     with pytest.raises(RuntimeError, match=match):
         cpu._C.dense_rows(x, w, b)
+
+
+def _needs_prefill():
+    if not cpu.prefill_attention_available():
+        pytest.skip("prefill_attention needs an AVX-512 build")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# t not a multiple of the 16-query blocks or of the 8- and 6-row tiles, groups of 3, 1 and 4
+# query heads, keys not a multiple of 32, chunks after cached positions (pos > 0), several
+# sequences of a batch's caches in any order, head sizes 48 (a 64-value step cut short),
+# 64 and 128 (two steps)
+@pytest.mark.parametrize("n_seq, t, heads, kv_heads, hd, pos", [(1, 37, 9, 3, 64, 0), (1, 16, 9, 3, 64, 100),
+                                                               (2, 20, 8, 2, 128, 5), (1, 5, 4, 4, 48, 0),
+                                                               (3, 2, 4, 1, 64, 0), (1, 70, 2, 2, 16, 33)])
+def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, heads, kv_heads, hd, pos):
+    _needs_prefill()
+    torch.manual_seed(t * 100 + pos)
+    cap = pos + t + 9
+    q = torch.randn(n_seq, t, heads, hd).to(dtype)
+    k = torch.randn(n_seq + 2, kv_heads, cap, hd).to(dtype)
+    v = torch.randn(n_seq + 2, kv_heads, cap, hd).to(dtype)
+    seqs = torch.randperm(n_seq + 2)[:n_seq]
+    scale = hd ** -0.5
+    out = cpu.prefill_attention(q, k, v, seqs, pos, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    rep, n = heads // kv_heads, pos + t
+    unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    for i in range(n_seq):
+        kd = k[seqs[i], :, :n].double().repeat_interleave(rep, 0)
+        vd = v[seqs[i], :, :n].double().repeat_interleave(rep, 0)
+        scores = torch.einsum("thd,hsd->hts", q[i].double(), kd) * scale
+        scores = scores.masked_fill(~torch.ones(t, n, dtype=torch.bool).tril(pos), float("-inf"))
+        want = torch.einsum("hts,hsd->thd", torch.softmax(scores, -1), vd)
+        # decode_attention's bound (test above), with the longest row's n positions: each
+        # score an hd-term dot product, exp's few units, an n-term weighted sum, the division
+        dot_err = gamma(hd + 1) * float((q[i].double().abs()[:, :, None] * kd.abs()[None].amax(-2)).sum(-1).max()) * scale
+        tol = (2 * dot_err + 4 * 2.0**-24 + gamma(n + 2)) * 2 * float(vd.abs().max())
+        err = (out[i].double() - want).abs()
+        assert bool((err <= tol + unit * want.abs()).all()), float(err.max())
+
+
+def test_prefill_attention_gives_the_same_bits_on_any_number_of_threads():
+    # each output row is one work item's: the threads only decide which item runs where
+    _needs_prefill()
+    q, k, v = torch.randn(1, 100, 9, 64), torch.randn(1, 3, 128, 64), torch.randn(1, 3, 128, 64)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu.prefill_attention(q, k, v, torch.tensor([0]), 20, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prefill_attention_refuses_bad_arguments():
+    _needs_prefill()
+    q, kv = torch.randn(1, 4, 9, 64), torch.randn(2, 3, 8, 64)
+    seqs = torch.tensor([1])
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu.prefill_attention(q, kv, kv, seqs, 5, 1.0)  # positions 5..8 past the cache's 8
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu.prefill_attention(q.double(), kv, kv, seqs, 0, 1.0)
+    with pytest.raises(RuntimeError, match="not in the caches"):
+        cpu.prefill_attention(q, kv, kv, torch.tensor([2]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu.prefill_attention(torch.randn(1, 4, 9, 36), torch.randn(2, 3, 8, 36), torch.randn(2, 3, 8, 36), seqs, 0, 1.0)
+    with pytest.raises(RuntimeError, match="seqs must be int64"):
+        cpu.prefill_attention(q, kv, kv, seqs.int(), 0, 1.0)
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        cpu.prefill_attention(q, kv.transpose(2, 3), kv.transpose(2, 3), seqs, 0, 1.0)

@@ -517,6 +517,212 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
   return out;
 }
 
+// Attention of t new tokens of a sequence at once (a prefill, or a chunk of one): query i
+// (position pos + i) over the first pos + i + 1 positions of its sequence's cache, float32
+// arithmetic, as GEMMs rather than as t single-query passes: a work item is a block of
+// kQueryBlock queries of one sequence and kv head, all of the kv head's query heads (rows
+// = group x queries), so every key and value row it reads serves all of those rows.
+//   scores s[r][j] = (q_r * scale) . k_j   register tiles of 8 rows x 32 keys, the keys laid
+//                                           out as 16-key panels (kt[b][d][i] = k[16b + i][d])
+//                                           so a tile's step is 2 loads, 8 broadcasts, 16 FMAs;
+//                                           each score one FMA chain over d in order
+//   p = exp(s - max_r) over the row's own positions (exp16, zero past them), l_r = sum p
+//   out_r = (p . V) * (1 / l_r)              register tiles of 6 rows x 64 values of V, the
+//                                           positions in order
+// Against float64 softmax attention the bound of decode_attention holds (an hd-term dot
+// product, exp16's few units, an n-term weighted sum and the division); the roundings are
+// not decode_attention's (its scores sum 16 lanes of partial products, its positions come
+// in chunks of 64), so a prefill's row and the same token's decode step agree within it,
+// not bit for bit.  The panels of K and the float32 rows of V are made once per call
+// (sequence and kv head), then items spread over the threads (each_item).
+#ifdef LOWBIT_ATTEND_AVX512
+namespace {
+
+constexpr int64_t kQueryBlock = 16;
+constexpr int kScoreRows = 8, kScorePanels = 2;  // a score tile: 8 rows x 32 keys
+constexpr int kValueRows = 6;                    // a p . V tile: 6 rows x 64 values
+
+// R rows of qf [R][hd] times the key panels kt (panel stride hd * 16) from key 0 to npad
+// (a multiple of 32): s[r * ld + j].
+template <int R>
+void score_rows(const float* qf, int64_t hd, const float* kt, int64_t npad, float* s, int64_t ld) {
+  for (int64_t j0 = 0; j0 < npad; j0 += 16 * kScorePanels) {
+    const float* panel = kt + (j0 / 16) * hd * 16;
+    __m512 acc[R][kScorePanels];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; ++d) {
+      __m512 k[kScorePanels];
+      for (int b = 0; b < kScorePanels; ++b) k[b] = _mm512_loadu_ps(panel + (b * hd + d) * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 q = _mm512_set1_ps(qf[r * hd + d]);
+        for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_fmadd_ps(q, k[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < kScorePanels; ++b) _mm512_storeu_ps(s + r * ld + j0 + 16 * b, acc[r][b]);
+  }
+}
+
+// R rows of weights p [R][ld] times the first n rows of v [n][hd] (float32), W vectors of
+// 16 values from column d0: o[r * hd + d0 ..] (not yet divided by l).
+template <int R, int W>
+void weighted_values(const float* p, int64_t ld, const float* v, int64_t n, int64_t hd, int64_t d0, float* o) {
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = _mm512_loadu_ps(v + j * hd + d0 + 16 * w);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * ld + j]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(pr, vv[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + r * hd + d0 + 16 * w, acc[r][w]);
+}
+
+template <int R>
+void weighted_rows_all(const float* p, int64_t ld, const float* v, int64_t n, int64_t hd, float* o) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    switch (std::min<int64_t>(64, hd - d0) / 16) {
+      case 1: weighted_values<R, 1>(p, ld, v, n, hd, d0, o); break;
+      case 2: weighted_values<R, 2>(p, ld, v, n, hd, d0, o); break;
+      case 3: weighted_values<R, 3>(p, ld, v, n, hd, d0, o); break;
+      default: weighted_values<R, 4>(p, ld, v, n, hd, d0, o); break;
+    }
+  }
+}
+
+// Rows [r0, rows) in tiles of R, then single rows: f(std::integral_constant<int, R or 1>, r).
+template <int R, typename F>
+void each_tile(int64_t rows, F f) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) f(std::integral_constant<int, R>{}, r);
+  for (; r < rows; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
+template <typename T>
+void prefill_attend(const T* q, const T* k, const T* v, T* out, const int64_t* seqs, int64_t N, int64_t t,
+                    int64_t H, int64_t KV, int64_t cap, int64_t hd, int64_t pos, float scale) {
+  const int64_t group = H / KV, n = pos + t, npad = (n + 31) / 32 * 32;
+  const int64_t blocks = (t + kQueryBlock - 1) / kQueryBlock;
+  // K as 16-key panels and V as float32 rows, per (query sequence, kv head)
+  std::vector<float> kt(N * KV * npad * hd), vf(N * KV * n * hd);
+  parallel_chunks(0, N * KV, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t head = seqs[a / KV] * KV + a % KV;  // the cache's kv head row
+      const T* kh = k + head * cap * hd;
+      const T* vh = v + head * cap * hd;
+      float* kp = kt.data() + a * npad * hd;
+      float* vp = vf.data() + a * n * hd;
+      for (int64_t j = 0; j < npad; ++j)
+        for (int64_t d = 0; d < hd; ++d) kp[((j / 16) * hd + d) * 16 + j % 16] = j < n ? to_f(kh[j * hd + d]) : 0.0f;
+      for (int64_t i = 0; i < n * hd; ++i) vp[i] = to_f(vh[i]);
+    }
+  });
+  struct Scratch {
+    std::vector<float> qf, s, o, l;
+  };
+  const int64_t rows_max = group * kQueryBlock;
+  each_item(
+      N * KV * blocks,
+      [&] {
+        return Scratch{std::vector<float>(rows_max * hd), std::vector<float>(rows_max * npad),
+                       std::vector<float>(rows_max * hd), std::vector<float>(rows_max)};
+      },
+      [&](Scratch& sc, int64_t item) {
+        const int64_t a = item / blocks, b = item % blocks, seq = a / KV, j = a % KV;
+        const int64_t i0 = b * kQueryBlock, qb = std::min(kQueryBlock, t - i0), rows = group * qb;
+        const int64_t keys = pos + i0 + qb, kpad = (keys + 31) / 32 * 32;  // the block's last query sees `keys`
+        float *qf = sc.qf.data(), *s = sc.s.data(), *o = sc.o.data(), *l = sc.l.data();
+        for (int64_t g = 0; g < group; ++g)  // row g * qb + i: head j * group + g, query i0 + i
+          for (int64_t i = 0; i < qb; ++i) {
+            const T* qr = q + ((seq * t + i0 + i) * H + j * group + g) * hd;
+            for (int64_t d = 0; d < hd; ++d) qf[(g * qb + i) * hd + d] = to_f(qr[d]) * scale;
+          }
+        const float* kp = kt.data() + a * npad * hd;
+        each_tile<kScoreRows>(rows, [&](auto r, int64_t r0) {
+          score_rows<decltype(r)::value>(qf + r0 * hd, hd, kp, kpad, s + r0 * npad, npad);
+        });
+        for (int64_t r = 0; r < rows; ++r) {  // softmax over the row's own positions, zeros to kpad
+          float* sr = s + r * npad;
+          const int64_t len = pos + i0 + r % qb + 1;
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          for (int64_t j0 = 0; j0 < len; j0 += 16) {
+            const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, len - j0)) - 1);
+            mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_maskz_loadu_ps(valid, sr + j0));
+          }
+          const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+          __m512 total = _mm512_setzero_ps();
+          for (int64_t j0 = 0; j0 < kpad; j0 += 16) {
+            const __mmask16 valid =
+                static_cast<__mmask16>(j0 >= len ? 0u : (1u << std::min<int64_t>(16, len - j0)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j0), mv)));
+            _mm512_storeu_ps(sr + j0, e);
+            total = _mm512_add_ps(total, e);
+          }
+          l[r] = _mm512_reduce_add_ps(total);
+        }
+        each_tile<kValueRows>(rows, [&](auto r, int64_t r0) {
+          weighted_rows_all<decltype(r)::value>(s + r0 * npad, npad, vf.data() + a * n * hd, keys, hd, o + r0 * hd);
+        });
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.0f / l[r];
+          T* orow = out + ((seq * t + i0 + r % qb) * H + j * group + r / qb) * hd;
+          for (int64_t d = 0; d < hd; ++d) orow[d] = static_cast<T>(o[r * hd + d] * inv);
+        }
+      });
+}
+
+}  // namespace
+#endif
+
+bool has_prefill_attention() {
+#ifdef LOWBIT_ATTEND_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q [N, t, H, hd]: t new tokens of each of N sequences, at positions pos .. pos + t - 1 of
+// sequence seqs[i] of the caches keys/values [B, KV, capacity, hd], whose first pos + t
+// positions hold its keys and values (these tokens' included).  Returns [N, t, H, hd] in
+// q's dtype: query i of each over positions 0 .. pos + i (causal), float32 arithmetic.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& seqs, int64_t pos, double scale) {
+  TORCH_CHECK(has_prefill_attention(), "prefill_attention needs AVX-512 (use scaled_dot_product_attention)");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "prefill_attention: q [N, t, H, hd] and caches [B, KV, capacity, hd] expected");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "prefill_attention: caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "prefill_attention: dtypes differ");
+  const int64_t N = q.size(0), t = q.size(1), H = q.size(2), hd = q.size(3), B = keys.size(0), KV = keys.size(1),
+                cap = keys.size(2);
+  TORCH_CHECK(keys.size(3) == hd && hd % 16 == 0 && H % KV == 0 && t >= 1,
+              "prefill_attention: head size a multiple of 16, heads a multiple of the kv heads, t >= 1 expected");
+  TORCH_CHECK(pos >= 0 && pos + t <= cap, "prefill_attention: positions ", pos, " + ", t,
+              " do not fit the caches' ", cap);
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 1 && seqs.size(0) == N,
+              "prefill_attention: seqs must be int64 [N]");
+  const at::Tensor sc = seqs.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < B, "prefill_attention: sequence ", sp[i], " of query ", i,
+                " is not in the caches' ", B);
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+#ifdef LOWBIT_ATTEND_AVX512
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    prefill_attend<scalar_t>(qc.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                             out.data_ptr<scalar_t>(), sp, N, t, H, KV, cap, hd, pos, static_cast<float>(scale));
+  });
+#endif
+  return out;
+}
+
 namespace {
 
 // x's shape with its last dimension n: a projection's output for x.
@@ -1123,6 +1329,9 @@ void bind_decode(pybind11::module& m) {
   m.def("decode_attention", &decode_attention, "attention of one new token over a KV cache, float32 arithmetic");
   m.def("decode_attention_rows", &decode_attention_rows,
         "decode_attention for one new token of each of a batch's sequences, over its own cache");
+  m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention (AVX-512) was compiled in");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of t new tokens of each of N sequences over their caches, float32 arithmetic");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of rows, one pass, float32 arithmetic");
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,

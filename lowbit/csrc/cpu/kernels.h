@@ -183,6 +183,10 @@ std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks8_many(const at::Tensor&
 std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                              const c10::optional<at::Tensor>& zero_point, int64_t group,
                                              bool zero_point_min);
+// decode.cpp: causal attention of t new tokens per sequence (AVX-512), and whether it was compiled in
+bool has_prefill_attention();
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& seqs, int64_t pos, double scale);
 // gemm_a8_vnni.cpp
 bool has_a8_vnni();
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_vnni_many(

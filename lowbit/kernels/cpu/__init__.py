@@ -984,6 +984,29 @@ def decode_attention_rows(q, keys, values, rows, lengths, scaling: float):
     return _C.decode_attention_rows(q, keys, values, rows, lengths, scaling)
 
 
+def prefill_attention_available() -> bool:
+    """Whether ``prefill_attention`` runs here (an AVX-512 build of ``lowbit._C``)."""
+    return _C is not None and hasattr(_C, "has_prefill_attention") and _C.has_prefill_attention()
+
+
+def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
+    """Causal attention of t new tokens of each of N sequences at once (a prefill): q [N, t,
+    H, hd] at positions ``pos`` .. ``pos + t - 1`` of sequence ``seqs[i]`` of the caches
+    [B, KV, capacity, hd], which already hold those tokens' keys and values; query j of a
+    sequence sees its positions 0 .. pos + j.  Float32 arithmetic, GEMM-shaped (decode.cpp's
+    prefill_attend); returns [N, t, H, hd] in q's dtype.
+
+    Example::
+
+        >>> import torch
+        >>> q, kv = torch.randn(1, 3, 2, 16), torch.randn(1, 1, 4, 16)
+        >>> out = prefill_attention(q, kv, kv, torch.tensor([0]), 0, 0.25) if prefill_attention_available() else q
+        >>> out.shape
+        torch.Size([1, 3, 2, 16])
+    """
+    return _C.prefill_attention(q, keys, values, seqs, pos, scaling)
+
+
 def rms_norm_rows(h, w, eps: float):
     """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm)."""
     return _C.rms_norm_rows(h, w, eps)
