@@ -130,8 +130,9 @@ class Runner:
         self._attend = cpu.decode_attention if native else None
         self._attend_rows = cpu.decode_attention_rows if native else None
         # many new tokens: a GEMM-shaped causal kernel (2.6-2.9x torch's flash attention on
-        # SmolLM2's 9 heads at 128-512 tokens); AVX-512 builds, head sizes a multiple of 16
-        self._prefill = (cpu.prefill_attention if native and cpu.prefill_attention_available()
+        # SmolLM2's 9 heads at 128-512 tokens); AVX-512 builds, head sizes a multiple of 16.
+        # LOWBIT_NATIVE_DECODE=0 keeps torch's attention (a prefill then has transformers' bits)
+        self._prefill = (cpu.prefill_attention if native and self._native and cpu.prefill_attention_available()
                          and self.head_dim % 16 == 0 else None)
         self._rms_row = cpu.rms_norm_rows if native else None
         self._dense = native
