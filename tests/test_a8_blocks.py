@@ -331,23 +331,36 @@ def test_packed_scales_keep_float16_only_where_it_is_exact():
                                 torch.ones(2, 2), 4, 32, False)
 
 
+# the weights the AVX-512 block GEMMs are checked on against the AVX2 panels: signed /
+# unsigned / "min" codes of 4 and 8 bits, groups of one or several blocks, per channel,
+# K % 64 == 32 tails, float16 scales
+PANEL_GEMM_WEIGHTS = [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96), ("int4-sym-g96", 288),
+                      ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576), ("int8-asym-g64", 192), ("int8-sym", 96),
+                      ("int8-asym-g96", 288), ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192),
+                      ("int4-sym-g32-f16", 1536)]
+
+
+def _needs_vnni():
+    if not cpu.available() or not cpu._C.has_a8_vnni():
+        pytest.skip("no AVX-512 VNNI build of lowbit._C")
+
+
 def _needs_amx():
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
 
 
-@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
-                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
-                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
-                                       ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192),
-                                       ("int4-sym-g32-f16", 1536)])
-@pytest.mark.parametrize("m, n", [(1, 1), (3, 40), (16, 16), (17, 33), (70, 15), (129, 70)])
-def test_amx_gemm_gives_the_bits_of_the_avx2_panel_gemm(scheme, k, m, n):
-    # gemm_amx.cpp runs gemm_a8.cpp's / gemm_i16.cpp's float operations lane for lane on the
-    # same exact block dot products, so the two agree bit for bit: tiles of 16 rows and
-    # their tail, half panels of 16 columns and a last one cut short, K % 64 == 32 tails,
-    # groups of one or several blocks, signed / unsigned / "min" codes, float16 scales.
-    _needs_amx()
+@pytest.mark.parametrize("kernel", ["amx", "vnni"])
+@pytest.mark.parametrize("scheme, k", PANEL_GEMM_WEIGHTS)
+@pytest.mark.parametrize("m, n", [(1, 1), (3, 40), (6, 32), (7, 33), (16, 16), (17, 33), (70, 15), (129, 70)])
+def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme, k, m, n):
+    # gemm_amx.cpp and gemm_a8_vnni.cpp run gemm_a8.cpp's / gemm_i16.cpp's float operations
+    # lane for lane on the same exact block dot products (AMX: tdpbsud / tdpbssd tiles;
+    # VNNI: vpdpbusd, signed 8-bit codes as q + 128 with the offset taken away in the
+    # integers), so they agree with the AVX2 panels bit for bit: AMX tiles of 16 rows and
+    # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short, and
+    # the weights of PANEL_GEMM_WEIGHTS.
+    _needs_amx() if kernel == "amx" else _needs_vnni()
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts
 
@@ -355,12 +368,14 @@ def test_amx_gemm_gives_the_bits_of_the_avx2_panel_gemm(scheme, k, m, n):
     codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k), scheme))
     s, zp = cpu._C.packed_scales(scale, zero_point)
     x = torch.randn(m, k) * 3
+    x[0, :32] = 0  # an all-zero block: scale 1, codes and sums zero
     min_form = "zpmin" in scheme
     panel = cpu._C.gemm_a8_blocks if bits == 4 else cpu._C.gemm_a8_blocks8
     y_avx2, ok_avx2 = panel(x, codes.contiguous(), s, zp, group, min_form)
-    y_amx, ok_amx = cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), s, zp, bits, group, min_form)
-    assert ok_avx2 and ok_amx
-    assert torch.equal(y_amx, y_avx2)
+    gemm = cpu._C.gemm_a8_blocks_amx if kernel == "amx" else cpu._C.gemm_a8_blocks_vnni
+    y, ok = gemm(x, codes.contiguous(), s, zp, bits, group, min_form)
+    assert ok_avx2 and ok
+    assert torch.equal(y, y_avx2)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -377,40 +392,6 @@ def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad):
         cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 2, group, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu._C.gemm_a8_blocks_amx(torch.randn(4, 48), codes.contiguous(), scale.float(), None, 4, 48, False)
-
-
-def _needs_vnni():
-    if not cpu.available() or not cpu._C.has_a8_vnni():
-        pytest.skip("no AVX-512 VNNI build of lowbit._C")
-
-
-@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
-                                       ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
-                                       ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
-                                       ("int4-asym-g32-zpmin-f16", 576), ("int8-asym-g64-zpmin", 192),
-                                       ("int4-sym-g32-f16", 1536)])
-@pytest.mark.parametrize("m, n", [(1, 1), (5, 40), (6, 32), (7, 33), (70, 15), (129, 70)])
-def test_vnni_gemm_gives_the_bits_of_the_avx2_panel_gemm(scheme, k, m, n):
-    # gemm_a8_vnni.cpp runs gemm_a8.cpp's / gemm_i16.cpp's float operations lane for lane on
-    # the same exact block dot products (signed 8-bit codes as q + 128, the offset taken away
-    # in the integers), so the two agree bit for bit: 6-row tiles and their tail, panels of
-    # 32 columns, a half panel cut short, K % 64 == 32 tails, groups of one or several
-    # blocks, signed / unsigned / "min" codes, float16 scales.
-    _needs_vnni()
-    _needs_gemm()
-    from lowbit.ops.matmul import weight_parts
-
-    torch.manual_seed(m * 1000 + n + k)
-    codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k), scheme))
-    s, zp = cpu._C.packed_scales(scale, zero_point)
-    x = torch.randn(m, k) * 3
-    x[0, :32] = 0  # an all-zero block: scale 1, codes and sums zero
-    min_form = "zpmin" in scheme
-    panel = cpu._C.gemm_a8_blocks if bits == 4 else cpu._C.gemm_a8_blocks8
-    y_avx2, ok_avx2 = panel(x, codes.contiguous(), s, zp, group, min_form)
-    y_vnni, ok_vnni = cpu._C.gemm_a8_blocks_vnni(x, codes.contiguous(), s, zp, bits, group, min_form)
-    assert ok_avx2 and ok_vnni
-    assert torch.equal(y_vnni, y_avx2)
 
 
 def test_vnni_gemm_takes_the_extreme_codes_exactly():
