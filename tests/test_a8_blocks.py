@@ -137,6 +137,11 @@ def _needs_gemm():
         pytest.skip("no AVX2 build of lowbit._C")
 
 
+def _needs_vnni():
+    if not cpu.available() or not cpu._C.has_a8_vnni():
+        pytest.skip("no AVX-512 VNNI build of lowbit._C")
+
+
 @pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym-channel", 96),
                                        ("int4-sym-g96", 288), ("int4-asym-g32-zpfloat", 64), ("int8-sym-g32", 576),
                                        ("int8-asym-g64", 192), ("int8-sym", 96), ("int8-asym-g96", 288),
@@ -168,22 +173,28 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
         cpu.clear_plans()
 
 
-def _gemms(bits):
+def _gemms(bits, kernel="avx2"):
+    """(several weights, one weight) panel GEMMs of ``kernel`` for ``bits``-bit codes, both
+    called as (x, codes, scales, zero points, group, zero_point_min)."""
+    if kernel == "vnni":
+        return (lambda *a: cpu._C.gemm_a8_blocks_vnni_many(*a[:4], bits, *a[4:]),
+                lambda *a: cpu._C.gemm_a8_blocks_vnni(*a[:4], bits, *a[4:]))
     return ((cpu._C.gemm_a8_blocks_many, cpu._C.gemm_a8_blocks) if bits == 4
             else (cpu._C.gemm_a8_blocks8_many, cpu._C.gemm_a8_blocks8))
 
 
+@pytest.mark.parametrize("kernel", ["avx2", "vnni"])
 @pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64",
                                     "int4-asym-g32-zpmin-f16", "int8-asym-g64-zpmin"])
-def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
-    _needs_gemm()
+def test_cpu_panel_gemm_of_several_weights_gives_the_bits_of_one_call_each(kernel, scheme):
+    _needs_gemm() if kernel == "avx2" else _needs_vnni()
     from lowbit.ops.matmul import weight_parts
 
     torch.manual_seed(5)
     x = torch.randn(13, 192)
     parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
     args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
-    many, one = _gemms(parts[0][3])
+    many, one = _gemms(parts[0][3], kernel)
     min_form = "zpmin" in scheme
     ys, ok = many(x, *map(list, zip(*args)), parts[0][4], min_form)
     assert ok and len(ys) == 3
@@ -340,11 +351,6 @@ PANEL_GEMM_WEIGHTS = [("int4-sym-g32", 576), ("int4-asym-g64", 576), ("int4-asym
                       ("int4-sym-g32-f16", 1536)]
 
 
-def _needs_vnni():
-    if not cpu.available() or not cpu._C.has_a8_vnni():
-        pytest.skip("no AVX-512 VNNI build of lowbit._C")
-
-
 def _needs_amx():
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
@@ -407,24 +413,6 @@ def test_vnni_gemm_takes_the_extreme_codes_exactly():
     xq = torch.where(x < 0, -128.0, 127.0).double()
     y, ok = cpu._C.gemm_a8_blocks_vnni(x, codes, torch.ones(n, k // 32), None, 8, 32, False)
     assert ok and torch.equal(y.double(), xq @ codes.double().T)
-
-
-@pytest.mark.parametrize("scheme", ["int4-sym-g32", "int4-asym-g64", "int8-sym-g32", "int8-asym-g64",
-                                    "int4-asym-g32-zpmin-f16", "int8-asym-g64-zpmin"])
-def test_vnni_gemm_of_several_weights_gives_the_bits_of_one_call_each(scheme):
-    _needs_vnni()
-    from lowbit.ops.matmul import weight_parts
-
-    torch.manual_seed(5)
-    x = torch.randn(13, 192)
-    parts = [weight_parts(lowbit.quantize(torch.randn(n, 192), scheme)) for n in (6, 3, 40)]
-    args = [(c, s.float().contiguous(), None if z is None else z.float().contiguous()) for c, s, z, _, _ in parts]
-    bits, group, min_form = parts[0][3], parts[0][4], "zpmin" in scheme
-    ys, ok = cpu._C.gemm_a8_blocks_vnni_many(x, *map(list, zip(*args)), bits, group, min_form)
-    assert ok and len(ys) == 3
-    for y, (c, s, z) in zip(ys, args):
-        y1, ok1 = cpu._C.gemm_a8_blocks_vnni(x, c, s, z, bits, group, min_form)
-        assert ok1 and torch.equal(y, y1)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

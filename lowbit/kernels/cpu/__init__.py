@@ -599,7 +599,8 @@ class CpuBackend(Backend):
         same blocks and exact block dot products, the codes unpacked once into panels; where
         AMX runs, gemm_amx.cpp: the same block dot products on int8 tiles, the bits of those
         panel GEMMs; on other AVX-512 VNNI machines gemm_a8_vnni.cpp: the same on vpdpbusd
-        register tiles, the same bits again.  The codes and scales are the reference's; the float32 roundings differ (order of the sums, one product of the
+        register tiles, the same bits again.  The codes and scales are the reference's; the
+        float32 roundings differ (order of the sums, one product of the
         two scales per block, the zero-point term apart), within the bound derived in
         tests/test_a8_blocks.py.  A weight in the "min" domain (``zero_point_min``: q * s + m,
         llama.cpp's Q4_1 x Q8_1) adds m times the group sums of x where the others take
