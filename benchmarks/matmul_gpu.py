@@ -2,7 +2,7 @@
 torch.matmul and, where they install, torchao and gemlite.
 
     python benchmarks/matmul_gpu.py                      # (also run by benchmarks/matmul.py on a GPU)
-    python benchmarks/matmul_gpu.py --shapes 14336x4096 --m 1 16
+    python benchmarks/matmul_gpu.py --shapes 14336x4096 --m 1 16 --rows W4A16 gemlite
 
 For each (M, N, K), bfloat16 activations, two times per row:
 
@@ -172,6 +172,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="*", help="NxK, e.g. 4096x4096")
     p.add_argument("--m", nargs="*", type=int, default=MS)
+    p.add_argument("--rows", nargs="*", help="only the rows whose name contains one of these words "
+                   "(the bf16 baseline always runs), e.g. W4A16 gemlite")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("matmul_gpu: no CUDA device; nothing to measure")
@@ -191,6 +193,8 @@ def main(argv=None) -> None:
                   f"{'% copy bw':>10}")
             t_bf16 = g_bf16 = None
             for name, make in rows(w, x):
+                if args.rows and not name.startswith("torch.matmul") and not any(r in name for r in args.rows):
+                    continue
                 try:
                     fn, wbytes = make()
                     t = bench(fn)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_rn, div_exact, round_half_even, tile_rows_cols, unpack_words
+from ._common import INTERPRET, cast_rn, div_exact, interleave8, round_half_even, tile_rows_cols
 
 
 @triton.jit
@@ -59,6 +59,18 @@ def _int8_gemm_kernel(a_ptr, b_ptr, y_ptr, row_ptr, col_ptr, azp_ptr, bsum_ptr, 
 
 
 @triton.jit
+def _centered(words, J: tl.constexpr, SIGNED: tl.constexpr, HAS_ZP: tl.constexpr, z):
+    """Field J of each u32x8 word as int8: the signed code, or the code minus its zero
+    point z ([BLOCK_N] int32; the difference lies in [-15, 15])."""
+    u = (words >> (4 * J)) & 15
+    if SIGNED:
+        u = u - ((u >> 3) << 4)
+    if HAS_ZP:
+        u -= z[:, None]
+    return u.to(tl.int8)
+
+
+@triton.jit
 def _w4a8_kernel(x_ptr, xs_ptr, xz_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, os_ptr, oz_ptr, y_ptr, M, N, K, M_BUCKET,
                  stride_xm, stride_wn, stride_sn, stride_ym, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                  SIGNED: tl.constexpr,
@@ -73,6 +85,7 @@ def _w4a8_kernel(x_ptr, xs_ptr, xz_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, os_ptr, o
     for g in range(0, K // GROUP):
         iacc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         wsum = tl.zeros([BLOCK_N], dtype=tl.int32)
+        z = tl.zeros([BLOCK_N], dtype=tl.int32)
         if HAS_ZP:
             z = tl.load(z_ptr + rn * stride_sn + g, mask=n_mask, other=0).to(tl.int32)
         for kk in range(0, GROUP, BLOCK_K):
@@ -81,11 +94,12 @@ def _w4a8_kernel(x_ptr, xs_ptr, xz_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, os_ptr, o
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None], other=0)
             rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_mask[:, None], other=0)
-            q = unpack_words(words, 4, 8, SIGNED)
-            if HAS_ZP:
-                q -= z[:, None]  # centered codes in [-15, 15]
-            wsum += tl.sum(q, axis=1)
-            iacc = tl.dot(x, tl.trans(q.to(tl.int8)), iacc, out_dtype=tl.int32)
+            q = interleave8(_centered(words, 0, SIGNED, HAS_ZP, z), _centered(words, 1, SIGNED, HAS_ZP, z),
+                            _centered(words, 2, SIGNED, HAS_ZP, z), _centered(words, 3, SIGNED, HAS_ZP, z),
+                            _centered(words, 4, SIGNED, HAS_ZP, z), _centered(words, 5, SIGNED, HAS_ZP, z),
+                            _centered(words, 6, SIGNED, HAS_ZP, z), _centered(words, 7, SIGNED, HAS_ZP, z))
+            wsum += tl.sum(q.to(tl.int32), axis=1)
+            iacc = tl.dot(x, tl.trans(q), iacc, out_dtype=tl.int32)
         iacc -= xz[:, None] * wsum[None, :]
         s = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
         acc += iacc.to(tl.float32) * s[None, :]
