@@ -212,13 +212,13 @@ class Runner:
             logits = decoder.step(self.embed(ids), cos, sin, cache.keys, cache.values, pos)
             cache.length = pos + 1
             return logits
-        mask = None
-        if t > 1 and pos > 0:  # a chunk after cached tokens: causal with an offset
-            mask = torch.ones(t, pos + t, dtype=torch.bool, device=ids.device).tril(pos)
         # one new token: a float32 single-query kernel (torch's flash attention costs ~250 us
         # per call at 512 cached positions for a 1-row query)
         one = t == 1 and self._attend is not None
         many = t > 1 and self._prefill is not None
+        mask = None
+        if t > 1 and pos > 0 and not many:  # SDPA on a chunk after cached tokens: causal with an offset
+            mask = torch.ones(t, pos + t, dtype=torch.bool, device=ids.device).tril(pos)
         first = torch.zeros(1, dtype=torch.long)
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
