@@ -11,6 +11,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lowbit.kernels.triton._common import code_plane, interleave8  # noqa: E402
 
 from lowbit.kernels.triton import interpreting, weight_only  # noqa: E402
 import lowbit  # noqa: E402
@@ -45,6 +49,39 @@ def test_weight_only_zero_rows_and_float64_fall_back():
     assert linear(torch.empty(0, 64, dtype=torch.bfloat16), qt, backend=T).shape == (0, 16)
     x = torch.randn(3, 64, dtype=torch.float64)  # no float64 tensor-core path: the reference runs
     assert torch.equal(linear(x, qt, backend=T), linear(x, qt, backend="reference"))
+
+
+@triton.jit
+def _planes(w_ptr, y_ptr, BITS: tl.constexpr, SIGNED: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """y [R, W * codes per word] = the codes of words [R, W] as float32, through code_plane
+    (and interleave8 for 4-bit words)."""
+    rr, rw = tl.arange(0, R), tl.arange(0, W)
+    words = tl.load(w_ptr + rr[:, None] * W + rw[None, :]).to(tl.int32)
+    if BITS == 8:
+        y = code_plane(words, 0, BITS, SIGNED)
+    else:
+        y = interleave8(code_plane(words, 0, BITS, SIGNED), code_plane(words, 1, BITS, SIGNED),
+                        code_plane(words, 2, BITS, SIGNED), code_plane(words, 3, BITS, SIGNED),
+                        code_plane(words, 4, BITS, SIGNED), code_plane(words, 5, BITS, SIGNED),
+                        code_plane(words, 6, BITS, SIGNED), code_plane(words, 7, BITS, SIGNED))
+    rk = tl.arange(0, W * (32 // BITS if BITS < 8 else 1))
+    tl.store(y_ptr + rr[:, None] * (W * (32 // BITS if BITS < 8 else 1)) + rk[None, :], y)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_code_planes_are_every_code_exactly_and_interleave_to_k_order(bits, signed):
+    """_common.code_plane (codes to float32 through the mantissa of 2^23) gives every code
+    value of every field position exactly, and interleave8 puts the planes of u32x8 words
+    back in K order: the same values as lowbit.ops.unpack_bits."""
+    lo = -(2 ** (bits - 1)) if signed else 0
+    r, k = 16, 256  # every code value at every position of a word (a shift of 1 per row)
+    q = ((torch.arange(k)[None, :] + torch.arange(r)[:, None]) % 2**bits + lo)
+    q = q.to(torch.int8 if signed else torch.uint8)
+    words = lowbit.ops.pack_bits(q, 4) if bits == 4 else q
+    y = torch.empty(r, k)
+    _planes[(1,)](words.contiguous(), y, BITS=bits, SIGNED=signed, R=r, W=words.shape[1])
+    assert torch.equal(y, q.float())
 
 
 # -- W8A8 --------------------------------------------------------------------------------------
