@@ -227,7 +227,7 @@ _gemm_prefill = triton.autotune(PREFILL_CONFIGS, key=["M_BUCKET", "N", "K", "BIT
 
 def supported(bits: int, group_size: int, k: int, m: int) -> bool:
     """Whether these kernels cover the call (the backend sends the rest to the reference)."""
-    if bits not in (4, 8):
+    if bits not in (4, 8) or (bits == 4 and (group_size % 8 or k % 8)):  # whole u32x8 words per group
         return False
     configs = [INTERPRET_GEMV] if INTERPRET else GEMV_CONFIGS
     ok = gemv_block_k_ok
