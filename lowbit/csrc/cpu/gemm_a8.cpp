@@ -241,11 +241,13 @@ at::Tensor w4a8_gemm_panels_avx2(const at::Tensor& x_q, const at::Tensor& x_zp, 
   const at::Tensor xc = x_q.contiguous(), cc = codes.contiguous(), sc = w_scale.contiguous();
   const at::Tensor xz = x_zp.to(at::kInt).contiguous();
   const at::Tensor zc = w_zp ? w_zp->to(at::kInt).contiguous() : at::Tensor();
-  // per row and group: sum x - |g| x_zp (exact in int32: |g| * 255 << 2^31)
-  const at::Tensor xg = (xc.view({M, G, group}).sum(-1, false, at::kInt) - xz.unsqueeze(1) * group).to(at::kInt).contiguous();
   const int8_t* px = xc.data_ptr<int8_t>();
-  const int32_t* pxg = xg.data_ptr<int32_t>();
   const int32_t* pxz = xz.data_ptr<int32_t>();
+  std::vector<int32_t> xg(M * G);  // per row and group: sum x - |g| x_zp
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) w4a8_group_sums(px + m * K, pxz[m], K, group, xg.data() + m * G);
+  });
+  const int32_t* pxg = xg.data();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(cc.data_ptr());
   const float* s = sc.data_ptr<float>();
   const int32_t* z = zc.defined() ? zc.data_ptr<int32_t>() : nullptr;

@@ -270,12 +270,7 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   std::vector<int32_t> xz(Mp, 0), xg(Mp * G, 0);
   std::copy(x_q, x_q + M * K, xq.begin());
   std::copy(x_zp, x_zp + M, xz.begin());
-  for (int64_t m = 0; m < M; ++m)  // per row and group: sum x - |g| xz (exact: check_w4a8_zero_points)
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t t = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xq[m * K + k];
-      xg[m * G + g] = t - static_cast<int32_t>(group) * xz[m];
-    }
+  for (int64_t m = 0; m < M; ++m) w4a8_group_sums(xq.data() + m * K, xz[m], K, group, xg.data() + m * G);
   const PackedWeight wt{w, s, z, N, y};
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
   each_panel_part(wt, M, K, 4, setup, [&](TileState& st, int64_t n0, int cols, int64_t m0, int64_t m_end) {

@@ -355,11 +355,7 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
             xd[k + i] = xs[k + 2 * i];
             xd[k + 4 + i] = xs[k + 2 * i + 1];
           }
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t t = 0;
-          for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xs[k];
-          pg[m * G + g] = t - static_cast<int32_t>(group) * pz[m];
-        }
+        w4a8_group_sums(xs, pz[m], K, group, pg + m * G);
       }
     });
   }

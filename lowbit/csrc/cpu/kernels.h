@@ -143,6 +143,9 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 // x_zp of x_q [M, K] as the W4A8 kernels take it (int32 [M]) and small enough that their
 // int32 zero-point terms are exact; errors name `who`.
 void check_w4a8_zero_points(const char* who, const at::Tensor& x_q, const at::Tensor& x_zp, int64_t group);
+// One row of the W4A8 kernels' activation term: xg[g] = sum_{k in g} x[k] - |g| xz for each
+// of the K / group groups (exact in int32 where check_w4a8_zero_points passed).
+void w4a8_group_sums(const int8_t* x, int32_t xz, int64_t K, int64_t group, int32_t* xg);
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // w4a8_gemm without tensors, its inputs checked by the caller: y float32 [M, N].

@@ -579,6 +579,14 @@ void check_w4a8_zero_points(const char* who, const at::Tensor& x_q, const at::Te
   TORCH_CHECK(std::all_of(pz, pz + x_zp.numel(), fits), who, ": |x_zp| * 15 * group must stay below 2^30");
 }
 
+void w4a8_group_sums(const int8_t* x, int32_t xz, int64_t K, int64_t group, int32_t* xg) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    int32_t t = 0;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) t += x[k];
+    xg[g] = t - static_cast<int32_t>(group) * xz;
+  }
+}
+
 at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group) {
   TORCH_CHECK(has_w4a8_rows(), "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
