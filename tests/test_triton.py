@@ -64,8 +64,8 @@ def _planes(w_ptr, y_ptr, BITS: tl.constexpr, SIGNED: tl.constexpr, R: tl.conste
                         code_plane(words, 2, BITS, SIGNED), code_plane(words, 3, BITS, SIGNED),
                         code_plane(words, 4, BITS, SIGNED), code_plane(words, 5, BITS, SIGNED),
                         code_plane(words, 6, BITS, SIGNED), code_plane(words, 7, BITS, SIGNED))
-    rk = tl.arange(0, W * (32 // BITS if BITS < 8 else 1))
-    tl.store(y_ptr + rr[:, None] * (W * (32 // BITS if BITS < 8 else 1)) + rk[None, :], y)
+    CODES: tl.constexpr = W * (32 // BITS if BITS < 8 else 1)
+    tl.store(y_ptr + rr[:, None] * CODES + tl.arange(0, CODES)[None, :], y)
 
 
 @pytest.mark.parametrize("signed", [False, True])

@@ -126,7 +126,7 @@ def interleave8(p0, p1, p2, p3, p4, p5, p6, p7):
     words in K order.  tl.interleave (join + reshape) keeps each new pair in one thread's
     registers, so there is no shared-memory layout conversion (the [R, W, 8] reshape of
     ``unpack_words`` has one).  With j = 4a + 2b + c: interleave(e0, e1)[2i + c] = e_c[i],
-    e_c[4w + 2b + a] ... is p_{4a + 2b + c}[w] by the same rule one and two levels down."""
+    and the same rule one and two levels down gives e_c[4w + 2a + b] = p_{4a + 2b + c}[w]."""
     e0 = tl.interleave(tl.interleave(p0, p4), tl.interleave(p2, p6))
     e1 = tl.interleave(tl.interleave(p1, p5), tl.interleave(p3, p7))
     return tl.interleave(e0, e1)
