@@ -251,6 +251,28 @@ def test_cpu_several_weights_in_one_call_give_the_bits_of_one_call_each(scheme, 
         assert ok1 and torch.equal(y, one)
 
 
+@pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 576), ("int4-asym-g64", 1536), ("int4-sym-g32-f16", 1088),
+                                       ("int8-sym-g32", 1536)])
+def test_cpu_blocks_give_a_row_its_bits_whatever_m(scheme, k):
+    # gemv_a8.cpp: one row of x takes 4-bit weight rows four at a time (w4_tile<1, 4>) where
+    # a row's codes are shorter than 512 bytes, one at a time (w4_tile<1, 1>) where longer;
+    # 4 rows of x take one weight row (w4_tile<4, 1>): the same operations per output, so the
+    # same bits.  n = 39: whole tiles of 4 weight rows and a remainder.
+    if not cpu.available() or not cpu._has_a8_blocks():
+        pytest.skip("no AVX2 build of lowbit._C")
+    from lowbit.ops.matmul import weight_parts
+
+    torch.manual_seed(k)
+    c, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(39, k), scheme))
+    s, z = cpu._C.packed_scales(s, z)
+    x = torch.randn(6, k) * 3
+    full, ok = cpu._C.linear_a8_blocks(x, c, s, z, bits, group, False)
+    assert ok
+    for m in (1, 2, 3, 4, 5):
+        y, ok = cpu._C.linear_a8_blocks(x[:m], c, s, z, bits, group, False)
+        assert ok and torch.equal(y, full[:m])
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("scheme, k", [("int4-sym-g32", 32), ("int4-asym-g32", 96), ("int4-sym-channel", 160),
                                        ("int4-asym-g96", 288), ("int4-sym-g96", 96), ("int8-asym-g96", 288),

@@ -97,12 +97,14 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
-@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512)])
+@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512),
+                                       ("int4-asym-g128", 1536), ("int4-sym-g32", 1088)])
 @pytest.mark.parametrize("kernel", ["gemv_bf16", "gemv_bf16_split"])
 def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k, kernel):
-    # gemv_bf16.cpp: below 4 rows of x the weight rows go 4 at a time (rows<1, 4>), the
-    # rest of a thread's range and 4 rows of x or more one weight row at a time (rows<R>):
-    # the same operations per output, so the same bits.  n = 39: groups and a remainder.
+    # gemv_bf16.cpp: below 4 rows of x the weight rows go 4 at a time (rows<1, 4>) where a
+    # row's codes are shorter than 512 bytes (K < 1024), the rest of a thread's range, long
+    # rows and 4 rows of x or more one weight row at a time (rows<R>): the same operations
+    # per output, so the same bits.  n = 39: groups and a remainder.
     if cpu._C is None or not cpu._C.gemv_bf16_supported(k, int(scheme.split("-g")[1])):
         pytest.skip("no AVX512-BF16 decode kernel here")
     from lowbit.ops.matmul import weight_parts

@@ -86,6 +86,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
   const int64_t nb = K / BLOCK, row_bytes = K / 2, np = (nb + 1) / 2, per_group = group / BLOCK;
   const bool pow2 = (per_group & (per_group - 1)) == 0;
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(per_group));
+  constexpr int64_t AHEAD = R == 1 && NR == 1 ? kRowsAhead : NR;  // rows prefetched ahead, as w8_tile
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00);
   const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
   const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -100,7 +101,7 @@ void w4_tile(const int8_t* xq, const float* d, const float* dp, const float* xs,
     __m256 dv[R];  // [d(b) x4 | d(b+1) x4] of each row, laid out when x was quantized
     for (int r = 0; r < R; ++r) dv[r] = _mm256_loadu_ps(dp + (r * np + b / 2) * 8);
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * row_bytes + b * (BLOCK / 2)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + AHEAD) * row_bytes + b * (BLOCK / 2)), _MM_HINT_T0);
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + b * (BLOCK / 2)));
       const __m256i lo = _mm256_xor_si256(_mm256_and_si256(raw, low), flip);
       const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), flip);
@@ -220,7 +221,8 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
   });
   if (!std::all_of(finite, finite + M, [](char f) { return f; })) return false;
   const int64_t row_bytes = four ? K / 2 : K;
-  // One row of x: 4 weight rows at a time (8-bit codes: one, see w8_tile); 4 rows of x: one
+  // One row of x: 4 weight rows at a time (8-bit codes, and 4-bit rows of kLongRow bytes or
+  // more: one, see w8_tile and simd.h); 4 rows of x: one
   // (4 accumulators either way, so that they, the unpacked codes and the scales fit the 16
   // vector registers).  s, z: the weight's scales and zero points (with_scales).
   auto tile_of = [&](auto r_const, auto nr_const, const PackedWeight& wt, auto s, auto z, int64_t m, int64_t n) {
@@ -263,8 +265,12 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<
       for (; m + MB <= M; m += MB)
         for (int64_t j = 0; j < 4; ++j) tile(Four{}, One{}, wt, m, n + j);
       for (; m < M; ++m)
-        if constexpr (four)
-          tile(One{}, Four{}, wt, m, n);
+        if constexpr (four) {
+          if (row_bytes < kLongRow)
+            tile(One{}, Four{}, wt, m, n);
+          else  // long rows one at a time, as gemv_bf16.cpp's
+            for (int64_t j = 0; j < 4; ++j) tile(One{}, One{}, wt, m, n + j);
+        }
         else  // 8-bit codes a weight row at a time, prefetched 8 rows ahead: one stream
           for (int64_t j = 0; j < 4; ++j) tile(One{}, One{}, wt, m, n + j);
     }

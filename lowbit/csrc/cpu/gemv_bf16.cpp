@@ -35,7 +35,8 @@ namespace {
 // Rows computed together: each unpacked weight vector is reused by all of them (16 rows
 // measured slower than 4 on Zen 5: the extra accumulators spill).
 constexpr int MB = 4;
-// Weight rows rows<> takes together below MB rows of x (1.0-1.1x one at a time at M = 1).
+// Weight rows rows<> takes together below MB rows of x (1.0-1.1x one at a time at M = 1),
+// where a row's codes are shorter than kLongRow bytes (simd.h).
 constexpr int kWeightGroup = 4;
 
 // 512-bit block: 128 values, 64 packed bytes, float lanes t = 0..15.
@@ -142,10 +143,15 @@ inline float finish(__m512 t, const float* xs, const float* s, const float* z, i
 // unpacked weight vector serves the R rows, each block's x vectors the W weight rows.  Every
 // output takes the same operations whatever R and W, so the same bits.  GROUP: 32, 64, or 0
 // for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit idiv
-// there (~10 cycles each) was more than a block's vector work.
+// there (~10 cycles each) was more than a block's vector work.  ahead > 0: each block's
+// codes `ahead` bytes on are prefetched as the block is read (the rows kRowsAhead on, one
+// line per line read: spread over the row, not a burst at its start).
 template <int R, int W, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
 void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
-          int64_t group, const float* s, const float* z, float* y, int64_t ldy) {
+          int64_t group, const float* s, const float* z, float* y, int64_t ldy, int64_t ahead = 0) {
+  const auto fetch = [&](const uint8_t* at) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
+  };
   __m512 tz[W][R];
   __m256 ty[W][R];
   for (int j = 0; j < W; ++j)
@@ -154,16 +160,22 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
   if constexpr (GROUP == 0) {
     for (int64_t g = 0, p = 0; g < G; ++g)
       for (const int64_t end = p + group; p < end; p += 128)
-        for (int j = 0; j < W; ++j)
+        for (int j = 0; j < W; ++j) {
+          fetch(w + j * wstride + p / 2);
           block<Z, R, SIGNED, SPLIT>(w + j * wstride, xh + p, xl + p, K, _mm512_set1_ps(s[j * G + g]), p, tz[j]);
+        }
   } else {
     for (int64_t p = 0; p < full; p += 128)
-      for (int j = 0; j < W; ++j)
+      for (int j = 0; j < W; ++j) {
+        fetch(w + j * wstride + p / 2);
         block<Z, R, SIGNED, SPLIT>(w + j * wstride, xh + p, xl + p, K, Z::scales<GROUP>(s + j * G, p), p, tz[j]);
+      }
     if (full < K)
-      for (int j = 0; j < W; ++j)
+      for (int j = 0; j < W; ++j) {
+        fetch(w + j * wstride + full / 2);
         block<Y, R, SIGNED, SPLIT>(w + j * wstride, xh + full, xl + full, K, Y::scales<GROUP>(s + j * G, full), full,
                                    ty[j]);
+      }
   }
   for (int j = 0; j < W; ++j)
     for (int r = 0; r < R; ++r)
@@ -218,13 +230,14 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
   const int64_t N = wt.N;
   const float* s = static_cast<const float*>(wt.s);
   const float* z = static_cast<const float*>(wt.z);
-  // Row n + kRowsAhead is fetched as row n starts: a decode step's weights (SmolLM2's
-  // 53 MB of 4-bit codes) stream from beyond the L2, where the hardware prefetcher alone
-  // leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at 128 positions:
-  // 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of weights, one
-  // thread: 96 -> 73 us a call, 63 us cache-resident).
+  // Row n + kRowsAhead is fetched while row n is read (a burst as a group of short rows
+  // starts; spread over a long row, a line ahead per line read): a decode step's weights
+  // (SmolLM2's 53 MB of 4-bit codes) stream from beyond the L2, where the hardware
+  // prefetcher alone leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at
+  // 128 positions: 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of
+  // weights, one thread: 96 -> 73 us a call, 63 us cache-resident).
   int64_t n = n0;
-  if (M < MB)  // fewer rows of x than rows<MB, 1> takes: the weight rows kWeightGroup at a time
+  if (M < MB && K / 2 < kLongRow)  // fewer rows of x than rows<MB, 1> takes: short weight rows kWeightGroup at a time
     for (; n + kWeightGroup <= n1; n += kWeightGroup) {
       const uint8_t* wn = wt.w + n * (K / 2);
       for (int64_t r = 0; r < kWeightGroup; ++r)
@@ -234,18 +247,18 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
                                                             K, G, group, s + n * G, HAS_ZP ? z + n * G : nullptr,
                                                             wt.y + m * N + n, N);
     }
-  for (; n < n1; ++n) {
+  for (; n < n1; ++n) {  // one weight row at a time, the row kRowsAhead on fetched with the first row of x
     const uint8_t* wn = wt.w + n * (K / 2);
-    if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
+    const int64_t ahead = n + kRowsAhead < N ? kRowsAhead * (K / 2) : 0;
     const float* sn = s + n * G;
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
       rows<MB, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
-                                             sn, zn, wt.y + m * N + n, N);
+                                             sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
     for (; m < M; ++m)
       rows<1, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
-                                            sn, zn, wt.y + m * N + n, N);
+                                            sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
   }
 }
 #endif
