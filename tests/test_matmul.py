@@ -499,18 +499,19 @@ def test_cpu_w4a8_panels_agree_with_the_reference_up_to_ties(m, n, k, group, zp,
 
 
 @pytest.mark.parametrize("signed", [False, True])
-@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("k, group", [(576, 32), (576, 64), (576, 96), (640, 128), (512, 256)])
 @pytest.mark.parametrize("x_zp", [[-128, 127, 0, -1], [-256, 256, 255, -255], [257, -300, 0, 5], [1500, -1500, 1, 2]])
-def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(group, x_zp, signed):
-    # Unit scales make every output the exact integer sum_k (x - xz)(u - z): the AVX2 rows
-    # kernel sums u.x and u in int32 lanes and takes xz sum u away per group; AVX-512 VNNI
-    # subtracts it per group as a scalar.  Extreme codes (x = -128 / 127, u = 0 / 15 with
-    # zero points, q = -8 / 7 signed) and every row count of the decode kernels (1 to 4,
-    # then a tile and a row).
+def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(k, group, x_zp, signed):
+    # Unit scales make every output the exact integer sum_k (x - xz)(u - z): the rows kernels
+    # sum u.x and u in int32 lanes and take xz sum u away lane by lane (AVX2 per group,
+    # AVX-512 VNNI per block of 128 values, K = 576 ending on a 64-value tail, groups of 256
+    # over two blocks); VNNI with groups of 96 per group, as a scalar.  Extreme codes (x =
+    # -128 / 127, u = 0 / 15 with zero points, q = -8 / 7 signed) and every row count of the
+    # decode kernels (1 to 4, then a tile and a row).
     if not cpu.available():
         pytest.skip(cpu.load_error())
     g = torch.Generator().manual_seed(group + x_zp[0])
-    k, n = 576, 24
+    n = 24
     x_q = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
     if signed:
         w_q = torch.where(torch.rand(n, k, generator=g) < 0.5, -8, 7).to(torch.int8)

@@ -324,12 +324,13 @@ template <> struct Vec<64> {
 #endif
 
 #ifdef LOWBIT_W4A8_VNNI
-// R activation rows x one weight row.  The products x.u accumulate in int32 lanes inside
-// a group (exact: a lane holds at most group/16 * 4 products of |x| <= 128, u <= 15),
-// are converted to float once per group and scaled by s[g]; the zero-point terms are
-// exact int32 scalars per group.
+// R activation rows x one weight row, any group (a multiple of 32; w4a8_rows512 below takes
+// the usual ones).  The products x.u accumulate in int32 lanes inside a group (exact: a
+// lane holds at most group/16 * 4 products of |x| <= 128, u <= 15), are converted to float
+// once per group and scaled by s[g]; the zero-point terms are exact int32 scalars per group
+// (xg: w4a8_group_sums, sum x - |g| xz).
 template <int R, int BYTES>
-void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const int32_t* xzp, int64_t K,
+void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K,
                int64_t G, int64_t group, const uint8_t* w, const float* s, const int32_t* z, bool is_signed,
                float* y, int64_t ldy) {
   using V = Vec<BYTES>;
@@ -355,10 +356,117 @@ void w4a8_rows(const int8_t* xe, const int8_t* xo, const int32_t* xsum, const in
     for (int r = 0; r < R; ++r) {
       total[r] = V::fma(acc[r], s[g], total[r]);
       const int32_t xz = xzp[r];
-      corr[r] += s[g] * static_cast<float>(-zg * xsum[r * G + g] - xz * wsum + static_cast<int32_t>(group) * xz * zg);
+      corr[r] += s[g] * static_cast<float>(-zg * xg[r * G + g] - xz * wsum);
     }
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = V::fsum(total[r]) + corr[r];
+}
+
+// Whether w4a8_rows512 takes K and group: whole 64-value halves of a block, groups that
+// tile a block (32, 64) or whole blocks (multiples of 128).
+inline bool rows512_fits(int64_t K, int64_t group) {
+  return K % 64 == 0 && (group == 32 || group == 64 || group % 128 == 0);
+}
+
+// The scale of each dword lane's group in a block of 128 values from element p: lane i holds
+// values p + 8i .. p + 8i + 7 (GROUP 32: four lanes a group, 64: eight).
+template <int GROUP>
+inline __m512 lane_scales(const float* s, int64_t p) {
+  const int64_t g = p / GROUP;
+  if constexpr (GROUP == 64) return _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(s[g + 1]), 1);
+  __m512 v = _mm512_set1_ps(s[g]);
+  v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 1]), 1);
+  v = _mm512_insertf32x4(v, _mm_set1_ps(s[g + 2]), 2);
+  return _mm512_insertf32x4(v, _mm_set1_ps(s[g + 3]), 3);
+}
+
+// R activation rows x one weight row in blocks of 128 values (64 code bytes, one zmm), the
+// decode kernel of W4A8.  Per block and row: u.x by two vpdpbusd into dword lanes (each lane
+// 8 values of one group), the sums of u by one vpsadbw into the low dword of each qword
+// lane (shared by the R rows), xz times them taken away lane by lane; the lanes then hold
+// exact integer parts of sum (x - xz).u of their group, are converted (exact below 2^24),
+// scaled by their group's s and added into float lanes, summed once per row at the end.
+// Groups of 128 or more first add their blocks in the int32 lanes.  The rest of each group,
+// -z sum (x - xz) = -z xg[g] (w4a8_group_sums), is one exact int32 product per row and group,
+// converted and scaled 16 groups at a time.  No horizontal sum per group: the previous
+// kernel took one of u per group (hsum) and a scalar zero-point term, 2-3x the instructions
+// of this one per value (3072 x 576 at M = 1: 7 GB/s, weights in L2 or not).  A 64-value
+// tail (K = 576) runs in ymm lanes the same way.  SIGNED codes are flipped to u = q + 8, z = 8.
+// ahead > 0: the codes `ahead` bytes on are prefetched, a line per line read.
+template <int R, bool SIGNED, int GROUP>
+void w4a8_rows512(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K, int64_t G,
+                  int64_t group, const uint8_t* w, const float* s, const int32_t* z, float* y, int64_t ldy,
+                  int64_t ahead = 0) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(SIGNED ? 0x08 : 0x00);
+  const int64_t half = K / 2, full = K / 128 * 128;
+  __m512i xz[R];
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) {
+    xz[r] = _mm512_set1_epi32(xzp[r]);
+    total[r] = _mm512_setzero_ps();
+  }
+  // the block's integer lanes of row r: u.x - xz sum u (acc holds u.x, us the sums of u)
+  const auto lanes = [&](__m512i acc, __m512i us, int r) { return _mm512_sub_epi32(acc, _mm512_mullo_epi32(us, xz[r])); };
+  const auto unpack = [&](int64_t p, __m512i& lo, __m512i& hi, __m512i& us) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + p / 2 + ahead), _MM_HINT_T0);
+    const __m512i bytes = _mm512_loadu_si512(w + p / 2);
+    lo = _mm512_xor_si512(_mm512_and_si512(bytes, mask), flip);
+    hi = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask), flip);
+    us = _mm512_add_epi64(us, _mm512_sad_epu8(_mm512_add_epi8(lo, hi), _mm512_setzero_si512()));
+  };
+  const auto dot = [&](__m512i acc, __m512i lo, __m512i hi, int r, int64_t p) {
+    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(xe + r * half + p / 2));
+    return _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(xo + r * half + p / 2));
+  };
+  if constexpr (GROUP == 0) {
+    for (int64_t g = 0, p = 0; g < G; ++g) {
+      __m512i acc[R], us = _mm512_setzero_si512(), lo, hi;
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      for (const int64_t end = p + group; p < end; p += 128) {
+        unpack(p, lo, hi, us);
+        for (int r = 0; r < R; ++r) acc[r] = dot(acc[r], lo, hi, r, p);
+      }
+      const __m512 sv = _mm512_set1_ps(s[g]);
+      for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes(acc[r], us, r)), sv, total[r]);
+    }
+  } else {
+    for (int64_t p = 0; p < full; p += 128) {
+      __m512i us = _mm512_setzero_si512(), lo, hi;
+      unpack(p, lo, hi, us);
+      const __m512 sv = lane_scales<GROUP>(s, p);
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes(dot(_mm512_setzero_si512(), lo, hi, r, p), us, r)), sv,
+                                   total[r]);
+    }
+    if (full < K) {  // the last 64 values: one group of 64 or two of 32, in ymm lanes
+      const __m256i m4 = _mm256_set1_epi8(0x0F), f4 = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + full / 2));
+      const __m256i lo = _mm256_xor_si256(_mm256_and_si256(bytes, m4), f4);
+      const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), f4);
+      const __m256i us = _mm256_sad_epu8(_mm256_add_epi8(lo, hi), _mm256_setzero_si256());
+      const int64_t g = full / GROUP;
+      const __m256 sv = GROUP == 64 ? _mm256_set1_ps(s[g])
+                                    : _mm256_insertf128_ps(_mm256_set1_ps(s[g]), _mm_set1_ps(s[g + 1]), 1);
+      for (int r = 0; r < R; ++r) {
+        __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + r * half + full / 2)));
+        acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + r * half + full / 2)));
+        acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(us, _mm256_set1_epi32(xzp[r])));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), sv);
+        total[r] = _mm512_add_ps(total[r], _mm512_zextps256_ps512(t));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // - sum_g s[g] z[g] xg[g], 16 groups at a time
+    __m512 corr = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 in = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+      const __m512i zv = SIGNED ? _mm512_set1_epi32(8) : _mm512_maskz_loadu_epi32(in, z + g);
+      const __m512i t = _mm512_mullo_epi32(zv, _mm512_maskz_loadu_epi32(in, xg + r * G + g));
+      corr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_maskz_loadu_ps(in, s + g), corr);
+    }
+    y[r * ldy] = _mm512_reduce_add_ps(total[r]) - _mm512_reduce_add_ps(corr);
+  }
 }
 #else
 // R activation rows x one weight row without VNNI.  Per step of 2 * BYTES values: u.x in
@@ -613,13 +721,25 @@ void w4a8_range(const int8_t* pe, const int8_t* po, const int32_t* xsum, const i
                 int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * (K / 2);
-    if (n + kRowsAhead < N) prefetch_row(wn + kRowsAhead * (K / 2), K / 2);
+    // row n + kRowsAhead fetched while row n is read: spread over the row by w4a8_rows512
+    // (hot 1.0-1.3x the burst, from DRAM the same or better), in a burst here for the others
+#ifdef LOWBIT_W4A8_VNNI
+    constexpr bool spread = GROUP != 1;
+#else
+    constexpr bool spread = false;
+#endif
+    const int64_t ahead = n + kRowsAhead < N ? kRowsAhead * (K / 2) : 0;
+    if (ahead && !spread) prefetch_row(wn + ahead, K / 2);
     const int32_t* zn = z ? z + n * G : nullptr;
     auto call = [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
 #ifdef LOWBIT_W4A8_VNNI
-      w4a8_rows<R, BYTES>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G, zn,
-                          SIGNED, py + m * N + n, N);
+      if constexpr (GROUP != 1)
+        w4a8_rows512<R, SIGNED, GROUP>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn,
+                                       s + n * G, zn, py + m * N + n, N, m == 0 ? ahead : 0);
+      else
+        w4a8_rows<R, BYTES>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn, s + n * G,
+                            zn, SIGNED, py + m * N + n, N);
 #else
       w4a8_rows<R, BYTES, SIGNED, GROUP>(pe + m * (K / 2), po + m * (K / 2), xsum + m * G, pz + m, K, G, group, wn,
                                          s + n * G, zn, SIGNED, py + m * N + n, N);
@@ -641,42 +761,39 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
   thread_local std::vector<int32_t> xsum_keep;
   int8_t *pe = grown(xe_keep, M * K / 2), *po = grown(xo_keep, M * K / 2);
   deinterleave<int8_t>(pq, pe, po, M, K);
-  // per row and group: sum x (VNNI), or sum x - |g| xz (AVX2: sum (x - xz)); plain loops,
-  // not ATen ops, at decode sizes
+  // per row and group: sum x - |g| xz = sum (x - xz); plain loops, not ATen ops, at decode sizes
   int32_t* xsum = grown(xsum_keep, M * G);
-  for (int64_t i = 0; i < M * G; ++i) {
-    int32_t t = 0;
-    for (int64_t k = 0; k < group; ++k) t += pq[i * group + k];
-#ifdef LOWBIT_W4A8_VNNI
-    xsum[i] = t;
-#else
-    xsum[i] = t - static_cast<int32_t>(group) * pz[i / G];
-#endif
-  }
+  for (int64_t m = 0; m < M; ++m) w4a8_group_sums(pq + m * K, pz[m], K, group, xsum + m * G);
   const bool is_signed = z == nullptr;
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
   parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
-    auto rows = [&](auto bytes, auto sign) {
-#ifdef LOWBIT_W4A8_VNNI
-      w4a8_range<decltype(bytes)::value, decltype(sign)::value, 0>(pe, po, xsum, pz, M, K, G, group, w, N, s, z, py,
-                                                                    n0, n1);
-#else
-      with_group(group, [&](auto size) {
-        w4a8_range<decltype(bytes)::value, decltype(sign)::value, decltype(size)::value>(pe, po, xsum, pz, M, K, G,
-                                                                                        group, w, N, s, z, py, n0, n1);
-      });
-#endif
+    // GROUP: with VNNI, 32, 64 or 0 (a multiple of 128) for w4a8_rows512, 1 for w4a8_rows;
+    // without, with_group's
+    auto rows = [&](auto bytes, auto sign, auto size) {
+      w4a8_range<decltype(bytes)::value, decltype(sign)::value, decltype(size)::value>(pe, po, xsum, pz, M, K, G,
+                                                                                      group, w, N, s, z, py, n0, n1);
     };
     using T = std::true_type;
     using F = std::false_type;
-    auto with_sign = [&](auto bytes) { is_signed ? rows(bytes, T{}) : rows(bytes, F{}); };
+    auto with_sign = [&](auto bytes, auto size) { is_signed ? rows(bytes, T{}, size) : rows(bytes, F{}, size); };
 #ifdef LOWBIT_W4A8_VNNI
-    if (width == 64) with_sign(std::integral_constant<int, 64>{});
-    else
+    using Z = std::integral_constant<int, 64>;  // w4a8_rows512 takes no BYTES
+    if (rows512_fits(K, group)) {
+      if (group == 32) with_sign(Z{}, std::integral_constant<int, 32>{});
+      else if (group == 64) with_sign(Z{}, std::integral_constant<int, 64>{});
+      else with_sign(Z{}, std::integral_constant<int, 0>{});
+      return;
+    }
+    const auto other = [&](auto bytes) { with_sign(bytes, std::integral_constant<int, 1>{}); };
+    if (width == 64) other(Z{});
+    else if (width == 32) other(std::integral_constant<int, 32>{});
+    else other(std::integral_constant<int, 16>{});
+#else
+    const auto any = [&](auto bytes) { with_group(group, [&](auto size) { with_sign(bytes, size); }); };
+    if (width == 32) any(std::integral_constant<int, 32>{});
+    else any(std::integral_constant<int, 16>{});
 #endif
-    if (width == 32) with_sign(std::integral_constant<int, 32>{});
-    else with_sign(std::integral_constant<int, 16>{});
   });
 #else
   TORCH_CHECK(false, "lowbit._C.w4a8_gemm needs AVX2 (or AVX-512 with VNNI, BW, VL)");
