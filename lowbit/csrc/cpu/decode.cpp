@@ -1046,26 +1046,39 @@ class Group {
       for (int64_t k = 0; k < K_; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(q[k]) ^ 0x80);
       z -= 128;
     }
-    for (size_t i = 0; i < ps_.size(); ++i) {
-      const Proj& p = ps_[i];
-      const int64_t N = out_features(i);
-      if (bits_ == 8) {
-        int32_t* acc = grown(acc_keep, N);
-        int8_mm_rows_into(q, 1, K_, p.codes.data_ptr<int8_t>(), N, acc);
-        if (!symmetric) {
-          const int32_t* sums = code_sums_[i].data_ptr<int32_t>();
-          for (int64_t n = 0; n < N; ++n) acc[n] -= z * sums[n];
-        }
-        dequantize_rowcol_into(acc, &s, p.scale.data_ptr<float>(), ys[i], dtype<T>(), 1, N);
-      } else {
-        float* y = std::is_same<T, float>::value ? reinterpret_cast<float*>(ys[i]) : grown(yf_keep, N);
-        w4a8_gemm_into(q, &z, 1, K_, reinterpret_cast<const uint8_t*>(p.codes.data_ptr()), N,
-                       p.scale.data_ptr<float>(), p.zero_point ? p.zero_point->data_ptr<int32_t>() : nullptr,
-                       group_, y);
+    if (bits_ == 4) {  // W4A8: every projection in one call (one parallel region), float32 outputs
+      thread_local std::vector<PackedWeight> ws;
+      ws.clear();
+      int64_t total = 0;
+      for (size_t i = 0; i < ps_.size(); ++i) total += out_features(i);
+      float* yf = grown(yf_keep, total);
+      for (size_t i = 0, off = 0; i < ps_.size(); off += out_features(i), ++i) {
+        const Proj& p = ps_[i];
+        ws.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(p.codes.data_ptr()), p.scale.data_ptr<float>(),
+                                  p.zero_point ? p.zero_point->data_ptr<int32_t>() : nullptr, out_features(i),
+                                  std::is_same<T, float>::value ? reinterpret_cast<float*>(ys[i]) : yf + off});
+      }
+      w4a8_gemm_many_into(q, &z, 1, K_, group_, ws);
+      for (size_t i = 0; i < ps_.size(); ++i) {
+        float* y = ws[i].y;
+        const int64_t N = ws[i].N;
         for (int64_t n = 0; n < N; ++n) y[n] *= s;  // times the row scale, then x's dtype
         if constexpr (!std::is_same<T, float>::value)
           for (int64_t n = 0; n < N; ++n) ys[i][n] = static_cast<T>(y[n]);
+        add_bias(i, ys[i]);
       }
+      return;
+    }
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      const Proj& p = ps_[i];
+      const int64_t N = out_features(i);
+      int32_t* acc = grown(acc_keep, N);
+      int8_mm_rows_into(q, 1, K_, p.codes.data_ptr<int8_t>(), N, acc);
+      if (!symmetric) {
+        const int32_t* sums = code_sums_[i].data_ptr<int32_t>();
+        for (int64_t n = 0; n < N; ++n) acc[n] -= z * sums[n];
+      }
+      dequantize_rowcol_into(acc, &s, p.scale.data_ptr<float>(), ys[i], dtype<T>(), 1, N);
       add_bias(i, ys[i]);
     }
   }

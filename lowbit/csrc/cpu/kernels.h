@@ -151,6 +151,11 @@ at::Tensor w4a8_gemm(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Te
 // w4a8_gemm without tensors, its inputs checked by the caller: y float32 [M, N].
 void w4a8_gemm_into(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                     const float* w_scale, const int32_t* w_zp, int64_t group, float* y);
+// w4a8_gemm_into for several weights of one x (a decode step's q/k/v or gate/up): x laid out
+// once, one parallel region over all their rows.  Each weight's w: u32x8 codes [N, K / 8] as
+// bytes, s: float32 scales [N, G], z: int32 zero points [N, G] or null, y: float32 [M, N].
+void w4a8_gemm_many_into(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, int64_t group,
+                         const std::vector<PackedWeight>& weights);
 // gemv_a8.cpp
 bool has_a8_blocks();
 // zero_point_min (here and in gemm_a8_blocks*): W = q * s + zero_point, the "min" domain.

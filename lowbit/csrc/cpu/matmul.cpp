@@ -755,6 +755,11 @@ void w4a8_range(const int8_t* pe, const int8_t* po, const int32_t* xsum, const i
 
 void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                     const float* s, const int32_t* z, int64_t group, float* py) {
+  w4a8_gemm_many_into(pq, pz, M, K, group, {PackedWeight{w, s, z, N, py}});
+}
+
+void w4a8_gemm_many_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, int64_t group,
+                         const std::vector<PackedWeight>& weights) {
 #ifdef LOWBIT_W4A8
   const int64_t G = K / group;
   thread_local std::vector<int8_t> xe_keep, xo_keep;
@@ -764,15 +769,18 @@ void w4a8_gemm_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t K, c
   // per row and group: sum x - |g| xz = sum (x - xz); plain loops, not ATen ops, at decode sizes
   int32_t* xsum = grown(xsum_keep, M * G);
   for (int64_t m = 0; m < M; ++m) w4a8_group_sums(pq + m * K, pz[m], K, group, xsum + m * G);
-  const bool is_signed = z == nullptr;
+  const bool is_signed = weights[0].z == nullptr;  // all or none
   // Widest vector whose value count (2 * bytes) divides the group (64 bytes: AVX-512 only).
   const int width = group % 128 == 0 && kHaveAvx512 ? 64 : group % 64 == 0 ? 32 : 16;
-  parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
+  parallel_weight_rows(weights, 32, [&](const PackedWeight& wt, int64_t n0, int64_t n1) {
+    const float* s = static_cast<const float*>(wt.s);
+    const int32_t* z = static_cast<const int32_t*>(wt.z);
     // GROUP: with VNNI, 32, 64 or 0 (a multiple of 128) for w4a8_rows512, 1 for w4a8_rows;
     // without, with_group's
     auto rows = [&](auto bytes, auto sign, auto size) {
       w4a8_range<decltype(bytes)::value, decltype(sign)::value, decltype(size)::value>(pe, po, xsum, pz, M, K, G,
-                                                                                      group, w, N, s, z, py, n0, n1);
+                                                                                      group, wt.w, wt.N, s, z, wt.y,
+                                                                                      n0, n1);
     };
     using T = std::true_type;
     using F = std::false_type;
