@@ -265,10 +265,10 @@ template <> struct Vec<16> {
     const I pairs = _mm_add_epi16(_mm_maddubs_epi16(u1, x1), _mm_maddubs_epi16(u2, x2));
     return _mm_add_epi32(acc, _mm_madd_epi16(pairs, _mm_set1_epi16(1)));
   }
+#endif
   // acc + the sums of u1 + u2 over each 8 bytes, in the low dword of each 64-bit lane (vpsadbw)
   static I add_sums(I acc, I u1, I u2) { return _mm_add_epi64(acc, _mm_sad_epu8(_mm_add_epi8(u1, u2), zero())); }
   static I sub_mul(I a, I b, int32_t c) { return _mm_sub_epi32(a, _mm_mullo_epi32(b, _mm_set1_epi32(c))); }  // a - b c
-#endif
   static F fzero() { return _mm_setzero_ps(); }
   static F fma(I acc, float s, F t) { return _mm_fmadd_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(s), t); }
   static float fsum(F t) {
@@ -294,11 +294,11 @@ template <> struct Vec<32> {
     const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u1, x1), _mm256_maddubs_epi16(u2, x2));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
+#endif
   static I add_sums(I acc, I u1, I u2) {
     return _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_add_epi8(u1, u2), zero()));
   }
   static I sub_mul(I a, I b, int32_t c) { return _mm256_sub_epi32(a, _mm256_mullo_epi32(b, _mm256_set1_epi32(c))); }
-#endif
   static F fzero() { return _mm256_setzero_ps(); }
   static F fma(I acc, float s, F t) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), t); }
   static float fsum(F t) {
@@ -317,6 +317,10 @@ template <> struct Vec<64> {
   static I dot2(I acc, I u1, I x1, I u2, I x2) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u1, x1), u2, x2);
   }
+  static I add_sums(I acc, I u1, I u2) {
+    return _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_add_epi8(u1, u2), zero()));
+  }
+  static I sub_mul(I a, I b, int32_t c) { return _mm512_sub_epi32(a, _mm512_mullo_epi32(b, _mm512_set1_epi32(c))); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fma(I acc, float s, F t) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), t); }
   static float fsum(F t) { return _mm512_reduce_add_ps(t); }
@@ -397,62 +401,54 @@ template <int R, bool SIGNED, int GROUP>
 void w4a8_rows512(const int8_t* xe, const int8_t* xo, const int32_t* xg, const int32_t* xzp, int64_t K, int64_t G,
                   int64_t group, const uint8_t* w, const float* s, const int32_t* z, float* y, int64_t ldy,
                   int64_t ahead = 0) {
-  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(SIGNED ? 0x08 : 0x00);
   const int64_t half = K / 2, full = K / 128 * 128;
-  __m512i xz[R];
   __m512 total[R];
-  for (int r = 0; r < R; ++r) {
-    xz[r] = _mm512_set1_epi32(xzp[r]);
-    total[r] = _mm512_setzero_ps();
-  }
-  // the block's integer lanes of row r: u.x - xz sum u (acc holds u.x, us the sums of u)
-  const auto lanes = [&](__m512i acc, __m512i us, int r) { return _mm512_sub_epi32(acc, _mm512_mullo_epi32(us, xz[r])); };
-  const auto unpack = [&](int64_t p, __m512i& lo, __m512i& hi, __m512i& us) {
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  // The codes of 2 * V bytes of values at element p unpacked (u, flipped when SIGNED) and
+  // their sums added into us; then row r's u.x added into acc.
+  const auto unpack = [&](auto v, int64_t p, auto& lo, auto& hi, auto& us) {
+    using V = decltype(v);
     if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + p / 2 + ahead), _MM_HINT_T0);
-    const __m512i bytes = _mm512_loadu_si512(w + p / 2);
-    lo = _mm512_xor_si512(_mm512_and_si512(bytes, mask), flip);
-    hi = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask), flip);
-    us = _mm512_add_epi64(us, _mm512_sad_epu8(_mm512_add_epi8(lo, hi), _mm512_setzero_si512()));
+    const auto bytes = V::load(w + p / 2), mask = V::bytes(0x0F), flip = V::bytes(SIGNED ? 0x08 : 0x00);
+    lo = V::lo(bytes, mask, flip);
+    hi = V::hi(bytes, mask, flip);
+    us = V::add_sums(us, lo, hi);
   };
-  const auto dot = [&](__m512i acc, __m512i lo, __m512i hi, int r, int64_t p) {
-    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(xe + r * half + p / 2));
-    return _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(xo + r * half + p / 2));
+  const auto dot = [&](auto v, auto acc, auto lo, auto hi, int r, int64_t p) {
+    using V = decltype(v);
+    return V::dot2(acc, lo, V::load(xe + r * half + p / 2), hi, V::load(xo + r * half + p / 2));
   };
+  using Z = Vec<64>;
+  using Y = Vec<32>;
   if constexpr (GROUP == 0) {
     for (int64_t g = 0, p = 0; g < G; ++g) {
-      __m512i acc[R], us = _mm512_setzero_si512(), lo, hi;
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      Z::I acc[R], us = Z::zero(), lo, hi;
+      for (int r = 0; r < R; ++r) acc[r] = Z::zero();
       for (const int64_t end = p + group; p < end; p += 128) {
-        unpack(p, lo, hi, us);
-        for (int r = 0; r < R; ++r) acc[r] = dot(acc[r], lo, hi, r, p);
+        unpack(Z{}, p, lo, hi, us);
+        for (int r = 0; r < R; ++r) acc[r] = dot(Z{}, acc[r], lo, hi, r, p);
       }
       const __m512 sv = _mm512_set1_ps(s[g]);
-      for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes(acc[r], us, r)), sv, total[r]);
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z::sub_mul(acc[r], us, xzp[r])), sv, total[r]);
     }
   } else {
     for (int64_t p = 0; p < full; p += 128) {
-      __m512i us = _mm512_setzero_si512(), lo, hi;
-      unpack(p, lo, hi, us);
+      Z::I us = Z::zero(), lo, hi;
+      unpack(Z{}, p, lo, hi, us);
       const __m512 sv = lane_scales<GROUP>(s, p);
       for (int r = 0; r < R; ++r)
-        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes(dot(_mm512_setzero_si512(), lo, hi, r, p), us, r)), sv,
-                                   total[r]);
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Z::sub_mul(dot(Z{}, Z::zero(), lo, hi, r, p), us, xzp[r])),
+                                   sv, total[r]);
     }
     if (full < K) {  // the last 64 values: one group of 64 or two of 32, in ymm lanes
-      const __m256i m4 = _mm256_set1_epi8(0x0F), f4 = _mm256_set1_epi8(SIGNED ? 0x08 : 0x00);
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + full / 2));
-      const __m256i lo = _mm256_xor_si256(_mm256_and_si256(bytes, m4), f4);
-      const __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), f4);
-      const __m256i us = _mm256_sad_epu8(_mm256_add_epi8(lo, hi), _mm256_setzero_si256());
+      Y::I us = Y::zero(), lo, hi;
+      unpack(Y{}, full, lo, hi, us);
       const int64_t g = full / GROUP;
       const __m256 sv = GROUP == 64 ? _mm256_set1_ps(s[g])
                                     : _mm256_insertf128_ps(_mm256_set1_ps(s[g]), _mm_set1_ps(s[g + 1]), 1);
       for (int r = 0; r < R; ++r) {
-        __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
-                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + r * half + full / 2)));
-        acc = _mm256_dpbusd_epi32(acc, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + r * half + full / 2)));
-        acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(us, _mm256_set1_epi32(xzp[r])));
-        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), sv);
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(Y::sub_mul(dot(Y{}, Y::zero(), lo, hi, r, full), us, xzp[r])), sv);
         total[r] = _mm512_add_ps(total[r], _mm512_zextps256_ps512(t));
       }
     }
