@@ -135,6 +135,9 @@ class Runner:
         self._prefill = (cpu.prefill_attention if native and self._native and cpu.prefill_attention_available()
                          and self.head_dim % 16 == 0 else None)
         self._rms_row = cpu.rms_norm_rows if native else None
+        e = self.embed  # a lookup the C++ step can do itself: F.embedding's rows, nothing more
+        self._embeds_natively = (type(e) is nn.Embedding and e.max_norm is None and e.weight.dtype == self.dtype
+                                 and e.weight.is_contiguous() and e.weight.shape[1] == self.hidden)
         self._dense = native
         self.act_compute = act_compute
         self._act = _act_overrides(self, act_compute)  # module -> activation scheme it runs with here
@@ -155,6 +158,12 @@ class Runner:
         if (precision, kernels) not in self._decoders:
             self._decoders[precision, kernels] = _native_decoder(self, rows)
         return self._decoders[precision, kernels]
+
+    def _greedy_decoder(self):
+        """The C++ decode step when it also holds the token embedding (a plain
+        ``nn.Embedding`` in the model's dtype), for greedy(); else None."""
+        d = self._decoder
+        return d if d is not None and self._embeds_natively else None
 
     def new_cache(self, capacity: int) -> KVCache:
         """Empty KV cache for ``capacity`` tokens (prompt plus generated), at most the
@@ -290,14 +299,24 @@ class Runner:
         logits = self.forward(ids.to(self.device), cache)
         out.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
+        tok = _pick(logits[-1].float(), do_sample, temperature, top_k, top_p, gen)
+        # greedy decoding on the C++ step: token id in, token id out (the same tokens as
+        # forward() then _pick: its logits, its argmax), no Python or ATen op per token
+        greedy = None if do_sample else self._greedy_decoder()
+        if greedy is not None:
+            cos_all, sin_all = self._rope(cache.capacity)
         for step in range(max_new_tokens):
-            tok = _pick(logits[-1].float(), do_sample, temperature, top_k, top_p, gen)
             out.tokens.append(tok)
             if on_token is not None:
                 on_token(tok)
             if tok in eos or step == max_new_tokens - 1:
                 break
-            logits = self.forward(torch.tensor([tok], device=self.device), cache)
+            if greedy is not None:
+                tok = greedy.greedy(tok, cache.length, cos_all, sin_all, cache.keys, cache.values)
+                cache.length += 1
+            else:
+                logits = self.forward(torch.tensor([tok], device=self.device), cache)
+                tok = _pick(logits[-1].float(), do_sample, temperature, top_k, top_p, gen)
         out.decode_seconds = time.perf_counter() - t0
         return out
 
@@ -643,6 +662,8 @@ def _native_decoder(r: Runner, rows: int = 1):
     if head is None:
         return None
     d.set_head(r.norm, head)
+    if r._embeds_natively:
+        d.set_embedding(r.embed.weight)
     return d
 
 

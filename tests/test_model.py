@@ -422,6 +422,55 @@ def test_native_decoder_refuses_sizes_that_do_not_fit_before_any_step():
                   0).shape == (1, 40)
 
 
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128-head8", "q4_0-a8", "w8a8-head8"])
+def test_greedy_generation_on_the_cpp_step_gives_the_tokens_of_forward_and_argmax(smol_bf16, prompt_ids, recipe):
+    m = smol_bf16 if recipe is None else lowbit.quantize_model(smol_bf16, recipe, inplace=False)
+    r = Runner(m)
+    if r._greedy_decoder() is None:
+        pytest.skip("the cpu plan for one row picks no kernel the C++ decode step runs on this machine")
+    fast = r.generate(prompt_ids, 12)
+    r._embeds_natively = False  # each step through forward() and _pick
+    slow = r.generate(prompt_ids, 12)
+    assert r._greedy_decoder() is None and fast.tokens == slow.tokens
+    assert len(set(fast.tokens)) > 3  # a sequence, not one token repeated
+
+
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+def test_greedy_step_writes_the_cache_as_step_and_takes_numpys_argmax():
+    torch.manual_seed(0)
+    d = cpu.new_decoder(2, 1, 8, 16, 1e-5, 0.35)  # q 16 outputs, k and v 8, hidden 16
+
+    def lin(n, k):
+        return cpu.float_projection(torch.randn(n, k), None)
+
+    d.add_layer(torch.rand(16) + 0.5, torch.rand(16) + 0.5, lin(16, 16), lin(8, 16), lin(8, 16), lin(16, 16),
+                lin(32, 16), lin(32, 16), lin(16, 32))
+    head = torch.randn(40, 16)
+    d.set_head(torch.ones(16), cpu.float_projection(head, None))
+    emb, cos, sin = torch.randn(50, 16), torch.rand(6, 8), torch.rand(6, 8)
+    with pytest.raises(RuntimeError, match="set_embedding first"):
+        d.greedy(1, 0, cos, sin, [torch.zeros(1, 6, 8)], [torch.zeros(1, 6, 8)])
+    d.set_embedding(emb)
+    caches = [[torch.zeros(1, 6, 8)], [torch.zeros(1, 6, 8)]], [[torch.zeros(1, 6, 8)], [torch.zeros(1, 6, 8)]]
+    for pos, tok in enumerate([4, 49, 0, 3]):
+        got = d.greedy(tok, pos, cos, sin, *caches[0])
+        logits = d.step(emb[tok:tok + 1], cos[pos:pos + 1, None], sin[pos:pos + 1, None], *caches[1], pos)
+        assert got == int(logits[0].numpy().argmax())
+        assert all(torch.equal(a, b) for a, b in zip(caches[0][0] + caches[0][1], caches[1][0] + caches[1][1]))
+    for bad, what in ((dict(token=50), "not an id"), (dict(token=-1), "not an id"), (dict(pos=6), "position 6")):
+        args = dict(token=1, pos=4) | bad
+        with pytest.raises(RuntimeError, match=what):
+            d.greedy(args["token"], args["pos"], cos, sin, *caches[0])
+    # the logits' ties and NaNs as numpy's argmax: the first of the largest, else the first NaN
+    d.set_head(torch.ones(16), cpu.float_projection(torch.zeros(40, 16), None))
+    assert d.greedy(2, 4, cos, sin, *caches[0]) == 0
+    nan_head = torch.randn(40, 16)
+    nan_head[[9, 30]] = float("nan")
+    d.set_head(torch.ones(16), cpu.float_projection(nan_head, None))
+    assert d.greedy(2, 5, cos, sin, *caches[0]) == 9
+
+
 @pytest.mark.skipif(not FAST_BACKENDS or not cpu._C.has_dense_rows(), reason="needs lowbit._C with AVX2")
 def test_float32_projections_run_the_dense_kernel_in_decode_steps_only(smol, prompt_ids, monkeypatch):
     calls = []

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -454,6 +455,35 @@ template <typename T>
 void add_into(T* h, const T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = h[i] + y[i];
 }
+// The first index of the largest of x[0..n) compared as float32, a NaN the largest (the
+// first NaN, as numpy's argmax), 0 for n = 0: the maximum in 16 lanes (vectorized), then
+// the first index that holds it.
+template <typename T>
+int64_t first_max(const T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  int nan = 0;
+  std::fill(lane, lane + kLanes, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = to_f(x[i + l]);
+      lane[l] = v > lane[l] ? v : lane[l];
+      nan |= v != v;
+    }
+  float top = *std::max_element(lane, lane + kLanes);
+  for (; i < n; ++i) {
+    const float v = to_f(x[i]);
+    top = v > top ? v : top;
+    nan |= v != v;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = to_f(x[j]);
+    if (nan ? v != v : v == top) return j;
+  }
+  return 0;
+}
+
 template <typename T>
 void mul_into(T* a, const T* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] = a[i] * b[i];
@@ -1181,6 +1211,39 @@ class Decoder {
     head_.emplace(std::move(head));
   }
 
+  // The token embedding table [vocab, hidden] in the model's dtype, for greedy().
+  void set_embedding(at::Tensor weight) {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden_ && weight.is_contiguous(),
+                "lowbit decode: the embedding must be a contiguous [vocab, hidden] table");
+    embedding_ = weight;
+  }
+
+  // A greedy decode step from a token id: its row of the embedding, position pos's rows of
+  // the rotary tables cos_all and sin_all [>= pos + 1, head_dim], step()'s arithmetic, and
+  // the first index of the largest logit (numpy's argmax of the logits as float32: a NaN
+  // counts as the largest).  One call and one integer back instead of a dozen Python and
+  // ATen ops around step(), each run from caches that the step's weights have flushed.
+  int64_t greedy(int64_t token, int64_t pos, const at::Tensor& cos_all, const at::Tensor& sin_all,
+                 std::vector<at::Tensor> keys, std::vector<at::Tensor> values) const {
+    TORCH_CHECK(embedding_.defined(), "lowbit decode: set_embedding first");
+    TORCH_CHECK(token >= 0 && token < embedding_.size(0), "lowbit decode: token ", token,
+                " is not an id of the embedding's ", embedding_.size(0), " rows");
+    TORCH_CHECK(cos_all.dim() == 2 && sin_all.sizes() == cos_all.sizes() && cos_all.size(1) == head_dim_ &&
+                    pos >= 0 && pos < cos_all.size(0) && cos_all.is_contiguous() && sin_all.is_contiguous(),
+                "lowbit decode: cos_all and sin_all must be contiguous [positions, head_dim] tables that hold "
+                "position ", pos);
+    TORCH_CHECK(embedding_.scalar_type() == cos_all.scalar_type(),
+                "lowbit decode: the embedding and the rotary tables must have one dtype");
+    const at::Tensor h = embedding_.narrow(0, token, 1);
+    const at::Tensor logits = step(h, cos_all.narrow(0, pos, 1), sin_all.narrow(0, pos, 1), std::move(keys),
+                                   std::move(values), pos);
+    int64_t best = 0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "lowbit_decode_argmax", [&] {
+      best = first_max(logits.data_ptr<scalar_t>(), logits.numel());
+    });
+    return best;
+  }
+
   // h: [1, hidden] embedded token; cos/sin: [1, 1, head_dim] rows for position pos; keys
   // and values: each layer's cache [kv_heads, capacity, head_dim].  Returns logits [1, vocab].
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> keys,
@@ -1344,7 +1407,7 @@ class Decoder {
   int64_t heads_, kv_heads_, head_dim_, hidden_;
   double eps_, scaling_;
   std::vector<Layer> layers_;
-  at::Tensor norm_;
+  at::Tensor norm_, embedding_;
   c10::optional<Group> head_;
 };
 
@@ -1387,6 +1450,8 @@ void bind_decode(pybind11::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("set_head", &Decoder::set_head)
+      .def("set_embedding", &Decoder::set_embedding)
+      .def("greedy", &Decoder::greedy, py::call_guard<py::gil_scoped_release>())
       .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>())
       .def("step_rows", &Decoder::step_rows, py::call_guard<py::gil_scoped_release>());
 }
