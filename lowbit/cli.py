@@ -934,8 +934,11 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
         print(f"bfloat16 nn.Linear: decode steps dense_amx (AMX bf16 tiles, the weight read as stored; K a "
               f"multiple of 32) up to {cpu.DENSE_AMX_MAX_M} rows, torch's linear beyond; prefill torch's linear")
     elif cpu.dense_rows_max_m(torch.bfloat16):
+        dots = cpu.dense_dots_apply(torch.zeros(1, 64, dtype=torch.bfloat16), cpu.DENSE_DOTS_MAX_M)
+        beyond = (f"dense_dots (vdpbf16ps tiles, the weight read as stored; K a multiple of 32) up to "
+                  f"{cpu.DENSE_DOTS_MAX_M} rows, torch's linear beyond" if dots else "torch's linear beyond")
         print(f"bfloat16 nn.Linear: decode steps dense_rows (the bf16 values widened, float32 FMAs) up to "
-              f"{cpu.dense_rows_max_m(torch.bfloat16)} rows, torch's linear beyond; prefill torch's linear")
+              f"{cpu.dense_rows_max_m(torch.bfloat16)} rows, {beyond}; prefill torch's linear")
     return rows
 
 

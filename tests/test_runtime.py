@@ -220,6 +220,61 @@ def test_dense_amx_refuses_what_it_does_not_take(x, w, b, match):
         cpu._C.dense_amx(x, w, b)
 
 
+DENSE_DOTS = hasattr(cpu._C, "has_dense_dots") and cpu._C.has_dense_dots()
+
+
+@pytest.mark.skipif(not DENSE_DOTS, reason="no AVX512-BF16 in this build")
+@pytest.mark.parametrize("n, k", [(49, 576), (8, 64), (33, 1536), (70, 32), (1, 96), (6, 160)])
+def test_dense_dots_is_the_float32_sum_of_the_bf16_values_rounded_once(n, k):
+    x, w, b = (torch.randn(*s).bfloat16() for s in ((40, k), (n, k), (n,)))
+    out = cpu._C.dense_dots(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, n)
+    # vdpbf16ps: the bf16 products exact in float32, float32 sums (k + 1 terms with the bias,
+    # each addition rounded at most once: gamma_{k+1}), then one rounding to bf16; it flushes
+    # float32 subnormals to zero, at most 2^-126 per addition, far below the bound here
+    want = x.double() @ w.double().T + b.double()
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    tol = gamma(k + 1) * mag * (1 + 2.0**-8) + 2.0**-8 * want.abs() + (k + 1) * 2.0**-126
+    assert bool(((out.double() - want).abs() <= tol).all())
+    # every row count (whole and cut tiles of 6 rows, groups of 4 weight rows cut short by
+    # n), and every row alone: the same bits
+    for m in (1, 2, 5, 6, 7, 12, 13, 31, 39):
+        assert torch.equal(cpu._C.dense_dots(x[:m], w, b), out[:m])
+        assert torch.equal(cpu._C.dense_dots(x[m - 1:m], w, b), out[m - 1:m])
+    assert torch.equal(cpu._C.dense_dots(x.t().contiguous().t(), w, b), out)  # a column-major x
+    assert torch.equal(cpu._C.dense_dots(torch.cat([x, x], 1)[:, :k], w, b), out)  # a row stride of 2k
+    assert torch.equal(cpu._C.dense_dots(x, w, None), cpu._C.dense_dots(x, w, torch.zeros_like(b)))
+    assert cpu._C.dense_dots(x[:0], w, b).shape == (0, n)
+
+
+@pytest.mark.skipif(not DENSE_DOTS, reason="no AVX512-BF16 in this build")
+@pytest.mark.parametrize("x, w, b, match", [
+    (torch.randn(2, 64), torch.randn(4, 64).bfloat16(), None, "x must be a bfloat16"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64), None, "weight must be a bfloat16"),
+    (torch.randn(2, 40).bfloat16(), torch.randn(4, 40).bfloat16(), None, "a multiple of 32"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 96).bfloat16(), None, "x's K"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16(), torch.randn(4), "bias must be bfloat16"),
+    (torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16(), torch.randn(3).bfloat16(), "bias"),
+])
+def test_dense_dots_refuses_what_it_does_not_take(x, w, b, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu._C.dense_dots(x, w, b)
+
+
+def test_step_linear_runs_dense_dots_for_bfloat16_rows_past_dense_rows_without_amx():
+    w = torch.randn(24, 64).bfloat16()
+    if AMX_BF16 or not DENSE_DOTS:
+        assert not DENSE_DOTS or cpu.step_linear_kernel(w, 5) == "dense_amx"
+        pytest.skip("AMX runs these rows here (or no AVX512-BF16 in this build)")
+    few, most = cpu.dense_rows_max_m(torch.bfloat16), cpu.DENSE_DOTS_MAX_M
+    kinds = [cpu.step_linear_kernel(w, m) for m in (1, few, few + 1, most, most + 1)]
+    assert kinds == ["dense_rows", "dense_rows", "dense_dots", "dense_dots", "linear"]
+    assert cpu.step_linear_kernel(torch.randn(24, 40).bfloat16(), few + 1) == "linear"  # K not a multiple of 32
+    assert cpu.step_linear_kernel(w.float(), few + 1) != "dense_dots"
+    x = torch.randn(7, 64).bfloat16()
+    assert torch.equal(cpu.step_linear(x, w, None), cpu._C.dense_dots(x, w, None))
+
+
 def test_step_linear_runs_dense_amx_for_bfloat16_rows_where_amx_runs(monkeypatch):
     if not AMX_BF16:
         assert not cpu.dense_amx_apply(torch.zeros(8, 64, dtype=torch.bfloat16), 1)

@@ -85,6 +85,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W8A8: int8_linear's contract and bits on AMX int8 tiles (tdpbssd), K a multiple of 64");
   m.def("int8_mm_panels", &int8_mm_panels, "exact int32 a @ b.T of int8 matrices: int16 panels, vpmaddwd (AVX2)");
   m.def("fake_quantize_a8_blocks", &fake_quantize_a8_blocks, "x quantized to int8 in blocks of 32 and dequantized");
+  m.def("has_dense_dots", &has_dense_dots, "whether dense_dots (AVX512-BF16 vdpbf16ps tiles) was compiled in");
+  m.def("dense_dots", &dense_dots,
+        "a bf16 nn.Linear on vdpbf16ps register tiles, the weight read as stored, each row summed in one order");
   m.def("has_dense_rows", &has_dense_rows, "whether dense_rows (float32 FMAs on float32 or bf16 values, AVX2 or AVX-512) was compiled in");
   m.def("dense_rows", &dense_rows,
         "x [M, K] @ weight [N, K].T (+ bias), float32 or bfloat16, for a few rows, each row summed in one order whatever M");

@@ -776,7 +776,7 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
 }
 
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, 2: gemm_f32 then the
-// bias, 3: dense_amx, else at::linear, as lowbit.kernels.cpu.step_linear decides for the
+// bias, 3: dense_amx, 4: dense_dots, else at::linear, as lowbit.kernels.cpu.step_linear decides for the
 // step's rows), a weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and
 // zero points as packed_scales gives them, bits, group, and the weight_only_matmul kernel
 // lowbit.kernels.cpu's plan chose for the step's rows; zero_point_min: the "min" domain's
@@ -801,6 +801,7 @@ struct Proj {
     if (!codes.defined()) {
       if (kernel == 1) return dense_rows(x, weight, bias);
       if (kernel == 3) return dense_amx(x.reshape({-1, x.size(-1)}), weight, bias).view(out_shape(x, weight.size(0)));
+      if (kernel == 4) return dense_dots(x.reshape({-1, x.size(-1)}), weight, bias).view(out_shape(x, weight.size(0)));
       if (kernel != 2) return at::linear(x, weight, bias);
       const at::Tensor y = gemm_f32(x, weight);
       return bias ? y + *bias : y;

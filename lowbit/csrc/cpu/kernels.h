@@ -234,6 +234,8 @@ at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>&
                            const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 // dense.cpp
 bool has_dense_rows();
+bool has_dense_dots();
+at::Tensor dense_dots(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);

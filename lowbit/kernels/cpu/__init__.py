@@ -232,6 +232,17 @@ DENSE_BF16_ROWS_MAX_M = 4
 #   576x576:   M=1 84 / 29 / 34, M=8 68 / 28 / 82, M=32 90 / 52;  192x576: M=8 57 / 17 / 39
 # Measured up to 64 rows; beyond, torch's linear.
 DENSE_AMX_MAX_M = 64
+# Where AVX512-BF16 runs without AMX: dense.cpp's dense_dots (vdpbf16ps register tiles, the
+# weight read as stored) for the rows past DENSE_BF16_ROWS_MAX_M, against oneDNN's bf16
+# linear (which packs the weight on every call) and dense_rows, Zen 4, 2 threads, weights
+# cycled through 96 MB (us, F.linear / dense_dots / dense_rows):
+#   49152x576: M=1 4084 / 2485 / 2130, M=4 4190 / 2653 / 3066, M=8 5222 / 3201 / 5098,
+#              M=16 5971 / 4172, M=32 8561 / 6795, M=64 13284 / 13103
+#   1536x576:  M=4 162 / 82 / 95, M=8 171 / 99, M=16 225 / 124, M=32 282 / 223, M=64 420 / 393
+#   576x1536:  M=4 152 / 96 / 150, M=8 156 / 119, M=32 261 / 194, M=64 450 / 336
+#   576x576:   M=8 109 / 51, M=32 145 / 92, M=64 263 / 181
+# Beyond 64 rows, torch's linear.
+DENSE_DOTS_MAX_M = 64
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
@@ -861,6 +872,26 @@ def dense_amx_apply(weight: torch.Tensor, rows: int) -> bool:
             and weight.shape[1] % 32 == 0 and rows <= DENSE_AMX_MAX_M and _has_amx_bf16())
 
 
+def dense_dots_apply(weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``rows`` rows of a decode step through a bfloat16 ``nn.Linear`` with this
+    weight run ``_C.dense_dots`` (AVX512-BF16 tiles, K a multiple of 32, up to
+    ``DENSE_DOTS_MAX_M`` rows; fewer than dense_rows takes and where AMX runs, those).  A
+    prefill never does.
+
+    Example (K = 40 is not a multiple of 32, float32 is not bf16: never)::
+
+        >>> import torch
+        >>> from lowbit.kernels import cpu
+        >>> cpu.dense_dots_apply(torch.zeros(8, 40, dtype=torch.bfloat16), 16)
+        False
+        >>> cpu.dense_dots_apply(torch.zeros(8, 64), 16)
+        False
+    """
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and rows <= DENSE_DOTS_MAX_M and _C is not None
+            and _C.has_dense_dots())
+
+
 def _has_amx_bf16() -> bool:
     return _C is not None and _C.has_amx_bf16() and _amx()
 
@@ -909,6 +940,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return dense_linear(x, weight, bias)
     if kernel == "dense_amx" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return _C.dense_amx(x, weight, bias)
+    if kernel == "dense_dots" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return _C.dense_dots(x, weight, bias)
     if kernel == "gemm_f32" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = _C.gemm_f32(x, weight)
         return y if bias is None else y + bias
@@ -919,7 +952,8 @@ def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
     """Which kernel ``rows`` rows of a decode step (x of the weight's dtype) take through a
     float ``nn.Linear`` with this weight: ``"dense_amx"`` where ``dense_amx_apply`` (a bf16
     weight where AMX runs: every row, alone or in a batch, summed in one order), else
-    ``"dense_rows"`` where ``dense_rows_apply``, else
+    ``"dense_rows"`` where ``dense_rows_apply``, else ``"dense_dots"`` where
+    ``dense_dots_apply``, else
     ``"gemm_f32"`` for float32 on AVX2 machines without AVX-512 (``_gemm_f32``), else
     ``"linear"`` (``torch.nn.functional.linear``).
 
@@ -934,6 +968,8 @@ def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
         return "dense_amx"
     if dense_rows_apply(weight, rows):
         return "dense_rows"
+    if dense_dots_apply(weight, rows):
+        return "dense_dots"
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and _gemm_f32():
         return "gemm_f32"
     return "linear"
@@ -941,7 +977,7 @@ def step_linear_kernel(weight: torch.Tensor, rows: int) -> str:
 
 def float_projection(weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 1):
     """A float ``nn.Linear`` in the decode step of ``rows`` rows, on ``step_linear``'s kernel."""
-    kernel = ("linear", "dense_rows", "gemm_f32", "dense_amx").index(step_linear_kernel(weight, rows))
+    kernel = ("linear", "dense_rows", "gemm_f32", "dense_amx", "dense_dots").index(step_linear_kernel(weight, rows))
     return _C.DecodeProj(weight, None, None, None, bias, 0, 0, 0, kernel)
 
 
