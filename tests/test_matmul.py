@@ -840,6 +840,36 @@ def _amx_weight(scheme, n, k, g):
 
 
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 39, 1536), (64, 6, 576)])
+def test_cpu_weight_only_gemm_bf16_rows_are_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
+    # gemm_bf16.cpp up to 64 rows (kRowsMaxM): groups of 4 weight rows dequantized into bf16
+    # rows (n = 1, 6, 33, 39: the last group cut short), x's rows 6 at a time (dots.h); the
+    # weight is the reference's bf16 dequantization exactly, so only the float32 sums of the
+    # exact bf16 products differ from float64: gamma_k sum |x w| (vdpbf16ps flushes float32
+    # subnormals, at most 2^-126 per addition); each row summed in one order whatever m is
+    if cpu._C is None or not cpu._C.gemm_bf16_supported(k, k if "-g" not in scheme else int(scheme.split("-g")[1])):
+        pytest.skip("no AVX512-BF16 GEMM in this build")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m * n + k)
+    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k, generator=g), scheme))
+    codes, s, z = codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous()
+    x = torch.randn(m, k, generator=g).bfloat16().float()  # bf16 values: exact in the kernel's bf16 x
+    kernel = cpu.weight_only_kernel_index("gemm_bf16")
+
+    def run(rows):
+        return cpu._C.weight_only_matmul(rows, codes, s, z, bits, group, kernel, False)
+
+    y = run(x)
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16).double()
+    want = x.double() @ w.T
+    tol = gamma(k) * (x.double().abs() @ w.abs().T) + k * 2.0**-126
+    assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= tol).all())
+    for rows in (1, 5, m):
+        assert torch.equal(run(x[:rows]), y[:rows])
+    assert torch.equal(run(x[m - 1:]), y[m - 1:])
+
+
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536), (140, 33, 576),
                                      (300, 70, 128)])
 def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):

@@ -22,6 +22,7 @@
 //   2. multiply every MR rows of activations with that panel, adding into y.
 // A weight element is unpacked once per call whatever M is.
 
+#include "dots.h"
 #include "kernels.h"
 #include "panels.h"
 #include <ATen/Parallel.h>
@@ -190,6 +191,84 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
       [] {});
 }
 
+// Up to kRowsMaxM rows of x, the weight-only GEMM takes the row-dot form instead (dots.h):
+// each group of 4 weight rows dequantized once per call into bf16 rows in L1, as pack_panel
+// computes each value, then multiplied with every row of x, kDotRows at a time.  The panels'
+// 16 x 16 transposes and layout cost more than their register tile saves at tens of rows.
+constexpr int64_t kRowsMaxM = 64;
+
+// Rows n .. n + 3 of W (rows past N repeat row N - 1), dequantized into out[r * K + k].
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
+void dequant_rows(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G, int64_t group,
+                  int64_t n, uint16_t* out) {
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i inter = _mm512_load_si512(kInterleave);
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  for (int r = 0; r < 4; ++r) {
+    const int64_t row = std::min(n + r, N - 1);
+    const uint8_t* codes = w + row * row_bytes;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t g = row * G + k / group;
+      const __m512 sv = _mm512_set1_ps(s[g]);
+      const __m512 zv = HAS_ZP ? _mm512_set1_ps(z[g]) : _mm512_setzero_ps();
+      __m512i lo, hi;  // 4-bit: values 2i and 2i + 1 (byte i's nibbles); 8-bit: values i and 16 + i
+      if constexpr (BITS == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2)));
+        if constexpr (SIGNED) {
+          lo = _mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28);
+          hi = _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28);
+        } else {
+          lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+          hi = _mm512_srli_epi32(b, 4);
+        }
+      } else {
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k));
+        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k + 16));
+        lo = SIGNED ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0);
+        hi = SIGNED ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1);
+      }
+      __m512 a = _mm512_cvtepi32_ps(lo), c = _mm512_cvtepi32_ps(hi);
+      if constexpr (HAS_ZP && !MIN) {
+        a = _mm512_sub_ps(a, zv);
+        c = _mm512_sub_ps(c, zv);
+      }
+      a = _mm512_mul_ps(a, sv);
+      c = _mm512_mul_ps(c, sv);
+      if constexpr (MIN) {
+        a = _mm512_add_ps(a, zv);
+        c = _mm512_add_ps(c, zv);
+      }
+      __m512i v = (__m512i)_mm512_cvtne2ps_pbh(c, a);  // a's 16 values, then c's
+      if constexpr (BITS == 4) v = _mm512_permutexvar_epi16(inter, v);
+      _mm512_storeu_si512(out + r * K + k, v);
+    }
+  }
+}
+
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
+void rows_gemm(const uint16_t* x, const uint8_t* w, const float* s, const float* z, int64_t M, int64_t N, int64_t K,
+               int64_t G, int64_t group, float* y) {
+  constexpr int64_t kAhead = 2;  // groups: their codes prefetched during this one's tiles
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K, tiles = (M + kDotRows - 1) / kDotRows;
+  const int64_t lines = (4 * row_bytes + 63) / 64;
+  each_item(
+      (N + 3) / 4, [K] { return std::vector<uint16_t>(4 * K + 32); },
+      [&](std::vector<uint16_t>& buf, int64_t grp) {
+        const int64_t n = 4 * grp;
+        const int nw = static_cast<int>(std::min<int64_t>(4, N - n));
+        dequant_rows<BITS, SIGNED, HAS_ZP, MIN>(w, s, z, N, K, G, group, n, buf.data());
+        const uint16_t* rows[4] = {buf.data(), buf.data() + K, buf.data() + 2 * K, buf.data() + 3 * K};
+        const bool pf = n + 4 * kAhead + 4 <= N;
+        const char* ahead = reinterpret_cast<const char*>(w + (n + 4 * kAhead) * row_bytes);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = t * kDotRows, l0 = t * lines / tiles, l1 = (t + 1) * lines / tiles;
+          const int r = static_cast<int>(std::min<int64_t>(kDotRows, M - m));
+          kDotTiles[r - 1](x + m * K, K, rows, K, y + m * N + n, N, nw, ahead + 64 * l0, pf ? l1 - l0 : 0);
+        }
+      });
+}
+
 #endif
 
 }  // namespace
@@ -220,6 +299,26 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
+  if (M <= kRowsMaxM) {
+    const at::Tensor sc = scale.contiguous();
+    const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
+    const uint16_t* xr = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+    const float *s = sc.data_ptr<float>(), *z = zc.defined() ? zc.data_ptr<float>() : nullptr;
+    const int64_t G = K / group;
+    TORCH_CHECK(sc.numel() == N * G && (!zc.defined() || zc.numel() == N * G), who, ": scale and zero point [N, ",
+                G, "] expected");
+    float* py = y.data_ptr<float>();
+    const auto run = [&](auto bits_c) {
+      constexpr int B = decltype(bits_c)::value;
+      if (zero_point_min) rows_gemm<B, false, true, true>(xr, w, s, z, M, N, K, G, group, py);
+      else if (z) rows_gemm<B, false, true, false>(xr, w, s, z, M, N, K, G, group, py);
+      else rows_gemm<B, true, false, false>(xr, w, s, z, M, N, K, G, group, py);
+    };
+    if (bits == 4) run(std::integral_constant<int, 4>{});
+    else run(std::integral_constant<int, 8>{});
+    return y;
+  }
   const int64_t Npad = (N + NP - 1) / NP * NP;
   const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
   at::Tensor zt;
