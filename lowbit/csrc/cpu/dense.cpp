@@ -111,28 +111,17 @@ void linear_rows(const float* px, const W* pw, const float* pb, float* py, int64
 #ifdef LOWBIT_DOTS
 #define LOWBIT_DENSE_DOTS 1
 // y [M, N] float32 = x [M, K] . w [N, K]^T: weight rows four at a time (in chunks of 16
-// shared between the threads), each group against all of x's rows, kDotRows at a time,
-// the tiles prefetching the group kAhead groups on between them (4 rows are one contiguous
-// block; they come from DRAM in a batch's step).  Prefetched only by the first tile, one
-// group on, the 72 lines of 4 rows of 576 left the M = 32 tiles waiting on DRAM: 1536 x 576
-// bf16, 2 threads, weights cycled through 96 MB (Zen 4): 262-451 us against 205 us in L2;
-// spread over the tiles, 1 or 2 groups on, 220-250 us (4 groups on: 380).
-constexpr int64_t kAhead = 2;
+// shared between the threads), each group against all of x's rows (dot_all_rows).
 void dots(const uint16_t* x, int64_t ldx, const uint16_t* pw, int64_t M, int64_t K, int64_t N, float* y) {
-  const int64_t tiles = (M + kDotRows - 1) / kDotRows, block = 4 * K * 2 / 64;  // lines of a group
+  const int64_t lines = 4 * K * 2 / 64;  // of a group of rows
   parallel_chunks(0, (N + 3) / 4, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = 4 * g;
-      const int nw = static_cast<int>(std::min<int64_t>(4, N - n));
       const uint16_t* w[4];
       for (int r = 0; r < 4; ++r) w[r] = pw + std::min(n + r, N - 1) * K;  // rows past N: never stored
-      const bool pf = n + 4 * kAhead + 4 <= N;
-      const char* ahead = reinterpret_cast<const char*>(pw + (n + 4 * kAhead) * K);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m = t * kDotRows, l0 = t * block / tiles, l1 = (t + 1) * block / tiles;
-        const int rows = static_cast<int>(std::min<int64_t>(kDotRows, M - m));
-        kDotTiles[rows - 1](x + m * ldx, ldx, w, K, y + m * N + n, N, nw, ahead + 64 * l0, pf ? l1 - l0 : 0);
-      }
+      const bool pf = n + 4 * kDotsAhead + 4 <= N;
+      dot_all_rows(x, ldx, M, w, K, y + n, N, static_cast<int>(std::min<int64_t>(4, N - n)),
+                   reinterpret_cast<const char*>(pw + (n + 4 * kDotsAhead) * K), pf ? lines : 0);
     }
   });
 }

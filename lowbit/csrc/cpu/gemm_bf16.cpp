@@ -249,23 +249,16 @@ void dequant_rows(const uint8_t* w, const float* s, const float* z, int64_t N, i
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
 void rows_gemm(const uint16_t* x, const uint8_t* w, const float* s, const float* z, int64_t M, int64_t N, int64_t K,
                int64_t G, int64_t group, float* y) {
-  constexpr int64_t kAhead = 2;  // groups: their codes prefetched during this one's tiles
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, tiles = (M + kDotRows - 1) / kDotRows;
-  const int64_t lines = (4 * row_bytes + 63) / 64;
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K, lines = (4 * row_bytes + 63) / 64;  // of a group's codes
   each_item(
-      (N + 3) / 4, [K] { return std::vector<uint16_t>(4 * K + 32); },
+      (N + 3) / 4, [K] { return std::vector<uint16_t>(4 * K); },
       [&](std::vector<uint16_t>& buf, int64_t grp) {
         const int64_t n = 4 * grp;
-        const int nw = static_cast<int>(std::min<int64_t>(4, N - n));
         dequant_rows<BITS, SIGNED, HAS_ZP, MIN>(w, s, z, N, K, G, group, n, buf.data());
         const uint16_t* rows[4] = {buf.data(), buf.data() + K, buf.data() + 2 * K, buf.data() + 3 * K};
-        const bool pf = n + 4 * kAhead + 4 <= N;
-        const char* ahead = reinterpret_cast<const char*>(w + (n + 4 * kAhead) * row_bytes);
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t m = t * kDotRows, l0 = t * lines / tiles, l1 = (t + 1) * lines / tiles;
-          const int r = static_cast<int>(std::min<int64_t>(kDotRows, M - m));
-          kDotTiles[r - 1](x + m * K, K, rows, K, y + m * N + n, N, nw, ahead + 64 * l0, pf ? l1 - l0 : 0);
-        }
+        const bool pf = n + 4 * kDotsAhead + 4 <= N;
+        dot_all_rows(x, K, M, rows, K, y + n, N, static_cast<int>(std::min<int64_t>(4, N - n)),
+                     reinterpret_cast<const char*>(w + (n + 4 * kDotsAhead) * row_bytes), pf ? lines : 0);
       });
 }
 
