@@ -56,14 +56,35 @@ constexpr int64_t KC_MAX = 512;
 // same block of the next call's panel (next_n0, next_k0; next_n0 < 0: none): 64 rows read
 // in short runs are too many streams for the hardware prefetchers, and weights read once
 // come from DRAM.
+// vpermw index interleaving the two halves of cvtne2ps_pbh(hi, lo): lo0 hi0 lo1 hi1 ...
+alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Codes lo and hi (16 int32 lanes each) of one group dequantized as the reference computes
+// them in float32 ((q - z) * s; q * s for signed codes; q * s + m in the "min" domain, the
+// product rounded, then the sum: its two steps), each rounded once to bf16 (vcvtne2ps2bf16
+// rounds to nearest even, as torch's .to(torch.bfloat16)): lo's 16 values, then hi's.
+template <bool HAS_ZP, bool MIN>
+inline __m512i dequant_bf16(__m512i lo, __m512i hi, __m512 sv, __m512 zv) {
+  __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
+  if constexpr (HAS_ZP && !MIN) {
+    a = _mm512_sub_ps(a, zv);
+    b = _mm512_sub_ps(b, zv);
+  }
+  a = _mm512_mul_ps(a, sv);
+  b = _mm512_mul_ps(b, sv);
+  if constexpr (MIN) {
+    a = _mm512_add_ps(a, zv);
+    b = _mm512_add_ps(b, zv);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+}
+
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
 void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
                 int64_t n0, int64_t k0, int64_t kc, uint32_t* panel, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-  // vpermw index interleaving the two halves of cvtne2ps_pbh(hi, lo): lo0 hi0 lo1 hi1 ...
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i inter = _mm512_load_si512(kInterleave);
   for (int v = 0; v < NV; ++v) {
     const int64_t c0 = n0 + 16 * v;
@@ -97,19 +118,7 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
             lo = _mm512_and_si512(_mm512_srli_epi32(r[j], W * 2 * p), m);
             hi = _mm512_and_si512(_mm512_srli_epi32(r[j], W * (2 * p + 1)), m);
           }
-          __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
-          if constexpr (HAS_ZP && !MIN) {
-            a = _mm512_sub_ps(a, zv);
-            b = _mm512_sub_ps(b, zv);
-          }
-          a = _mm512_mul_ps(a, sv);
-          b = _mm512_mul_ps(b, sv);
-          if constexpr (MIN) {  // q * s + m: the product rounded, then the sum (the reference's two steps)
-            a = _mm512_add_ps(a, zv);
-            b = _mm512_add_ps(b, zv);
-          }
-          // vcvtne2ps2bf16 rounds to nearest even, as torch's .to(torch.bfloat16)
-          const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+          const __m512i ab = dequant_bf16<HAS_ZP, MIN>(lo, hi, sv, zv);
           _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
         }
       }
@@ -201,8 +210,6 @@ constexpr int64_t kRowsMaxM = 64;
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
 void dequant_rows(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G, int64_t group,
                   int64_t n, uint16_t* out) {
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i inter = _mm512_load_si512(kInterleave);
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
   for (int r = 0; r < 4; ++r) {
@@ -228,18 +235,7 @@ void dequant_rows(const uint8_t* w, const float* s, const float* z, int64_t N, i
         lo = SIGNED ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0);
         hi = SIGNED ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1);
       }
-      __m512 a = _mm512_cvtepi32_ps(lo), c = _mm512_cvtepi32_ps(hi);
-      if constexpr (HAS_ZP && !MIN) {
-        a = _mm512_sub_ps(a, zv);
-        c = _mm512_sub_ps(c, zv);
-      }
-      a = _mm512_mul_ps(a, sv);
-      c = _mm512_mul_ps(c, sv);
-      if constexpr (MIN) {
-        a = _mm512_add_ps(a, zv);
-        c = _mm512_add_ps(c, zv);
-      }
-      __m512i v = (__m512i)_mm512_cvtne2ps_pbh(c, a);  // a's 16 values, then c's
+      __m512i v = dequant_bf16<HAS_ZP, MIN>(lo, hi, sv, zv);
       if constexpr (BITS == 4) v = _mm512_permutexvar_epi16(inter, v);
       _mm512_storeu_si512(out + r * K + k, v);
     }
@@ -292,6 +288,18 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
+  // f(bits, signed codes, zero points, "min" domain) as integral constants: signed codes
+  // without z, unsigned ones with z (or with mins)
+  const auto each_kind = [&](auto f) {
+    using std::false_type, std::true_type;
+    const auto kind = [&](auto b) {
+      if (zero_point_min) f(b, false_type{}, true_type{}, true_type{});
+      else if (zero_point) f(b, false_type{}, true_type{}, false_type{});
+      else f(b, true_type{}, false_type{}, false_type{});
+    };
+    if (bits == 4) kind(std::integral_constant<int, 4>{});
+    else kind(std::integral_constant<int, 8>{});
+  };
   if (M <= kRowsMaxM) {
     const at::Tensor sc = scale.contiguous();
     const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
@@ -302,14 +310,10 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     TORCH_CHECK(sc.numel() == N * G && (!zc.defined() || zc.numel() == N * G), who, ": scale and zero point [N, ",
                 G, "] expected");
     float* py = y.data_ptr<float>();
-    const auto run = [&](auto bits_c) {
-      constexpr int B = decltype(bits_c)::value;
-      if (zero_point_min) rows_gemm<B, false, true, true>(xr, w, s, z, M, N, K, G, group, py);
-      else if (z) rows_gemm<B, false, true, false>(xr, w, s, z, M, N, K, G, group, py);
-      else rows_gemm<B, true, false, false>(xr, w, s, z, M, N, K, G, group, py);
-    };
-    if (bits == 4) run(std::integral_constant<int, 4>{});
-    else run(std::integral_constant<int, 8>{});
+    each_kind([&](auto b, auto sg, auto zp, auto mn) {
+      rows_gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
+          xr, w, s, z, M, N, K, G, group, py);
+    });
     return y;
   }
   const int64_t Npad = (N + NP - 1) / NP * NP;
@@ -321,15 +325,10 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const float* s = st.data_ptr<float>();
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
-  const auto run = [&](auto bits_c) {  // signed codes without z, unsigned ones with z (or with mins)
-    constexpr int B = decltype(bits_c)::value;
-    const uint32_t* xa = static_cast<const uint32_t*>(pa);
-    if (zero_point_min) gemm<B, false, true, true>(xa, w, s, z, M, N, K, Npad, group, py);
-    else if (z) gemm<B, false, true, false>(xa, w, s, z, M, N, K, Npad, group, py);
-    else gemm<B, true, false, false>(xa, w, s, z, M, N, K, Npad, group, py);
-  };
-  if (bits == 4) run(std::integral_constant<int, 4>{});
-  else run(std::integral_constant<int, 8>{});
+  each_kind([&](auto b, auto sg, auto zp, auto mn) {
+    gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
+        static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+  });
 #else
   (void)bits, (void)zero_point, (void)K, (void)zero_point_min;
 #endif

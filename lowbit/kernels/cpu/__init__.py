@@ -868,15 +868,21 @@ def dense_amx_apply(weight: torch.Tensor, rows: int) -> bool:
         >>> cpu.dense_amx_apply(torch.zeros(8, 64), 1)
         False
     """
+    return _bf16_blocks(weight) and rows <= DENSE_AMX_MAX_M and _has_amx_bf16()
+
+
+def _bf16_blocks(weight: torch.Tensor) -> bool:
+    # what the bf16 tile kernels (dense_amx, dense_dots) take: a bf16 CPU matrix whose rows
+    # are whole 32-value blocks
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and rows <= DENSE_AMX_MAX_M and _has_amx_bf16())
+            and weight.shape[1] % 32 == 0)
 
 
 def dense_dots_apply(weight: torch.Tensor, rows: int) -> bool:
     """Whether ``rows`` rows of a decode step through a bfloat16 ``nn.Linear`` with this
     weight run ``_C.dense_dots`` (AVX512-BF16 tiles, K a multiple of 32, up to
-    ``DENSE_DOTS_MAX_M`` rows; fewer than dense_rows takes and where AMX runs, those).  A
-    prefill never does.
+    ``DENSE_DOTS_MAX_M`` rows; ``step_linear_kernel`` gives the rows dense_rows takes, and
+    every row where AMX runs, to those first).  A prefill never does.
 
     Example (K = 40 is not a multiple of 32, float32 is not bf16: never)::
 
@@ -887,9 +893,7 @@ def dense_dots_apply(weight: torch.Tensor, rows: int) -> bool:
         >>> cpu.dense_dots_apply(torch.zeros(8, 64), 16)
         False
     """
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and rows <= DENSE_DOTS_MAX_M and _C is not None
-            and _C.has_dense_dots())
+    return _bf16_blocks(weight) and rows <= DENSE_DOTS_MAX_M and _C is not None and _C.has_dense_dots()
 
 
 def _has_amx_bf16() -> bool:
