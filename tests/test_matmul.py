@@ -839,7 +839,7 @@ def _amx_weight(scheme, n, k, g):
     return codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous(), bits, group
 
 
-@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "q4_1", "int8-sym", "int8-asym-g64"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 39, 1536), (64, 6, 576)])
 def test_cpu_weight_only_gemm_bf16_rows_are_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
     # gemm_bf16.cpp up to 64 rows (kRowsMaxM): groups of 4 weight rows dequantized into bf16
@@ -867,6 +867,10 @@ def test_cpu_weight_only_gemm_bf16_rows_are_the_float32_sum_with_the_bf16_weight
     for rows in (1, 5, m):
         assert torch.equal(run(x[:rows]), y[:rows])
     assert torch.equal(run(x[m - 1:]), y[m - 1:])
+    # rows of the identity read the dequantized weight back exactly (4-bit codes by their
+    # table, 8-bit ones converted): column j of W, 64 at a time
+    for j in range(0, k, 64):
+        assert torch.equal(run(torch.eye(k)[j:j + 64]), w.T[j:j + 64].float())
 
 
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
