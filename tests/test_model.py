@@ -362,7 +362,8 @@ def _native_and_python(m, monkeypatch):
     monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
     python = Runner(m)
     assert python._decoder is None
-    python._prefill = native._prefill  # the same prompt attention on both sides: the steps are compared
+    # the same prompt attention and norms on both sides: the steps are compared
+    python._prefill, python._rms_many = native._prefill, native._rms_many
     if native._decoder is None:
         pytest.skip("the cpu plan for one row picks no kernel the C++ decode step runs on this machine")
     return native, python

@@ -86,6 +86,13 @@ def test_rms_norm_rows_matches_float64(dtype, d):
     assert bool(((out.double() - normed * w.double()).abs() <= rel * want.abs() * 1.01 + 1e-30).all())
 
 
+def test_rms_norm_rows_normalizes_each_row_as_alone():
+    # a prefill's rows are spread over the threads: each row has the bits it has alone
+    x, w = torch.randn(300, 576).bfloat16(), torch.rand(576).bfloat16() + 0.5
+    out = cpu._C.rms_norm_rows(x, w, 1e-5)
+    assert all(torch.equal(out[i:i + 1], cpu._C.rms_norm_rows(x[i:i + 1], w, 1e-5)) for i in range(300))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_rows_is_decode_attention_per_query(dtype):
     B, H, KV, cap, hd = 5, 9, 3, 40, 64

@@ -497,9 +497,14 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm_rows: dtypes differ");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
+  const int64_t d = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_rows", [&] {
-    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
-                       x.size(1), static_cast<float>(eps));
+    const scalar_t *px = xc.data_ptr<scalar_t>(), *pw = wc.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    // each row on its own, so the same bits on any number of threads (a prefill's rows spread)
+    at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t r0, int64_t r1) {
+      rms_rows<scalar_t>(px + r0 * d, pw, po + r0 * d, r1 - r0, d, static_cast<float>(eps));
+    });
   });
   return out;
 }
