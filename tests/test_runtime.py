@@ -86,6 +86,26 @@ def test_rms_norm_rows_matches_float64(dtype, d):
     assert bool(((out.double() - normed * w.double()).abs() <= rel * want.abs() * 1.01 + 1e-30).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, heads, hd", [(1, 9, 64), (300, 3, 64), (7, 2, 6)])
+def test_rope_has_the_bits_of_runners_aten_ops(dtype, n, heads, hd):
+    x = (torch.randn(n, heads, hd) * 3).to(dtype)
+    angle = torch.rand(n, 1, hd) * 100
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    rot = torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1)
+    assert torch.equal(cpu.rope(x, cos, sin), x * cos + rot * sin)
+
+
+def test_rope_refuses_bad_shapes():
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="cos and sin of N rows"):
+        cpu.rope(x, torch.ones(3, 8), torch.ones(3, 8))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu.rope(x, torch.ones(4, 8).double(), torch.ones(4, 8).double())
+    with pytest.raises(RuntimeError, match=r"x \[N, heads, head_dim\]"):
+        cpu.rope(x[0], torch.ones(1, 8), torch.ones(1, 8))
+
+
 def test_rms_norm_rows_normalizes_each_row_as_alone():
     # a prefill's rows are spread over the threads: each row has the bits it has alone
     x, w = torch.randn(300, 576).bfloat16(), torch.rand(576).bfloat16() + 0.5

@@ -509,6 +509,28 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   return out;
 }
 
+// The rotary embedding of x [N, heads, hd] at N positions (cos, sin: N rows of hd values),
+// as Runner's rope (x * cos + rotate_half(x) * sin, three roundings in x's dtype): the
+// decode step's rope_rows, each row on its own (a prefill's rows spread over the threads).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3, "rope: x [N, heads, head_dim] expected");
+  const int64_t N = x.size(0), heads = x.size(1), hd = x.size(2);
+  TORCH_CHECK(hd % 2 == 0 && cos.numel() == N * hd && sin.numel() == N * hd,
+              "rope: cos and sin of N rows of head_dim values (head_dim even) expected");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "rope: dtypes differ");
+  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    const scalar_t *px = xc.data_ptr<scalar_t>(), *pc = cc.data_ptr<scalar_t>(), *ps = sc.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(heads * hd, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        rope_rows<scalar_t>(px + r * heads * hd, pc + r * hd, ps + r * hd, po + r * heads * hd, heads, hd, hd);
+    });
+  });
+  return out;
+}
+
 // q: [H, hd]; keys/values: [KV, capacity, hd] caches, the first n positions valid.
 // Returns [H, hd] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t n,
@@ -1428,6 +1450,7 @@ void bind_decode(pybind11::module& m) {
   m.def("prefill_attention", &prefill_attention,
         "causal attention of t new tokens of each of N sequences over their caches, float32 arithmetic");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of rows, one pass, float32 arithmetic");
+  m.def("rope", &rope, "rotary embedding of [N, heads, head_dim] rows, as Runner's rope in x's dtype");
   py::class_<Proj>(m, "DecodeProj")
       .def(py::init([](c10::optional<at::Tensor> weight, c10::optional<at::Tensor> codes,
                        c10::optional<at::Tensor> scale, c10::optional<at::Tensor> zero_point,

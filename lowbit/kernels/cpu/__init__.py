@@ -1049,8 +1049,33 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
 
 
 def rms_norm_rows(h, w, eps: float):
-    """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm)."""
+    """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm),
+    each row on its own: a row has the same bits alone or among many.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.ones(2, 8)
+        >>> rms_norm_rows(x, torch.full((8,), 2.0), 0.0)[0, :2]
+        tensor([2., 2.])
+    """
     return _C.rms_norm_rows(h, w, eps)
+
+
+def rope(x, cos, sin):
+    """The rotary embedding of x [N, heads, head_dim] at N positions (cos and sin: N rows
+    of head_dim values, x's dtype): ``x * cos + rotate_half(x) * sin`` with its three
+    roundings in x's dtype, the bits of those ATen ops (and of the C++ decode step's),
+    each row on its own.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+        >>> rope(x, torch.zeros(1, 4), torch.ones(1, 4))         # rotate_half(x)
+        tensor([[[-3., -4.,  1.,  2.]]])
+    """
+    return _C.rope(x, cos, sin)
 
 
 def clear_plans() -> None:
