@@ -1035,7 +1035,8 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
     H, hd] at positions ``pos`` .. ``pos + t - 1`` of sequence ``seqs[i]`` of the caches
     [B, KV, capacity, hd], which already hold those tokens' keys and values; query j of a
     sequence sees its positions 0 .. pos + j.  Float32 arithmetic, GEMM-shaped (decode.cpp's
-    prefill_attend); returns [N, t, H, hd] in q's dtype.
+    prefill_attend; bf16 q and caches take the scores on bf16 dot products, each product
+    exact, the sums float32); returns [N, t, H, hd] in q's dtype.
 
     Example::
 
