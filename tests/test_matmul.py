@@ -873,6 +873,25 @@ def test_cpu_weight_only_gemm_bf16_rows_are_the_float32_sum_with_the_bf16_weight
         assert torch.equal(run(torch.eye(k)[j:j + 64]), w.T[j:j + 64].float())
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int8-sym", "q4_1"])
+@pytest.mark.parametrize("m, n, k", [(40, 33, 576), (65, 70, 256), (130, 70, 576), (300, 33, 1536)])
+def test_cpu_weight_only_gemm_bf16_gives_bf16_x_the_float32_sums_rounded_once(scheme, m, n, k):
+    # bf16 x: the panels round each float32 sum to bf16 in their store (K = 576 and 1536 in
+    # two and three chunks, their partial sums kept in float32 in between; 256 in one), the
+    # rows path (m <= 64) after its sums: the bits of the float32 result .to(bfloat16)
+    if cpu._C is None or not cpu._C.gemm_bf16_supported(k, 64):
+        pytest.skip("no AVX512-BF16 GEMM in this build")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m + n + k)
+    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(n, k, generator=g), scheme))
+    codes, s, z = codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    kernel = cpu.weight_only_kernel_index("gemm_bf16")
+    y = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, kernel, scheme == "q4_1")
+    y32 = cpu._C.weight_only_matmul(x.float(), codes, s, z, bits, group, kernel, scheme == "q4_1")
+    assert y.dtype == torch.bfloat16 and y32.dtype == torch.float32 and torch.equal(y, y32.bfloat16())
+
+
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536), (140, 33, 576),
                                      (300, 70, 128)])

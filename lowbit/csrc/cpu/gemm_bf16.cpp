@@ -23,6 +23,7 @@
 // A weight element is unpacked once per call whatever M is.
 
 #include "dots.h"
+#include "int8_epilogue.h"
 #include "kernels.h"
 #include "panels.h"
 #include <ATen/Parallel.h>
@@ -126,10 +127,12 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
   }
 }
 
-// y[r, 0:ncols] (+)= sum over kp pairs of x[r] . panel: R rows (R <= MR) x 64 columns.
-template <int R>
-void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* y, int64_t ldy, int ncols,
-          bool accumulate) {
+// The sums over kp pairs of x[r] . panel, R rows (R <= MR) x 64 columns, added to the
+// float32 partial sums of the earlier chunks of K (part, rows of NP; not `first`), then
+// stored: into part, or rounded once into y[r, 0:ncols] (T: float32 or bf16) at the `last`.
+template <int R, typename T>
+void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* part, T* y, int64_t ldy,
+          int ncols, bool first, bool last) {
   __m512 acc[R][NV];
   panel_dots<R>(acc, x, ldx, panel, kp,
                 [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
@@ -138,20 +141,22 @@ void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, flo
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r) {
-      float* out = y + r * ldy + 16 * v;
       __m512 s = acc[r][v];
-      if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, out));
-      _mm512_mask_storeu_ps(out, mask, s);
+      if (!first) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
+      if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, s);
+      else _mm512_storeu_ps(part + r * NP + 16 * v, s);
     }
   }
 }
 
-using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, int, bool);
-template <int... Rs>
-constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
-  return {tile<Rs + 1>...};
+template <typename T>
+using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, T*, int64_t, int, bool, bool);
+template <typename T, int... Rs>
+constexpr std::array<TileFn<T>, MR> tile_table(std::integer_sequence<int, Rs...>) {
+  return {tile<Rs + 1, T>...};
 }
-constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
+template <typename T>
+constexpr auto TILES = tile_table<T>(std::make_integer_sequence<int, MR>{});
 
 
 // The loop of both GEMMs: every panel of NP weight rows and every part of the activation
@@ -185,16 +190,20 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
   });
 }
 
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename T>
 void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
-          int64_t Npad, int64_t group, float* y) {
+          int64_t Npad, int64_t group, T* y) {
   const int64_t ldx = K / 2;
   each_chunk<BITS, SIGNED, HAS_ZP, MIN>(
       w, st, zt, M, N, K, Npad, group, KC_MAX, MR, [] {},
       [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
+        thread_local std::vector<float> part;  // the part's rows x NP partial sums, when K takes chunks
+        if (kc < K && part.size() < static_cast<size_t>((m1 - m0) * NP)) part.resize((m1 - m0) * NP);
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          TILES[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, y + m * N + n0, N, ncols, k0 > 0);
+          float* pm = kc < K ? part.data() + (m - m0) * NP : nullptr;
+          TILES<T>[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, pm, y + m * N + n0, N, ncols, k0 == 0,
+                           k0 + kc >= K);
         }
       },
       [] {});
@@ -286,7 +295,9 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
               who, ": contiguous x [M, K] and float32 scale expected");
   TORCH_CHECK(!zero_point_min || zero_point.has_value(), who, ": zero_point_min needs the mins (zero_point)");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // bf16 x: y in bf16, each float32 sum rounded once (in the panels' store; after the rows')
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
@@ -311,11 +322,13 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     const int64_t G = K / group;
     TORCH_CHECK(sc.numel() == N * G && (!zc.defined() || zc.numel() == N * G), who, ": scale and zero point [N, ",
                 G, "] expected");
-    float* py = y.data_ptr<float>();
+    at::Tensor yf = bf16_out ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
+    float* py = yf.data_ptr<float>();
     each_kind([&](auto b, auto sg, auto zp, auto mn) {
       rows_gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
           xr, w, s, z, M, N, K, G, group, py);
     });
+    if (bf16_out) y.copy_(yf);
     return y;
   }
   const int64_t Npad = (N + NP - 1) / NP * NP;
@@ -326,10 +339,13 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = st.data_ptr<float>();
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
   each_kind([&](auto b, auto sg, auto zp, auto mn) {
-    gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
-        static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+    const auto run = [&](auto* py) {
+      gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
+          static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+    };
+    if (bf16_out) run(y.data_ptr<c10::BFloat16>());
+    else run(y.data_ptr<float>());
   });
 #else
   (void)bits, (void)zero_point, (void)K, (void)zero_point_min;
@@ -340,7 +356,8 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 
 // x float32/bfloat16/float16 [M, K] (rounded to bf16); codes int8/uint8 [N, K] or int32
 // [N, K/8]; scale, zero_point float32 [N, G]: (q - z) * s, or q * s + z with zero_point_min
-// (unsigned codes, the "min" domain).  Returns float32 [M, N].
+// (unsigned codes, the "min" domain).  Returns [M, N]: bf16 for bf16 x (each float32 sum
+// rounded once, as .to(bfloat16)), else float32.
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                  bool zero_point_min) {

@@ -868,7 +868,8 @@ std::vector<PackedWeight> packed_weights(const char* who, const at::Tensor& x, c
 
 namespace {
 // x2 [M, K] times the weight with the chosen kernel: float32 [M, N] from the decode
-// kernels (gemv_*), gemm_bf16 and gemm_f32_amx, x's dtype from gemm_bf16_amx for bf16 x.
+// kernels (gemv_*) and gemm_f32_amx, and from gemm_bf16 and gemm_bf16_amx but for bf16 x
+// (then bf16).
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {
