@@ -159,22 +159,23 @@ template <typename T>
 constexpr auto TILES = tile_table<T>(std::make_integer_sequence<int, MR>{});
 
 
-// The loop of both GEMMs: every panel of NP weight rows and every part of the activation
-// rows (PanelWork, tiles of tile_rows rows) split between threads; per thread start(), then
-// for each of its items and each chunk of K (equal chunks of at most kc_max values, whole
-// 32-blocks) the chunk dequantized into the thread's panel and step(panel, m0, m1, n0, k0,
-// kc, ncols) for the item's rows [m0, m1); then finish().  The codes of the next chunk (or
-// item) arrive while this one is multiplied.
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename Start, typename Step, typename Finish>
+// The GEMM's loop: every panel of NP weight rows and every part of the activation rows
+// (PanelWork, tiles of tile_rows rows) split between threads; for each of a thread's items
+// and each chunk of K (equal chunks of at most kc_max values, whole 32-blocks) the chunk
+// dequantized into the thread's panel and step(panel, part, m0, m1, n0, k0, kc, ncols) for
+// the item's rows [m0, m1), part: the thread's float32 buffer for their partial sums over
+// the chunks (rows of NP; null where K is one chunk).  The codes of the next chunk (or item)
+// arrive while this one is multiplied.
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename Step>
 void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K, int64_t Npad,
-                int64_t group, int64_t kc_max, int64_t tile_rows, Start start, Step step, Finish finish) {
+                int64_t group, int64_t kc_max, int64_t tile_rows, Step step) {
   const int64_t panels = Npad / NP;
   const int64_t chunks = (K + kc_max - 1) / kc_max;
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
   const PanelWork work(panels, M, tile_rows, at::get_num_threads());
   at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    start();
     PanelBuffer buf(KC / 2 * NP);
+    std::vector<float> part(KC < K ? work.rows * NP : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
       const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
@@ -183,10 +184,10 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
         const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
         pack_panel<BITS, SIGNED, HAS_ZP, MIN>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
                                          k0 + kc < K ? k0 + kc : 0);
-        step(static_cast<const uint32_t*>(buf.data), m0, m1, n0, k0, kc, ncols);
+        step(static_cast<const uint32_t*>(buf.data), part.empty() ? nullptr : part.data(), m0, m1, n0, k0, kc,
+             ncols);
       }
     }
-    finish();
   });
 }
 
@@ -195,18 +196,14 @@ void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt
           int64_t Npad, int64_t group, T* y) {
   const int64_t ldx = K / 2;
   each_chunk<BITS, SIGNED, HAS_ZP, MIN>(
-      w, st, zt, M, N, K, Npad, group, KC_MAX, MR, [] {},
-      [&](const uint32_t* panel, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
-        thread_local std::vector<float> part;  // the part's rows x NP partial sums, when K takes chunks
-        if (kc < K && part.size() < static_cast<size_t>((m1 - m0) * NP)) part.resize((m1 - m0) * NP);
+      w, st, zt, M, N, K, Npad, group, KC_MAX, MR,
+      [&](const uint32_t* panel, float* part, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          float* pm = kc < K ? part.data() + (m - m0) * NP : nullptr;
-          TILES<T>[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, pm, y + m * N + n0, N, ncols, k0 == 0,
-                           k0 + kc >= K);
+          TILES<T>[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, part ? part + (m - m0) * NP : nullptr,
+                           y + m * N + n0, N, ncols, k0 == 0, k0 + kc >= K);
         }
-      },
-      [] {});
+      });
 }
 
 // Up to kRowsMaxM rows of x, the weight-only GEMM takes the row-dot form instead (dots.h):
