@@ -597,8 +597,8 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& keys, co
 //                                           so a tile's step is 2 loads, 8 broadcasts, 16 FMAs;
 //                                           each score one FMA chain over d in order (bf16
 //                                           caches with AVX512-BF16: (q_r . k_j) * scale, the
-//                                           same tile on vdpbf16ps, two values of d a step,
-//                                           score_rows_bf16: 1.3x the attention of 512 tokens)
+//                                           same tile on vdpbf16ps, two values of d a step:
+//                                           1.3x the attention of 512 tokens)
 //   p = exp(s - max_r) over the row's own positions (exp16, zero past them), l_r = sum p
 //   out_r = (p . V) * (1 / l_r)              register tiles of 6 rows x 64 values of V, the
 //                                           positions in order
@@ -615,57 +615,46 @@ constexpr int64_t kQueryBlock = 16;
 constexpr int kScoreRows = 8, kScorePanels = 2;  // a score tile: 8 rows x 32 keys
 constexpr int kValueRows = 6;                    // a p . V tile: 6 rows x 64 values
 
-// R rows of qf [R][hd] times the key panels kt (panel stride hd * 16) from key 0 to npad
-// (a multiple of 32): s[r * ld + j].
-template <int R>
-void score_rows(const float* qf, int64_t hd, const float* kt, int64_t npad, float* s, int64_t ld) {
+// R rows of q [R][steps] times the key panels kt (panel stride steps * 16) from key 0 to
+// npad (a multiple of 32): s[r * ld + j].  E = float: one value of d a step, q already
+// times scale, FMAs.  E = uint32_t (bf16 caches with AVX512-BF16, kPairScores): the bf16
+// pairs (d, d + 1) as stored (kt[b][dd][i]: key 16b + i's pair dd), two values of d a
+// step on vdpbf16ps, each product exact in float32 and added in order of d, then times
+// scale: hd + 1 roundings either way (the instruction flushes subnormal inputs and sums:
+// at most 2^-126 an addition).  A step is 2 loads, 8 broadcasts and 16 FMAs or dot products.
+template <int R, typename E>
+void score_rows(const E* q, int64_t steps, const E* kt, int64_t npad, float scale, float* s, int64_t ld) {
+  constexpr bool pairs = std::is_same<E, uint32_t>::value;
   for (int64_t j0 = 0; j0 < npad; j0 += 16 * kScorePanels) {
-    const float* panel = kt + (j0 / 16) * hd * 16;
+    const E* panel = kt + (j0 / 16) * steps * 16;
     __m512 acc[R][kScorePanels];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < hd; ++d) {
-      __m512 k[kScorePanels];
-      for (int b = 0; b < kScorePanels; ++b) k[b] = _mm512_loadu_ps(panel + (b * hd + d) * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 q = _mm512_set1_ps(qf[r * hd + d]);
-        for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_fmadd_ps(q, k[b], acc[r][b]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < kScorePanels; ++b) _mm512_storeu_ps(s + r * ld + j0 + 16 * b, acc[r][b]);
-  }
-}
-
+    for (int64_t d = 0; d < steps; ++d) {
+      if constexpr (pairs) {
 #ifdef __AVX512BF16__
-// bf16 queries and keys: score_rows on vdpbf16ps, two values of d a step (q2: R rows of hd2
-// = hd / 2 dwords, each the bf16 pair (d, d + 1) as stored; kt2: 16-key panels of those
-// pairs, kt2[b][dd][i] = key 16b + i's pair dd).  Each product is exact in float32 and each
-// key lane adds them in order of d, two additions a step, then times scale: hd + 1
-// roundings, as the float32 tile's (the instruction flushes subnormal inputs and sums:
-// at most 2^-126 an addition); a step is 2 loads, 8 broadcasts and 16 dot products where
-// the float32 tile's covers one value of d.
-template <int R>
-void score_rows_bf16(const uint32_t* q2, int64_t hd2, const uint32_t* kt2, int64_t npad, float scale, float* s,
-                     int64_t ld) {
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < npad; j0 += 16 * kScorePanels) {
-    const uint32_t* panel = kt2 + (j0 / 16) * hd2 * 16;
-    __m512 acc[R][kScorePanels];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t dd = 0; dd < hd2; ++dd) {
-      __m512i k[kScorePanels];
-      for (int b = 0; b < kScorePanels; ++b) k[b] = _mm512_loadu_si512(panel + (b * hd2 + dd) * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i q = _mm512_set1_epi32(static_cast<int>(q2[r * hd2 + dd]));
-        for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)q, (__m512bh)k[b]);
+        __m512i k[kScorePanels];
+        for (int b = 0; b < kScorePanels; ++b) k[b] = _mm512_loadu_si512(panel + (b * steps + d) * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i qv = _mm512_set1_epi32(static_cast<int>(q[r * steps + d]));
+          for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)qv, (__m512bh)k[b]);
+        }
+#endif
+      } else {
+        __m512 k[kScorePanels];
+        for (int b = 0; b < kScorePanels; ++b) k[b] = _mm512_loadu_ps(panel + (b * steps + d) * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 qv = _mm512_set1_ps(q[r * steps + d]);
+          for (int b = 0; b < kScorePanels; ++b) acc[r][b] = _mm512_fmadd_ps(qv, k[b], acc[r][b]);
+        }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < kScorePanels; ++b) _mm512_storeu_ps(s + r * ld + j0 + 16 * b, _mm512_mul_ps(acc[r][b], sv));
+      for (int b = 0; b < kScorePanels; ++b)
+        _mm512_storeu_ps(s + r * ld + j0 + 16 * b, pairs ? _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale)) : acc[r][b]);
   }
 }
+#ifdef __AVX512BF16__
 template <typename T>
 constexpr bool kPairScores = std::is_same<T, c10::BFloat16>::value;
 #else
@@ -768,14 +757,10 @@ void prefill_attend(const T* q, const T* k, const T* v, T* out, const int64_t* s
               for (int64_t d = 0; d < hd; ++d) qf[(g * qb + i) * hd + d] = to_f(qr[d]) * scale;
           }
         each_tile<kScoreRows>(rows, [&](auto r, int64_t r0) {
-#ifdef __AVX512BF16__
-          if constexpr (pairs) {
-            score_rows_bf16<decltype(r)::value>(q2 + r0 * hd2, hd2, kt2.data() + a * npad * hd2, kpad, scale,
-                                                s + r0 * npad, npad);
-            return;
-          }
-#endif
-          score_rows<decltype(r)::value>(qf + r0 * hd, hd, kt.data() + a * npad * hd, kpad, s + r0 * npad, npad);
+          constexpr int R = decltype(r)::value;
+          if constexpr (pairs)
+            score_rows<R>(q2 + r0 * hd2, hd2, kt2.data() + a * npad * hd2, kpad, scale, s + r0 * npad, npad);
+          else score_rows<R>(qf + r0 * hd, hd, kt.data() + a * npad * hd, kpad, scale, s + r0 * npad, npad);
         });
         for (int64_t r = 0; r < rows; ++r) {  // softmax over the row's own positions, zeros to kpad
           float* sr = s + r * npad;

@@ -19,7 +19,9 @@
 //      a 16 x 16 transpose of dwords turns 16 rows of packed codes into vectors whose
 //      lane i belongs to row i (4-bit: a dword is 8 values, its byte b the pair
 //      (2b, 2b + 1); 8-bit: a dword is 4 values, two pairs);
-//   2. multiply every MR rows of activations with that panel, adding into y.
+//   2. multiply every MR rows of activations with that panel, adding to the thread's
+//      float32 partial sums of the earlier chunks; after the last chunk each sum is stored
+//      into y, rounded once (bf16 y for bf16 x, else float32).
 // A weight element is unpacked once per call whatever M is.
 
 #include "dots.h"
