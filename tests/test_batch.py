@@ -153,7 +153,8 @@ def _same_batch_steps(model, prompts, steps, monkeypatch):
     native = Runner(model)
     monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
     python = Runner(model)
-    python._prefill = native._prefill  # the same prompt attention on both sides: the steps are compared
+    # the same prompt attention and norms on both sides: the steps are compared
+    python._prefill, python._rms_many = native._prefill, native._rms_many
     caches = [_BatchCache.empty(r, len(prompts), max(p.numel() for p in prompts) + steps) for r in (native, python)]
     with torch.inference_mode():
         for r, c in zip((native, python), caches):

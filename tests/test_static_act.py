@@ -230,7 +230,7 @@ IDS = torch.randint(0, 512, (12,), generator=gen(2))
 
 @pytest.mark.parametrize("weight", WEIGHTS)
 @pytest.mark.parametrize("act", ACTS)
-def test_runner_matches_the_fake_quantized_reference_model(tiny, weight, act):
+def test_runner_matches_the_fake_quantized_reference_model(tiny, weight, act, monkeypatch):
     q = _static_model(tiny, weight, act)
     got, runner = _run(q, IDS)
     want, _ = _run(_reference(tiny, q), IDS)
@@ -241,8 +241,12 @@ def test_runner_matches_the_fake_quantized_reference_model(tiny, weight, act):
     # (float32, K <= 512), and through two layers 1e-3 of the logits' scale is loose; quantizing
     # with a scale other than the calibrated one (per token, or chosen from x) misses by ~3e-2.
     assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
-    with torch.inference_mode():  # the prefill is transformers' forward of the same modules
-        assert torch.equal(got[:IDS.numel()], q(IDS[None]).logits[0])
+    # the prefill runs the same modules as transformers' forward: without lowbit's prefill
+    # kernels (attention and norms: LOWBIT_NATIVE_DECODE=0), its bits
+    monkeypatch.setenv("LOWBIT_NATIVE_DECODE", "0")
+    python = Runner(q)
+    with torch.inference_mode():
+        assert torch.equal(python.forward(IDS, python.new_cache(IDS.numel()), all_logits=True), q(IDS[None]).logits[0])
 
 
 def test_saving_an_uncalibrated_model_is_refused(tiny, tmp_path):
