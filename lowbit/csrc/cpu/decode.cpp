@@ -1029,10 +1029,13 @@ class Group {
       kind_ = kGemvBf16;
     else if (share_tokens(ptrs))
       kind_ = kTokens;
+    else if (share_int8_panels(ptrs))
+      kind_ = kInt8Panels;
     if (kind_ == kTensors) return;
     K_ = in_features(p0);
     bits_ = p0.bits;
     group_ = p0.group;
+    if (kind_ == kInt8Panels) return;
     if (kind_ == kTokens) {
       if (p0.act == 2 && bits_ == 8)  // the weight's code sums, for the activations' zero point
         for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
@@ -1070,9 +1073,11 @@ class Group {
   // rows go through Proj's tensor path, the same arithmetic.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
-    if (kind_ == kTensors || (kind_ == kTokens && (std::is_same<T, double>::value || M != 1)))
+    if (kind_ == kTensors || ((kind_ == kTokens || kind_ == kInt8Panels) && std::is_same<T, double>::value) ||
+        (kind_ == kTokens && M != 1))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) return run_tokens(x, ys);
+    if (kind_ == kInt8Panels) return run_int8_panels(x, ys, M);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -1104,7 +1109,58 @@ class Group {
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens };
+  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Panels };
+
+  // W8A8 with per-token activations (act 1 or 2, the same for all) on gemm_int8.cpp's panels
+  // (kernel 2): int8 codes [N, K], one float32 scale per row.
+  static bool share_int8_panels(const std::vector<const Proj*>& ps) {
+    const Proj& p0 = *ps[0];
+    const int64_t K = in_features(p0);
+    for (const Proj* p : ps)
+      if (!p->codes.defined() || (p->act != 1 && p->act != 2) || p->act != p0.act || p->bits != 8 ||
+          p->kernel != 2 || p->codes.scalar_type() != at::kChar || p->codes.dim() != 2 || !p->codes.is_contiguous() ||
+          in_features(*p) != K || p->scale.scalar_type() != at::kFloat || !p->scale.is_contiguous() ||
+          p->scale.numel() != p->codes.size(0))
+        return false;
+    return int8_gemm_supported(K);
+  }
+
+  // What Proj::int8_linear_fused does for each projection, x quantized once for all of them
+  // and their panels in one parallel region (int8_linear_into): the same integers and
+  // epilogue, so the same bits.
+  template <typename T>
+  void run_int8_panels(const T* x, T* const* ys, int64_t M) const {
+    const bool symmetric = ps_[0].act == 1;
+    thread_local std::vector<uint8_t> au_keep;
+    thread_local std::vector<float> s_keep;
+    thread_local std::vector<int32_t> z_keep;
+    uint8_t* au = grown(au_keep, M * K_);
+    float* s = grown(s_keep, M);
+    int32_t* z = grown(z_keep, M);
+    for (int64_t m = 0; m < M; ++m) {
+      uint8_t* q = au + m * K_;
+      TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, q, s + m, z + m),
+                  "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+      // the kernel takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); unsigned
+      // codes u are a + 128 for a = u - 128, whose zero point is z - 128
+      if (symmetric)
+        for (int64_t k = 0; k < K_; ++k) q[k] ^= 0x80;
+      else
+        z[m] -= 128;
+    }
+    std::vector<at::Tensor> biases;  // rounded to T, as float32 (int8_linear's bias)
+    std::vector<Int8Out> ws;
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      const Proj& p = ps_[i];
+      const float* bias = nullptr;
+      if (p.bias) {
+        biases.push_back(p.bias->to(dtype<T>()).to(at::kFloat).contiguous());
+        bias = biases.back().data_ptr<float>();
+      }
+      ws.push_back(Int8Out{p.codes.data_ptr<int8_t>(), out_features(i), p.scale.data_ptr<float>(), bias, ys[i]});
+    }
+    int8_linear_into(au, M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
+  }
 
   // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on
   // int8_mm_rows or W4A8 codes, all of one kind: what Proj::int8_activations does, on

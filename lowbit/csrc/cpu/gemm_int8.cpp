@@ -14,8 +14,10 @@
 // as panel[k / 4][column] dwords of four consecutive bytes of one row (a 16 x 16
 // transpose of dwords per 16 rows; no arithmetic), 6 x 64 register tiles of int32
 // accumulators fed by a broadcast dword of activations.  Partial sums of all but the
-// last chunk go to an int32 scratch; the last chunk writes y.
+// last chunk go to the thread's int32 scratch; the last chunk writes y.  Several weights of
+// one input (int8_linear_into) share one parallel region, their panels items of one list.
 
+#include "balance.h"
 #include "int8_epilogue.h"
 #include "kernels.h"
 #include "panels.h"
@@ -151,69 +153,91 @@ bool int8_gemm_supported(int64_t K) {
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                        const at::Tensor& row_scale, const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
+                  b.size(1) == a.size(1),
+              "lowbit._C.int8_linear: int8 a [M, K] and b [N, K] expected");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(int8_gemm_supported(K), "lowbit._C.int8_linear: K must be a multiple of 4 below 2^17");
-  TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && b.size(1) == K,
-              "lowbit._C.int8_linear: int8 a [M, K] and b [N, K] expected");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
               "lowbit._C.int8_linear: unsupported out dtype ", out_dtype);
+  TORCH_CHECK(row_scale.numel() == M && col_scale.numel() == N && (!bias || bias->numel() == N) &&
+                  (!a_zero_point || a_zero_point->numel() == M),
+              "lowbit._C.int8_linear: row_scale (and a_zero_point) need M values, col_scale (and bias) N");
   at::Tensor y = at::empty({M, N}, a.options().dtype(out_dtype));
-#ifdef LOWBIT_HAVE_INT8_GEMM
   if (M == 0 || N == 0) return y;
-  const int64_t Npad = (N + NP - 1) / NP * NP;
   const at::Tensor au = a.contiguous().view(at::kByte).bitwise_xor(128);  // a + 128 as unsigned bytes
   const at::Tensor bc = b.contiguous();
-  const at::Tensor row = row_scale.to(at::kFloat).contiguous();
-  const at::Tensor zp = a_zero_point.has_value() ? a_zero_point->to(at::kInt).contiguous() : at::Tensor();
-  auto padded = [&](const at::Tensor& t) {
-    at::Tensor out = at::zeros({Npad}, a.options().dtype(at::kFloat));
-    out.narrow(0, 0, N).copy_(t);
-    return out;
-  };
-  const at::Tensor col = padded(col_scale.to(at::kFloat));
-  const at::Tensor bias_f = bias.has_value() ? padded(bias->to(out_dtype).to(at::kFloat)) : at::Tensor();
+  const at::Tensor row = row_scale.to(at::kFloat).contiguous(), col = col_scale.to(at::kFloat).contiguous();
+  const at::Tensor zp = a_zero_point ? a_zero_point->to(at::kInt).contiguous() : at::Tensor();
+  const at::Tensor bias_f = bias ? bias->to(out_dtype).to(at::kFloat).contiguous() : at::Tensor();
+  int8_linear_into(au.data_ptr<uint8_t>(), M, K, row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr,
+                   out_dtype,
+                   {Int8Out{bc.data_ptr<int8_t>(), N, col.data_ptr<float>(),
+                            bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr()}});
+  return y;
+}
+
+void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
+                      at::ScalarType out, const std::vector<Int8Out>& ws) {
+  TORCH_CHECK(int8_gemm_supported(K), "lowbit._C.int8_linear: K must be a multiple of 4 below 2^17");
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  if (M == 0) return;
   const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
   const int64_t KC = (K / 4 + chunks - 1) / chunks * 4;
-  at::Tensor scratch = chunks > 1 ? at::empty({M, Npad}, a.options().dtype(at::kInt)) : at::Tensor();
-  const uint32_t* pa = reinterpret_cast<const uint32_t*>(au.data_ptr());
-  const int8_t* pb = bc.data_ptr<int8_t>();
-  int32_t* ps = scratch.defined() ? scratch.data_ptr<int32_t>() : nullptr;
+  std::vector<int64_t> first{0};  // weight j's panels are first[j] .. first[j + 1] - 1
+  for (const Int8Out& w : ws) first.push_back(first.back() + (w.N + NP - 1) / NP);
+  const int64_t panels = first.back();
+  const PanelWork work(panels, M, MR, at::get_num_threads());
+  const auto panel_of = [&](int64_t i) {  // item i's weight and first column
+    const int64_t p = i / work.parts;
+    const size_t j = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
+    return std::make_pair(j, (p - first[j]) * NP);
+  };
+  const uint32_t* pa = reinterpret_cast<const uint32_t*>(au);
   const int64_t lda = K / 4;
-  const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
-  at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
-    PanelBuffer buf(KC / 4 * NP);
-    uint32_t* panel = buf.data;
-    alignas(64) int32_t colsum[NP];
-    alignas(64) int32_t chunk_sum[NP];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
-      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
-      std::fill(colsum, colsum + NP, 0);
-      const Epilogue e{{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr, col.data_ptr<float>(),
-                        bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out_dtype, y.data_ptr(), N},
-                       colsum};
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        std::fill(chunk_sum, chunk_sum + NP, 0);
-        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel(pb, N, K, n0, k0, kc, panel, chunk_sum, next_n0, k0 + kc < K ? k0 + kc : 0);
-        __m512i comp[NV];  // 128 * sum over the chunk
-        for (int v = 0; v < NV; ++v) {
-          const __m512i s = _mm512_loadu_si512(chunk_sum + 16 * v);
-          _mm512_storeu_si512(colsum + 16 * v, _mm512_add_epi32(_mm512_loadu_si512(colsum + 16 * v), s));
-          comp[v] = _mm512_slli_epi32(s, 7);
+  struct State {
+    PanelBuffer panel;
+    std::vector<int32_t> partial;  // the part's sums over the chunks of K before the last
+  };
+  each_item(
+      work.items(panels),
+      [&] { return State{PanelBuffer(KC / 4 * NP), std::vector<int32_t>(chunks > 1 ? work.rows * NP : 0)}; },
+      [&](State& st, int64_t i) {
+        const auto [j, n0] = panel_of(i);
+        const Int8Out& w = ws[j];
+        const int64_t m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
+        const int ncols = static_cast<int>(std::min<int64_t>(NP, w.N - n0));
+        // the next item's panel, prefetched as this one is packed, when it is this weight's
+        int64_t next_n0 = -1;
+        if (i + 1 < work.items(panels)) {
+          const auto [jn, nn] = panel_of(i + 1);
+          if (jn == j) next_n0 = nn;
         }
-        const bool last = k0 + kc >= K;
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          TILES[mr - 1](pa + m * lda + k0 / 4, lda, panel, kc / 4, comp, ps ? ps + m * Npad + n0 : nullptr, Npad,
-                        k0 == 0, last, m, n0, ncols, e);
+        alignas(64) int32_t colsum[NP] = {};
+        alignas(64) int32_t chunk_sum[NP];
+        const Epilogue e{{row, a_zp, w.col, w.bias, out, w.y, w.N}, colsum};
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const bool last = k0 + kc >= K;
+          std::fill(chunk_sum, chunk_sum + NP, 0);
+          pack_panel(w.b, w.N, K, n0, k0, kc, st.panel.data, chunk_sum, last ? next_n0 : n0, last ? 0 : k0 + kc);
+          __m512i comp[NV];  // 128 * sum over the chunk
+          for (int v = 0; v < NV; ++v) {
+            const __m512i s = _mm512_load_si512(chunk_sum + 16 * v);
+            _mm512_store_si512(colsum + 16 * v, _mm512_add_epi32(_mm512_load_si512(colsum + 16 * v), s));
+            comp[v] = _mm512_slli_epi32(s, 7);
+          }
+          for (int64_t m = m0; m < m1; m += MR) {
+            const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+            TILES[mr - 1](pa + m * lda + k0 / 4, lda, st.panel.data, kc / 4, comp,
+                          chunks > 1 ? st.partial.data() + (m - m0) * NP : nullptr, NP, k0 == 0, last, m, n0, ncols,
+                          e);
+          }
         }
-      }
-    }
-  });
+      });
+#else
+  (void)au, (void)M, (void)row, (void)a_zp, (void)out, (void)ws;
 #endif
-  return y;
 }
 
 // ---- W4A8 for many rows: the same panels and tiles, int32 sums per weight group ---------

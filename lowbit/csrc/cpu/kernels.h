@@ -267,6 +267,19 @@ bool int8_gemm_supported(int64_t K);
 at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                        const at::Tensor& row_scale, const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
+// One weight of an int8_linear_into call: int8 codes b [N, K], its column scales [N], the
+// bias [N] rounded to the output dtype, as float32, or null, and y [M, N] of that dtype.
+struct Int8Out {
+  const int8_t* b;
+  int64_t N;
+  const float* col;
+  const float* bias;
+  void* y;
+};
+// int8_linear without tensors for several weights of one input (q/k/v, gate/up) in one
+// parallel region: au = a + 128 as unsigned bytes [M, K], row scales [M], a_zp [M] or null.
+void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
+                      at::ScalarType out, const std::vector<Int8Out>& ws);
 bool has_int8_rows();
 at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b);
 // int8_mm_rows without tensors: c int32 [M, N] = a [M, K] @ b [N, K].T, K below 2^17.
