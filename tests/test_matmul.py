@@ -200,12 +200,14 @@ def bf16_matmul_precision():
                                     "int8-asym-g32", "int4-asym-channel", "int4-asym-g32-zpmin-f16",
                                     "int8-asym-g32-zpmin"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64), (20, 200, 1216)])
+@pytest.mark.parametrize("m, n, k", [(7, 13, 576), (16, 48, 256), (37, 6, 2304), (129, 25, 64), (20, 200, 1216),
+                                     (69, 6, 2304), (70, 200, 3328)])
 def test_weight_only_gemm_rows_matches_the_reference(bf16_matmul_precision, backend, scheme, dtype, m, n, k):
-    # Above cpu.gemv_max_m rows (gemm_bf16.cpp where AVX512-BF16 exists): panels of 64 columns
-    # (n = 200: three and a tail of 8, and tails below 16 and 64), register tiles of 6 rows
-    # (m % 6 from 1 to 5), K in chunks of at most 512 (2304: five, 1216: 416 + 416 + 384, ending
-    # on part of a 16 x 16 transpose), rows of codes shorter than a transpose (k = 64).
+    # Above cpu.gemv_max_m rows (gemm_bf16.cpp where AVX512-BF16 exists): its row-dot form up
+    # to 64 rows, then panels of 64 columns (n = 200: three and a tail of 8, and tails below
+    # 16 and 64), register tiles of 6 rows (m % 6 from 1 to 5), K in chunks of at most 1536
+    # (2304: two, 3328: 1120 + 1120 + 1088, ending on part of a 16 x 16 transpose), rows of
+    # codes shorter than a transpose (k = 64).
     skip_large_for_interpreter(backend, m, n, k)
     assert_weight_only_close(lowbit.quantize(torch.randn(n, k), scheme), torch.randn(m, k).to(dtype), backend)
 
@@ -874,9 +876,9 @@ def test_cpu_weight_only_gemm_bf16_rows_are_the_float32_sum_with_the_bf16_weight
 
 
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int8-sym", "q4_1"])
-@pytest.mark.parametrize("m, n, k", [(40, 33, 576), (65, 70, 256), (130, 70, 576), (300, 33, 1536)])
+@pytest.mark.parametrize("m, n, k", [(40, 33, 576), (65, 70, 256), (130, 70, 2304), (300, 33, 3328)])
 def test_cpu_weight_only_gemm_bf16_gives_bf16_x_the_float32_sums_rounded_once(scheme, m, n, k):
-    # bf16 x: the panels round each float32 sum to bf16 in their store (K = 576 and 1536 in
+    # bf16 x: the panels round each float32 sum to bf16 in their store (K = 2304 and 3328 in
     # two and three chunks, their partial sums kept in float32 in between; 256 in one), the
     # rows path (m <= 64) after its sums: the bits of the float32 result .to(bfloat16)
     if cpu._C is None or not cpu._C.gemm_bf16_supported(k, 64):

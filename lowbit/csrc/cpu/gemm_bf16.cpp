@@ -46,11 +46,13 @@
 namespace {
 
 #ifdef LOWBIT_HAVE_BF16_GEMM
-// Values of K per chunk: the panel is KC_MAX * 128 bytes (64 KiB, in L2).  Measured on
+// Values of K per chunk: the panel is KC_MAX * 128 bytes (192 KiB, in L2).  Measured on
 // Zen 5, 2 threads, weights cold (4096x4096 and 14336x4096, M = 16 and 128, 4- and 8-bit):
-// 256, 512, 1024 and 2048 within the noise of each other (about 10%), 512 ahead by a
-// little; what mattered was prefetching the codes (pack_panel), 1.3-1.9x at M = 16.
-constexpr int64_t KC_MAX = 512;
+// 256, 512, 1024 and 2048 within the noise of each other (about 10%); what mattered was
+// prefetching the codes (pack_panel), 1.3-1.9x at M = 16.  On Zen 4 at 512 rows, K = 576
+// and 1536 in one chunk rather than chunks of 288 and 512: 1.025x (576x1536 and 1536x576,
+// 3 alternating rounds of two builds), 1.01-1.05x a 512-token W4A16 prefill.
+constexpr int64_t KC_MAX = 1536;
 
 // Columns [n0, n0 + 64) of W (rows beyond N repeat row N - 1; their outputs are never
 // stored), values [k0, k0 + kc) with k0, kc multiples of 32, dequantized into
