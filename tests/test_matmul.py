@@ -1043,6 +1043,22 @@ def test_cpu_int8_mm_amx_refuses_what_it_does_not_take():
         cpu._C.int8_linear_amx(a, None, a, one, one, None, torch.int32)
 
 
+def test_cpu_int8_linear_refuses_what_it_does_not_take():
+    if not cpu.available() or not cpu._C.int8_gemm_supported(64):
+        pytest.skip("no VNNI int8 GEMM in this build")
+    a, one = torch.zeros(3, 64, dtype=torch.int8), torch.ones(3)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 4"):
+        cpu._C.int8_linear(a[:, :42], None, a[:, :42], one, one, None, torch.float32)
+    with pytest.raises(RuntimeError, match=r"int8 a \[M, K\] and b \[N, K\] expected"):
+        cpu._C.int8_linear(a, None, a[:, :32], one, one, None, torch.float32)
+    for row, col, zp, bias in ((one[:2], one, None, None), (one, one[:2], None, None),
+                               (one, one, torch.zeros(2, dtype=torch.int32), None), (one, one, None, one[:2])):
+        with pytest.raises(RuntimeError, match=r"row_scale and a_zero_point \[M\], col_scale and bias \[N\]"):
+            cpu._C.int8_linear(a, zp, a, row, col, bias, torch.float32)
+    with pytest.raises(RuntimeError, match="unsupported out dtype"):
+        cpu._C.int8_linear(a, None, a, one, one, None, torch.int32)
+
+
 def test_cpu_w8a8_plan_takes_the_amx_tiles_from_their_row_count():
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")

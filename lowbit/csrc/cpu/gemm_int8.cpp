@@ -162,7 +162,7 @@ at::Tensor int8_linear(const at::Tensor& a, const c10::optional<at::Tensor>& a_z
               "lowbit._C.int8_linear: unsupported out dtype ", out_dtype);
   TORCH_CHECK(row_scale.numel() == M && col_scale.numel() == N && (!bias || bias->numel() == N) &&
                   (!a_zero_point || a_zero_point->numel() == M),
-              "lowbit._C.int8_linear: row_scale (and a_zero_point) need M values, col_scale (and bias) N");
+              "lowbit._C.int8_linear: row_scale and a_zero_point [M], col_scale and bias [N] expected");
   at::Tensor y = at::empty({M, N}, a.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
   const at::Tensor au = a.contiguous().view(at::kByte).bitwise_xor(128);  // a + 128 as unsigned bytes
