@@ -1070,7 +1070,8 @@ class Group {
 
   // x [M, K] in T through every projection: ys[i] [M, out_features(i)] in T, bias added, as
   // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row; more
-  // rows go through Proj's tensor path, the same arithmetic.
+  // rows go through Proj's tensor path, the same arithmetic.  W8A8 on gemm_int8's panels
+  // (kInt8Panels) takes any number of rows.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
     if (kind_ == kTensors || ((kind_ == kTokens || kind_ == kInt8Panels) && std::is_same<T, double>::value) ||

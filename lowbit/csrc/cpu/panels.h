@@ -33,14 +33,15 @@ struct PanelBuffer {
 // activation rows.  With at least 4 panels per thread, parts = 1 (each panel packed
 // once).  Fewer panels (the 135M model's 192- and 576-wide projections: 3 and 9) would
 // leave threads idle, so the rows are split too and each part packs its panels itself.
-// Then more parts where the items do not share evenly: 9 items on 2 threads take as long
-// as 10 (576 columns at 512 rows took 979 us, 640 columns 1011 us), 18 as 18.
+// Then more parts where the items do not share evenly: 9 items on 2 threads (5 + 4) take as
+// long as 10 (576 columns at 512 rows took 979 us, 640 columns 1011 us); 18 take 18.
 struct PanelWork {
   int64_t parts, rows;  // rows per part: a multiple of the tile height
   PanelWork(int64_t panels, int64_t M, int64_t tile_rows, int64_t threads) {
     int64_t want = panels >= 4 * threads ? 1 : (4 * threads + panels - 1) / panels;
-    // the busiest thread's items against the average: at most 5% more
-    const auto uneven = [&](int64_t p) { return 20 * ((panels * p + threads - 1) / threads) * threads > 21 * panels * p; };
+    const auto uneven = [&](int64_t p) {  // the busiest thread more than 5% above the average
+      return 20 * ((panels * p + threads - 1) / threads) * threads > 21 * panels * p;
+    };
     while (uneven(want) && want < 4 * threads) ++want;
     const int64_t tiles = (M + tile_rows - 1) / tile_rows;
     parts = std::max<int64_t>(1, std::min(want, tiles / 4));  // at least 4 tiles per part
