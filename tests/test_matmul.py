@@ -529,6 +529,11 @@ def test_cpu_w4a8_integers_are_exact_at_extreme_zero_points(k, group, x_zp, sign
     for m in (1, 2, 3, 4, 5):
         y = get_backend("cpu").linear_qta8a_qga4w(x_q[:m], torch.ones(m), zp[:m], w_packed, ones, w_zp, group, None)
         assert torch.equal(y.double(), exact[:m].double()), m  # every sum below 2^24: exact in float32
+    # and the many-row entry (gemm_int8.cpp's panels with VNNI, gemm_a8.cpp's without): 7 rows,
+    # a tile and a row, each group's flush taking z sum (x - xz) and xz sum u away in int32
+    x7, zp7 = x_q.repeat(2, 1)[:7], zp.repeat(2)[:7]
+    y = cpu._C.w4a8_gemm_panels(x7, zp7, w_packed, ones, None if w_zp is None else w_zp.int(), group)
+    assert torch.equal(y.double(), ((x7.long() - zp7.long()[:, None]) @ w_full.T).double())
 
 
 def test_cpu_w4a8_kernel_refuses_zero_points_its_int32_terms_cannot_hold():
