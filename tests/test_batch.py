@@ -157,8 +157,8 @@ def _same_batch_steps(model, prompts, steps, monkeypatch):
     python._prefill, python._rms_many = native._prefill, native._rms_many
     caches = [_BatchCache.empty(r, len(prompts), max(p.numel() for p in prompts) + steps) for r in (native, python)]
     with torch.inference_mode():
-        for r, c in zip((native, python), caches):
-            r._prefill_batch(prompts, c)
+        a, b = (r._prefill_batch(prompts, c) for r, c in zip((native, python), caches))
+        assert torch.equal(a, b), "prefill"  # q/k/v and gate/up through the C++ step's groups, or one by one
         rows, ran = torch.arange(len(prompts)), []
         gen = torch.Generator().manual_seed(0)
         for _ in range(steps):
@@ -191,6 +191,31 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
         assert (n in ran) == _batch_step_covers(m, dtype, n), n
     if dtype != torch.float16 or recipe is None:  # float16 x has no int8-block or W4A8 kernel for every plan
         assert ran, "the C++ step never ran"
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a8", "w8a8-asym", "w4a8-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_runs_the_w8a8_groups_in_one_call_with_the_same_bits(recipe, dtype):
+    # Runner.forward's prefill takes q/k/v and gate/up through the C++ step planned for its
+    # rows where that runs each group as one call (W8A8 on gemm_int8's panels), else one by one
+    m = biased_llama(dtype)
+    recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
+    if recipe is not None:
+        m = lowbit.quantize_model(m, recipe, inplace=False)
+    r = Runner(m)
+    ids = torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(0))
+    d = r._rows_decoder(60)  # None where a projection has no C++ step kernel at 60 rows
+    fused = set() if d is None else {d.fuses(i, which, 60) for i in range(len(r.layers)) for which in (0, 2)}
+    if recipe == "w8a8" or isinstance(recipe, lowbit.Recipe):
+        assert fused == {True}
+    else:
+        assert True not in fused
+    with torch.inference_mode():
+        a = r.forward(ids, r.new_cache(64), all_logits=True)
+        r._rows_decoder = lambda rows: None  # every projection on its own
+        b = r.forward(ids, r.new_cache(64), all_logits=True)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")

@@ -1063,6 +1063,11 @@ class Group {
   }
 
   int64_t in_features() const { return in_features(ps_[0]); }
+  size_t size() const { return ps_.size(); }
+
+  // Whether run() takes M rows (float32 or narrower) through all the projections in one
+  // kernel call, x prepared once, rather than each projection's tensor path.
+  bool one_call(int64_t M) const { return kind_ != kTensors && !(kind_ == kTokens && M != 1); }
 
   int64_t out_features(size_t i) const {
     return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);
@@ -1074,8 +1079,7 @@ class Group {
   // (kInt8Panels) takes any number of rows.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
-    if (kind_ == kTensors || ((kind_ == kTokens || kind_ == kInt8Panels) && std::is_same<T, double>::value) ||
-        (kind_ == kTokens && M != 1))
+    if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Panels) && std::is_same<T, double>::value))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) return run_tokens(x, ys);
     if (kind_ == kInt8Panels) return run_int8_panels(x, ys, M);
@@ -1138,17 +1142,21 @@ class Group {
     uint8_t* au = grown(au_keep, M * K_);
     float* s = grown(s_keep, M);
     int32_t* z = grown(z_keep, M);
-    for (int64_t m = 0; m < M; ++m) {
-      uint8_t* q = au + m * K_;
-      TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, q, s + m, z + m),
-                  "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
-      // the kernel takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); unsigned
-      // codes u are a + 128 for a = u - 128, whose zero point is z - 128
-      if (symmetric)
-        for (int64_t k = 0; k < K_; ++k) q[k] ^= 0x80;
-      else
-        z[m] -= 128;
-    }
+    // rows spread over the threads from a prefill's many (a decode step's few stay on one:
+    // a parallel region costs more than they do)
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        uint8_t* q = au + m * K_;
+        TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, q, s + m, z + m),
+                    "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+        // the kernel takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); unsigned
+        // codes u are a + 128 for a = u - 128, whose zero point is z - 128
+        if (symmetric)
+          for (int64_t k = 0; k < K_; ++k) q[k] ^= 0x80;
+        else
+          z[m] -= 128;
+      }
+    });
     std::vector<at::Tensor> biases;  // rounded to T, as float32 (int8_linear's bias)
     std::vector<Int8Out> ws;
     for (size_t i = 0; i < ps_.size(); ++i) {
@@ -1420,7 +1428,46 @@ class Decoder {
     return steps(h, cos, sin, keys, values, r, p, N);
   }
 
+  // Layer `layer`'s projections of one input (which: 0 q/k/v, 1 o, 2 gate/up, 3 down) of the
+  // rows x [M, in_features] in the model's dtype, as a step runs them: a prefill's q/k/v and
+  // gate/up in one call each where they share a kernel (W8A8's x quantized once, their
+  // panels in one parallel region), the same bits as each projection alone.
+  std::vector<at::Tensor> project(int64_t layer, int64_t which, const at::Tensor& x) const {
+    const Layer& L = layers_[checked_layer(layer, which)];
+    const Group& g = group(L, which);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == g.in_features() && x.device().is_cpu(),
+                "lowbit decode: project takes rows [M, ", g.in_features(), "] on the CPU, got ", x.sizes());
+    TORCH_CHECK(x.scalar_type() == L.ln1.scalar_type(), "lowbit decode: project takes rows in the model's dtype ",
+                L.ln1.scalar_type(), ", got ", x.scalar_type());
+    const int64_t M = x.size(0);
+    const at::Tensor xc = x.contiguous();
+    std::vector<at::Tensor> ys;
+    for (size_t i = 0; i < g.size(); ++i) ys.push_back(at::empty({M, g.out_features(i)}, x.options()));
+    if (M == 0) return ys;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lowbit_decode_project", [&] {
+      std::vector<scalar_t*> py;
+      for (at::Tensor& y : ys) py.push_back(y.data_ptr<scalar_t>());
+      g.run<scalar_t>(xc.data_ptr<scalar_t>(), py.data(), M);
+    });
+    return ys;
+  }
+
+  // Whether project(layer, which, x) of M rows runs the projections in one call.
+  bool fuses(int64_t layer, int64_t which, int64_t M) const {
+    return group(layers_[checked_layer(layer, which)], which).one_call(M);
+  }
+
  private:
+  size_t checked_layer(int64_t layer, int64_t which) const {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4,
+                "lowbit decode: a layer below ", layers_.size(), " and which in 0..3 expected, got ", layer, ", ",
+                which);
+    return static_cast<size_t>(layer);
+  }
+  static const Group& group(const Layer& L, int64_t which) {
+    return which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+  }
+
   // The checks both steps share (each checked the number of caches already), then steps_as
   // in h's dtype.  A cache [KV, cap, hd] is sequence 0 of [1, KV, cap, hd]: the same memory.
   at::Tensor steps(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& keys,
@@ -1585,5 +1632,7 @@ void bind_decode(pybind11::module& m) {
       .def("set_embedding", &Decoder::set_embedding)
       .def("greedy", &Decoder::greedy, py::call_guard<py::gil_scoped_release>())
       .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>())
-      .def("step_rows", &Decoder::step_rows, py::call_guard<py::gil_scoped_release>());
+      .def("step_rows", &Decoder::step_rows, py::call_guard<py::gil_scoped_release>())
+      .def("project", &Decoder::project, py::call_guard<py::gil_scoped_release>())
+      .def("fuses", &Decoder::fuses);
 }
