@@ -140,24 +140,37 @@ def test_the_tiny_llama_reads_and_loads_into_transformers(good, tmp_path, monkey
 
 def test_a_changed_file_replaces_its_stale_cache_entry(good, tmp_path, monkeypatch):
     """Converting a file again (new size or mtime, e.g. after a reinstall) deletes the
-    entries lowbit wrote for the same path before; other folders in the cache stay."""
+    entries lowbit wrote for the same path before, and those of GGUF files that are gone
+    (a deleted virtual environment's); other folders in the cache stay."""
     import json
     import os
+    import shutil
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("LOWBIT_CACHE", str(cache))
     lowbit.load_model(good, progress=False)
     (first,) = [p for p in cache.iterdir() if p.is_dir()]
-    other = cache / f"{good.stem}-1-2"  # the same name, converted from another path
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"lowbit_source": {"gguf": "/elsewhere/" + good.name}}))
+    assert json.loads((first / "config.json").read_text())["lowbit_source"]["gguf"] == str(good.absolute())
+    elsewhere = tmp_path / "elsewhere" / good.name  # the same file at another path, still there
+    elsewhere.parent.mkdir()
+    shutil.copy(good, elsewhere)
+
+    def entry(name, source):  # a conversion lowbit wrote from `source`
+        (cache / name).mkdir()
+        (cache / name / "config.json").write_text(json.dumps({"lowbit_source": {"gguf": source}}))
+        return cache / name
+
+    other = entry(f"{good.stem}-1-2", str(elsewhere))
+    gone = entry("another-3-4", str(tmp_path / "deleted-venv" / "another.gguf"))
+    relative = entry("relative-5-6", "models/x.gguf")  # whose file cannot be told: kept
     mine = cache / f"{good.stem}-notes"  # a user's folder: no lowbit_source
     mine.mkdir()
     st = good.stat()
     os.utime(good, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     lowbit.load_model(good, progress=False)
-    assert not first.exists() and other.exists() and mine.exists()
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
+    assert not first.exists() and not gone.exists()
+    assert other.exists() and relative.exists() and mine.exists()
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 4
 
 
 def test_bundled_model_passes_the_checks():

@@ -60,7 +60,7 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     with cache_entry(entry) as tmp:
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the float copy is no longer GGUF-quantized
-        config["lowbit_source"] = {"gguf": str(gguf), "note": note}
+        config["lowbit_source"] = {"gguf": str(gguf.absolute()), "note": note}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head copy
         tok.save_pretrained(tmp)
@@ -69,20 +69,25 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
 
 
 def _prune_stale(entry: Path, gguf: Path) -> None:
-    """Delete earlier conversions of the same GGUF path (written by lowbit when the file had
-    another size or modification time, e.g. before a reinstall): nothing reads them again,
-    and each holds the whole model in float32.  Entries of other files are left alone."""
+    """Delete the float conversions lowbit wrote earlier that nothing reads again, each the
+    whole model in float32: those of the same GGUF path (written when the file had another
+    size or modification time, e.g. before a reinstall) and those whose GGUF file is gone
+    (the bundled model of a deleted virtual environment).  Folders lowbit did not write (no
+    ``lowbit_source`` in their config.json) and conversions of files that exist stay."""
     import shutil
 
-    prefix = f"{gguf.stem}-"
+    mine = {str(gguf), str(gguf.absolute())}
     for other in entry.parent.iterdir():
-        if other == entry or not other.name.startswith(prefix) or not other.is_dir() or other.is_symlink():
+        if other == entry or not other.is_dir() or other.is_symlink():
             continue
         try:
             source = json.loads((other / "config.json").read_text())["lowbit_source"]["gguf"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a conversion lowbit wrote
-        if source == str(gguf):
+        if not isinstance(source, str):
+            continue
+        gone = os.path.isabs(source) and not os.path.exists(source)  # a relative path: unknown, kept
+        if source in mine or gone:
             shutil.rmtree(other, ignore_errors=True)
 
 
