@@ -184,15 +184,9 @@ void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row,
   if (M == 0) return;
   const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
   const int64_t KC = (K / 4 + chunks - 1) / chunks * 4;
-  std::vector<int64_t> first{0};  // weight j's panels are first[j] .. first[j + 1] - 1
-  for (const Int8Out& w : ws) first.push_back(first.back() + (w.N + NP - 1) / NP);
-  const int64_t panels = first.back();
-  const PanelWork work(panels, M, MR, at::get_num_threads());
-  const auto panel_of = [&](int64_t i) {  // item i's weight and first column
-    const int64_t p = i / work.parts;
-    const size_t j = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
-    return std::make_pair(j, (p - first[j]) * NP);
-  };
+  std::vector<int64_t> Ns;
+  for (const Int8Out& w : ws) Ns.push_back(w.N);
+  const PanelItems items(Ns, NP, M, MR);
   const uint32_t* pa = reinterpret_cast<const uint32_t*>(au);
   const int64_t lda = K / 4;
   struct State {
@@ -200,18 +194,17 @@ void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row,
     std::vector<int32_t> partial;  // the part's sums over the chunks of K before the last
   };
   each_item(
-      work.items(panels),
-      [&] { return State{PanelBuffer(KC / 4 * NP), std::vector<int32_t>(chunks > 1 ? work.rows * NP : 0)}; },
+      items.size(),
+      [&] { return State{PanelBuffer(KC / 4 * NP), std::vector<int32_t>(chunks > 1 ? items.work.rows * NP : 0)}; },
       [&](State& st, int64_t i) {
-        const auto [j, n0] = panel_of(i);
+        const auto [j, n0, m0, m1] = items[i];
         const Int8Out& w = ws[j];
-        const int64_t m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
         const int ncols = static_cast<int>(std::min<int64_t>(NP, w.N - n0));
         // the next item's panel, prefetched as this one is packed, when it is this weight's
         int64_t next_n0 = -1;
-        if (i + 1 < work.items(panels)) {
-          const auto [jn, nn] = panel_of(i + 1);
-          if (jn == j) next_n0 = nn;
+        if (i + 1 < items.size()) {
+          const PanelItems::Item next = items[i + 1];
+          if (next.j == j) next_n0 = next.n0;
         }
         alignas(64) int32_t colsum[NP] = {};
         alignas(64) int32_t chunk_sum[NP];

@@ -1,5 +1,5 @@
 // What the panel GEMMs (gemm_bf16.cpp, gemm_int8.cpp, gemm_a8.cpp, gemm_i16.cpp) share:
-// how their work is split between threads (PanelWork, each_panel), per-group values laid
+// how their work is split between threads (PanelWork, PanelItems, each_panel), per-group values laid
 // out per panel (pack_groups), and for the AVX-512 ones the panel layout, its register tile
 // and the 16 x 16 transpose that lays 16 rows of a weight out as the 16 lanes of a vector.
 #pragma once
@@ -51,28 +51,47 @@ struct PanelWork {
   int64_t items(int64_t panels) const { return panels * parts; }
 };
 
-// The loop of a panel GEMM over several weights (q/k/v or gate/up share one parallel
-// region): for every panel of COLS weight rows of every weight (numbered in one range,
-// weight j has Ns[j] rows) and every part of the activation rows (PanelWork),
-// pack(j, n0, scratch), then tile(rows, j, m, n0, cols, scratch) for the part's rows in
-// tiles of ROWS rows (rows: std::integral_constant<int, ROWS>) and a tail of single rows;
-// cols = the panel's columns that exist.  scratch = make(), one per thread.
+// The items of a panel GEMM over several weights of one input (q/k/v or gate/up share one
+// parallel region): every panel of `cols` weight rows of every weight (numbered in one
+// range, weight j has Ns[j] rows) times every part of the activation rows (PanelWork).
+struct PanelItems {
+  struct Item {
+    size_t j;            // the weight
+    int64_t n0, m0, m1;  // its first column; the activation rows [m0, m1)
+  };
+  std::vector<int64_t> first;  // weight j's panels are first[j] .. first[j + 1] - 1
+  int64_t cols, M;
+  PanelWork work;  // made from first, declared before it
+
+  PanelItems(const std::vector<int64_t>& Ns, int64_t cols_, int64_t M_, int64_t tile_rows)
+      : first(firsts(Ns, cols_)), cols(cols_), M(M_), work(first.back(), M_, tile_rows, at::get_num_threads()) {}
+  int64_t size() const { return work.items(first.back()); }
+  Item operator[](int64_t i) const {
+    const int64_t p = i / work.parts, m0 = i % work.parts * work.rows;
+    const size_t j = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;  // p's weight
+    return {j, (p - first[j]) * cols, m0, std::min(M, m0 + work.rows)};
+  }
+  static std::vector<int64_t> firsts(const std::vector<int64_t>& Ns, int64_t cols) {
+    std::vector<int64_t> out{0};
+    for (int64_t N : Ns) out.push_back(out.back() + (N + cols - 1) / cols);
+    return out;
+  }
+};
+
+// The loop of a panel GEMM over PanelItems: for each item pack(j, n0, scratch), then
+// tile(rows, j, m, n0, cols, scratch) for the item's rows in tiles of ROWS rows (rows:
+// std::integral_constant<int, ROWS>) and a tail of single rows; cols = the panel's columns
+// that exist.  scratch = make(), one per thread.
 template <int COLS, int ROWS, typename Make, typename Pack, typename Tile>
 void each_panel(const std::vector<int64_t>& Ns, int64_t M, Make make, Pack pack, Tile tile) {
-  std::vector<int64_t> first{0};
-  for (int64_t N : Ns) first.push_back(first.back() + (N + COLS - 1) / COLS);
-  const int64_t panels = first.back();
-  const PanelWork work(panels, M, ROWS, at::get_num_threads());
-  each_item(work.items(panels), make, [&](auto& scratch, int64_t i) {
-    const int64_t p = i / work.parts, part = i % work.parts;
-    const size_t j = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;  // p's weight
-    const int64_t n0 = (p - first[j]) * COLS;
+  const PanelItems items(Ns, COLS, M, ROWS);
+  each_item(items.size(), make, [&](auto& scratch, int64_t i) {
+    const auto [j, n0, m0, m1] = items[i];
     const int cols = static_cast<int>(std::min<int64_t>(COLS, Ns[j] - n0));
     pack(j, n0, scratch);
-    const int64_t m_end = std::min(M, (part + 1) * work.rows);
-    int64_t m = part * work.rows;
-    for (; m + ROWS <= m_end; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, scratch);
-    for (; m < m_end; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, scratch);
+    int64_t m = m0;
+    for (; m + ROWS <= m1; m += ROWS) tile(std::integral_constant<int, ROWS>{}, j, m, n0, cols, scratch);
+    for (; m < m1; ++m) tile(std::integral_constant<int, 1>{}, j, m, n0, cols, scratch);
   });
 }
 
