@@ -137,6 +137,7 @@ class Runner:
                          and self.head_dim % 16 == 0 else None)
         self._rms_row = cpu.rms_norm_rows if native else None
         self._rope_rows = cpu.rope if native else None
+        self._argmax_rows = cpu.argmax_rows if native else (lambda logits: logits.argmax(-1))
         # a prefill's rows too (25 -> 6 ms of a 512-token prefill's 61 norms), but
         # LOWBIT_NATIVE_DECODE=0 keeps ATen's rms_norm (transformers' bits), as the attention
         self._rms_many = self._rms_row if self._native else None
@@ -355,7 +356,7 @@ class Runner:
             if do_sample:
                 picks = [_pick(row.float(), True, temperature, top_k, top_p, gen) for row in logits]
             else:
-                picks = logits.argmax(-1).tolist()
+                picks = self._argmax_rows(logits).tolist()
             still = []
             for i, tok in zip(running, picks):
                 seq = out.sequences[i]

@@ -472,6 +472,28 @@ def test_greedy_step_writes_the_cache_as_step_and_takes_numpys_argmax():
     assert d.greedy(2, 5, cos, sin, *caches[0]) == 9
 
 
+@pytest.mark.skipif(not FAST_BACKENDS, reason="needs lowbit._C")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_takes_numpys_argmax_of_each_row(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(37, 1000).to(dtype)
+    x[3, [17, 900]] = 50  # a tie: the first
+    x[5, [400, 12]] = float("nan")  # NaNs: the first NaN, whatever the values
+    x[6, -1] = 60  # the last element, past the 16-lane loop's remainder
+    x[7] = float("-inf")  # all -inf: index 0
+    x[8, :999] = float("-inf")
+    x[8, 999] = float("nan")
+    want = [int(row.numpy().argmax()) for row in x.float()]
+    got = cpu.argmax_rows(x)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert want[3] == 17 and want[5] == 12 and want[6] == 999 and want[7] == 0 and want[8] == 999
+    assert cpu.argmax_rows(x[:, :13]).tolist() == [int(r.numpy().argmax()) for r in x[:, :13].float()]
+    assert cpu.argmax_rows(x.t()[:9]).tolist() == [int(r.numpy().argmax()) for r in x.t()[:9].float()]
+    for bad in (torch.zeros(4), torch.zeros(3, 0)):
+        with pytest.raises(RuntimeError, match=r"argmax_rows: x must be \[rows, n\] with n > 0"):
+            cpu.argmax_rows(bad)
+
+
 @pytest.mark.skipif(not FAST_BACKENDS or not cpu._C.has_dense_rows(), reason="needs lowbit._C with AVX2")
 def test_float32_projections_run_the_dense_kernel_in_decode_steps_only(smol, prompt_ids, monkeypatch):
     calls = []

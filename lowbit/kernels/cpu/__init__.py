@@ -1049,6 +1049,20 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
     return _C.prefill_attention(q, keys, values, seqs, pos, scaling)
 
 
+def argmax_rows(x):
+    """The first index of the largest value of each row of x [rows, n] (float32, bfloat16
+    or float16, compared as float32; a NaN counts as the largest, as numpy's argmax), as
+    int64 [rows]: a batch step's greedy picks, rows spread over the threads.
+
+    Example::
+
+        >>> import torch
+        >>> argmax_rows(torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 5.0, 0.0]]))
+        tensor([1, 0])
+    """
+    return _C.argmax_rows(x)
+
+
 def rms_norm_rows(h, w, eps: float):
     """RMSNorm of rows in one pass, float32 arithmetic (as transformers' LlamaRMSNorm),
     each row on its own: a row has the same bits alone or among many.
