@@ -291,14 +291,21 @@ def test_w8a8_static_per_tensor_activation_scale():
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("zero_point, bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("values", ["random", "extreme"])
-@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100), (64, 70, 256)])
+@pytest.mark.parametrize("m, n, k", [(1, 8, 64), (13, 200, 584), (7, 70, 4100), (64, 70, 256), (24, 33, 576),
+                                     (16, 200, 584), (30, 33, 4100), (32, 70, 256), (48, 17, 64)])
 def test_cpu_w8a8_kernel_is_bit_exact_with_the_composed_ops(out_dtype, zero_point, bias, values, m, n, k):
     # gemm_int8.cpp: panels of 64 columns (n = 200: a tail of 8), tiles of 6 rows (13 = 6 + 6 + 1),
     # K in chunks of at most 2048 (4100: three, partial sums through the int32 scratch),
     # transposes of 64 bytes with a masked tail (584 = 9 * 64 + 8); with 2 panels for 64 rows
-    # the rows are split between threads too (panels.h).
+    # the rows are split between threads too (panels.h).  16, 30, 32 and 48 rows take
+    # rows16_linear instead: blocks of 16 activation rows (30: the second one 14 rows; 48: two
+    # blocks, then one), 16 weight rows at a time (n = 17, 33: a last tile of one column),
+    # the activations' layout with a masked tail of dwords (584 / 4 = 9 * 16 + 2), the
+    # weight's row sums with a masked tail of bytes (584 = 9 * 64 + 8).
     if not cpu.available():
         pytest.skip(cpu.load_error())
+    if cpu._C.int8_gemm_supported(64):
+        assert cpu._C.int8_linear_rows16(m) == (m in (16, 30, 32, 48))
     args = int8_linear_case(m, n, k, values, zero_point, bias, out_dtype)
     # the reference backend composes the op: int8_mm, zero-point correction, epilogue, bias
     assert torch.equal(get_backend("cpu").int8_linear(*args), get_backend("reference").int8_linear(*args))

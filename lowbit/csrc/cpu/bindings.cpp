@@ -102,6 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_gemm_f32", &weight_only_gemm_f32,
         "x [M, K] @ W.T for a 4/8-bit weight: gemm_f32 on panels of W dequantized as it goes");
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_linear handles K");
+  m.def("int8_linear_rows16", &int8_linear_rows16,
+        "whether int8_linear takes M rows with the weight as stored (a batch step's 16-48), not packed panels");
   m.def("int8_linear", &int8_linear, "W8A8: int8 GEMM (vpdpbusd) with the dequantize_accumulator epilogue fused");
   m.def("has_int8_rows", &has_int8_rows, "whether int8_mm_rows (AVX2 vpmaddwd) was compiled in");
   m.def("int8_mm_rows", &int8_mm_rows, "int8 a [M, K] @ int8 b [N, K].T, exact int32, for a few rows without VNNI");

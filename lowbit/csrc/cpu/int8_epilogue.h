@@ -48,7 +48,11 @@ inline void rowcol16(const RowCol& e, __m512i acc, __m512i colsum, int64_t m, in
   if (e.a_zp) acc = _mm512_sub_epi32(acc, _mm512_mullo_epi32(_mm512_set1_epi32(e.a_zp[m]), colsum));
   __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(e.row[m])),
                            _mm512_maskz_loadu_ps(mask, e.col + n));
-  if (e.bias) f = _mm512_add_ps(round_to<T>(f), _mm512_maskz_loadu_ps(mask, e.bias + n));
+  // an add with its own rounding: a plain _mm512_add_ps is GCC's vector +, which it may fuse
+  // with the multiply above into one FMA (-ffp-contract=fast, the default) where inlined
+  if (e.bias)
+    f = _mm512_add_round_ps(round_to<T>(f), _mm512_maskz_loadu_ps(mask, e.bias + n),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   store<T>(static_cast<T*>(e.y) + m * e.N + n, mask, f);
 }
 
