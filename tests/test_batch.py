@@ -184,10 +184,12 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
               "q4_1-a8": lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")}.get(recipe, recipe)
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
-    # 40 rows, then 20, 10, 5, 2, 1: past the row kernels' limits and AMX's, then below them
-    prompts = [torch.randint(0, 96, (3 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(40)]
-    native, ran = _same_batch_steps(m, prompts, 6, monkeypatch)
-    for n in (40, 20, 10, 5, 2, 1):  # the C++ step ran wherever the plans allow it
+    # 64 rows, then 32, 16, 8, 4, 2, 1: past the row kernels' limits and AMX's, then below
+    # them; W8A8's 32 and 16 on gemm_int8's rows16_linear (the weights' row sums kept by the
+    # C++ step, taken by the kernel on the Python path), 64 and 8 on its panels
+    prompts = [torch.randint(0, 96, (3 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(64)]
+    native, ran = _same_batch_steps(m, prompts, 7, monkeypatch)
+    for n in (64, 32, 16, 8, 4, 2, 1):  # the C++ step ran wherever the plans allow it
         assert (n in ran) == _batch_step_covers(m, dtype, n), n
     if dtype != torch.float16 or recipe is None:  # float16 x has no int8-block or W4A8 kernel for every plan
         assert ran, "the C++ step never ran"
@@ -224,8 +226,8 @@ def test_native_batch_step_on_the_bundled_model(recipe, prompts, monkeypatch):
     m = lowbit.load_model(dtype=torch.bfloat16)[0]
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
-    _, ran = _same_batch_steps(m, prompts * 9, 3, monkeypatch)  # 36 sequences, then 18 and 9
-    assert ran == [n for n in (36, 18, 9) if _batch_step_covers(m, torch.bfloat16, n)]
+    _, ran = _same_batch_steps(m, prompts * 8, 3, monkeypatch)  # 32 sequences, then 16 and 8
+    assert ran == [n for n in (32, 16, 8) if _batch_step_covers(m, torch.bfloat16, n)]
 
 
 @pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
