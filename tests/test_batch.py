@@ -185,8 +185,7 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
     if recipe is not None:
         m = lowbit.quantize_model(m, recipe, inplace=False)
     # 64 rows, then 32, 16, 8, 4, 2, 1: past the row kernels' limits and AMX's, then below
-    # them; W8A8's 32 and 16 on gemm_int8's rows16_linear (the weights' row sums kept by the
-    # C++ step, taken by the kernel on the Python path), 64 and 8 on its panels
+    # them; W8A8's 32 and 16 on gemm_int8's rows16_linear, 64 and 8 on its panels
     prompts = [torch.randint(0, 96, (3 + i % 7,), generator=torch.Generator().manual_seed(i)) for i in range(64)]
     native, ran = _same_batch_steps(m, prompts, 7, monkeypatch)
     for n in (64, 32, 16, 8, 4, 2, 1):  # the C++ step ran wherever the plans allow it
