@@ -140,13 +140,14 @@ constexpr std::array<TileFn, MR> tile_table(std::integer_sequence<int, Rs...>) {
 constexpr auto TILES = tile_table(std::make_integer_sequence<int, MR>{});
 
 // ---- a batch step's rows: the weight read as it is --------------------------------------
-// With a batch step's 16-64 rows of activations each 64-row panel serves only a few tiles,
+// With a batch step's 16-48 rows of activations each 64-row panel serves only a few tiles,
 // and packing the panels was 17.5% of a 32-sequence W8A8 step (perf, Zen 4).  Here the
-// operands swap places: 16 rows of activations (a + 128) become one vector per dword of K
-// (xp[k / 4][16], laid out once per call), and a dword of each of 16 weight rows is
-// broadcast from the weight as it is stored, into 16 accumulators whose lane r is
-// activation row r.  The 16 x 16 block of sums is transposed into rows for the panels'
-// epilogue: the same exact int32 sums through the same store, so the same bits.
+// operands swap places: each block of 16 rows of activations (a + 128) becomes one vector
+// per dword of K (xp[k / 4][16], laid out once per call), and a dword of each weight row is
+// broadcast from the weight as it is stored into the accumulators of its row, lane r
+// holding activation row r (dots8: 8 weight rows x 2 blocks at a time).  Each 16 x 16
+// block of sums is transposed into rows for the panels' epilogue: the same exact int32
+// sums through the same store, so the same bits.
 
 // au [M, K] -> xp[block][k / 4][16]: block b's lane r is row 16 b + r (zero past M).
 void pack_rows16(const uint8_t* au, int64_t M, int64_t K, uint32_t* xp) {
