@@ -455,15 +455,6 @@ template <typename T>
 void add_into(T* h, const T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = h[i] + y[i];
 }
-#if defined(__AVX512F__) && defined(__F16C__)
-// 16 values as float32 (exact).
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load16f(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-#endif
-
 // The first index of the largest of x[0..n) compared as float32, a NaN the largest (the
 // first NaN, as numpy's argmax), 0 for n = 0: the maximum (and whether there is a NaN) in
 // one pass, then the first index that holds it (the NaN) in another; 16 lanes at a time
@@ -474,12 +465,12 @@ int64_t first_max(const T* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__F16C__)
-  if constexpr (!std::is_same<T, double>::value) {
+#ifdef LOWBIT_ATTEND_AVX512
+  if constexpr (!std::is_same<T, double>::value) {  // load16: the attention's loads, float32 exactly
     __m512 most = _mm512_set1_ps(top);
     __mmask16 unordered = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m512 v = load16f(x + i);
+      const __m512 v = load16(x + i);
       unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       most = _mm512_max_ps(most, v);  // a NaN lane goes wrong here, but then `nan` decides
     }
@@ -493,11 +484,11 @@ int64_t first_max(const T* x, int64_t n) {
     nan |= v != v;
   }
   int64_t j = 0;
-#if defined(__AVX512F__) && defined(__F16C__)
+#ifdef LOWBIT_ATTEND_AVX512
   if constexpr (!std::is_same<T, double>::value) {
     const __m512 t = _mm512_set1_ps(top);
     for (; j + 16 <= n; j += 16) {
-      const __m512 v = load16f(x + j);
+      const __m512 v = load16(x + j);
       const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
       if (hit) return j + __builtin_ctz(hit);
     }

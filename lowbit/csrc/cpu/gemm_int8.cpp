@@ -239,19 +239,19 @@ void tile16(const uint32_t* xp, int64_t kq, const int8_t* const rows[16], const 
   }
 }
 
-// int8_linear_into's work on xp: items of 16 weight rows of one weight, all M rows each.
+// int8_linear_into's work on xp: items of 16 weight rows of one weight (PanelItems of 16
+// columns; one tile of all M rows, so one part: every item takes all the rows).
 void rows16_linear(const uint32_t* xp, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
-                   at::ScalarType out, const std::vector<Int8Out>& ws) {
-  std::vector<int64_t> first{0};
-  for (const Int8Out& w : ws) first.push_back(first.back() + (w.N + 15) / 16);
+                   at::ScalarType out, const std::vector<Int8Out>& ws, const std::vector<int64_t>& Ns) {
+  const PanelItems items(Ns, 16, M, M);
   const int64_t kq = K / 4;
-  each_item(first.back(), [] { return 0; }, [&](int, int64_t i) {
-    const size_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+  each_item(items.size(), [] { return 0; }, [&](int, int64_t i) {
+    const size_t j = items[i].j;
     const Int8Out& w = ws[j];
-    const int64_t n0 = (i - first[j]) * 16;
+    const int64_t n0 = items[i].n0;
     const int8_t* rows[16];
     const int8_t* next[16];
-    const bool has_next = i + 1 < first[j + 1];
+    const bool has_next = i + 1 < items.first[j + 1];
     for (int r = 0; r < 16; ++r) {
       rows[r] = w.b + std::min<int64_t>(n0 + r, w.N - 1) * K;
       next[r] = w.b + std::min<int64_t>(n0 + 16 + r, w.N - 1) * K;
@@ -328,17 +328,17 @@ void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row,
   TORCH_CHECK(int8_gemm_supported(K), "lowbit._C.int8_linear: K must be a multiple of 4 below 2^17");
 #ifdef LOWBIT_HAVE_INT8_GEMM
   if (M == 0) return;
+  std::vector<int64_t> Ns;
+  for (const Int8Out& w : ws) Ns.push_back(w.N);
   if (int8_linear_rows16(M)) {
     thread_local std::vector<uint32_t> xp_keep;
     uint32_t* xp = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(grown(xp_keep, (M + 15) / 16 * 16 * (K / 4) + 16)) + 63) & ~uintptr_t(63));
     pack_rows16(au, M, K, xp);
-    return rows16_linear(xp, M, K, row, a_zp, out, ws);
+    return rows16_linear(xp, M, K, row, a_zp, out, ws, Ns);
   }
   const int64_t chunks = (K + KC_MAX - 1) / KC_MAX;
   const int64_t KC = (K / 4 + chunks - 1) / chunks * 4;
-  std::vector<int64_t> Ns;
-  for (const Int8Out& w : ws) Ns.push_back(w.N);
   const PanelItems items(Ns, NP, M, MR);
   const uint32_t* pa = reinterpret_cast<const uint32_t*>(au);
   const int64_t lda = K / 4;
