@@ -199,7 +199,8 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_runs_the_w8a8_groups_in_one_call_with_the_same_bits(recipe, dtype):
     # Runner.forward's prefill takes q/k/v and gate/up through the C++ step planned for its
-    # rows where that runs each group as one call (W8A8 on gemm_int8's panels), else one by one
+    # rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX tiles),
+    # else one by one
     m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
     if recipe is not None:

@@ -143,19 +143,21 @@ struct Block {
   const int32_t* sums;
 };
 
-// The weight as stored (int8, or bf16 with BF16): a block is its rows in place, or a
-// zero-padded copy of the last rows; their sums where `sums`.  One per thread.
+// The weights as stored (int8, or bf16 with BF16; weight j: rows of Kb bytes at bs[j], Ns[j]
+// of them): a block is its rows in place, or a zero-padded copy of the last rows; their sums
+// where `sums`.  One per thread.
 struct StoredRows {
-  const uint8_t* b;
-  int64_t Kb, N;
+  std::vector<const uint8_t*> bs;
+  std::vector<int64_t> Ns;
+  int64_t Kb;
   bool sums;
   std::vector<uint8_t> tail;
   alignas(64) int32_t colsum[BLOCK] = {};
-  Block operator()(int64_t n0) {
-    const uint8_t* w = b + n0 * Kb;
-    if (N - n0 < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
+  Block operator()(size_t j, int64_t n0) {
+    const uint8_t* w = bs[j] + n0 * Kb;
+    if (Ns[j] - n0 < BLOCK) {  // tile loads read 32 weight rows: the missing ones zero
       tail.assign(BLOCK * Kb, 0);
-      std::copy(w, w + (N - n0) * Kb, tail.begin());
+      std::copy(w, w + (Ns[j] - n0) * Kb, tail.begin());
       w = tail.data();
     }
     if (!sums) return {w, nullptr};
@@ -175,13 +177,14 @@ struct StoredRows {
 // 149 / 147, dense 303 / 256; M=32 int8 69 / 50).
 constexpr int64_t PACKED_WEIGHT_MIN_M = 128;
 
-// Every block of 32 weight rows (N of them, rows of Kb bytes: int8 values, or bf16 ones with
-// BF16; source = make(), one per thread, gives block n0's rows) x 32 rows of a; out(r, m,
-// rows, n0, cols, sums) writes one C tile's outputs, r[i] (int32, or float32 bits) the 16
-// weight rows n0 .. of row m + i of a, `rows` and `cols` of them real, sums: the block's
-// from n0 on.
+// Every block of 32 weight rows of every weight (weight j has Ns[j] rows of Kb bytes: int8
+// values, or bf16 ones with BF16; source = make(), one per thread, gives block n0 of weight
+// j as source(j, n0)) x 32 rows of a, all in one parallel region (q/k/v or gate/up share
+// a's packing); out(j, r, m, rows, n0, cols, sums) writes one C tile's outputs, r[i] (int32,
+// or float32 bits) the 16 rows n0 .. of weight j for row m + i of a, `rows` and `cols` of
+// them real, sums: the block's from n0 on.
 template <bool BF16, typename Make, typename Out>
-void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out) {
+void run(const uint8_t* a, int64_t M, int64_t Kb, const std::vector<int64_t>& Ns, Make make, Out out) {
   const bool packed_weight = M >= PACKED_WEIGHT_MIN_M;
   // the rows of a as B tiles; or, with the weight packed, a's last rows past a multiple of
   // 32 with zero rows after them (tile loads read 32 rows)
@@ -195,10 +198,9 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
   } else {
     pack_rows(a, M, Kb, tiles, xp);
   }
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
   // at least 8 items per thread: each_item gives them out as threads ask, so a thread running
   // slower than the other takes fewer
-  const PanelWork work(blocks, M, BLOCK, 2 * at::get_num_threads());
+  const PanelItems items(Ns, BLOCK, M, BLOCK, 2 * at::get_num_threads());
   struct State {
     Tiles tiles;
     decltype(make()) source;
@@ -208,37 +210,36 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
   const auto setup = [&] {
     return State{{}, make(), std::vector<int32_t>(packed_weight ? BLOCK * Kb / 4 + 16 : 0), {}};
   };
-  each_item(work.items(blocks), setup, [&](State& s, int64_t i) {
-    const int64_t n0 = i / work.parts * BLOCK, part = i % work.parts;
-    const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-    const Block blk = s.source(n0);
-    const int64_t m_end = std::min(M, (part + 1) * work.rows);
+  each_item(items.size(), setup, [&](State& s, int64_t i) {
+    const auto [j, n0, m_begin, m_end] = items[i];
+    const int cols = static_cast<int>(std::min<int64_t>(BLOCK, Ns[j] - n0));
+    const Block blk = s.source(j, n0);
     __m512i r[TILE];
     if (packed_weight) {
       int32_t* wp = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(s.wp.data()) + 63) & ~uintptr_t(63));
       pack_tile(blk.w, BLOCK, Kb, 0, wp);
       pack_tile(blk.w, BLOCK, Kb, 1, wp);
-      for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+      for (int64_t m = m_begin; m < m_end; m += BLOCK) {
         const uint8_t* rows = m + BLOCK <= M ? a + m * Kb : reinterpret_cast<const uint8_t*>(xp);
-        block<BF16, true>(rows, Kb, wp, s.c);  // c[2h + j]: rows of a m + 16h .. x weight rows n0 + 16j ..
+        block<BF16, true>(rows, Kb, wp, s.c);  // c[2h + c]: rows of a m + 16h .. x weight rows n0 + 16c ..
         for (int h = 0; h < 2 && m + TILE * h < m_end; ++h)
-          for (int j = 0; j < 2 && TILE * j < cols; ++j) {
-            for (int q = 0; q < TILE; ++q) r[q] = _mm512_load_si512(s.c[2 * h + j] + q * TILE);
-            out(r, m + TILE * h, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * h)), n0 + TILE * j,
-                std::min(TILE, cols - TILE * j), blk.sums ? blk.sums + TILE * j : nullptr);
+          for (int c = 0; c < 2 && TILE * c < cols; ++c) {
+            for (int q = 0; q < TILE; ++q) r[q] = _mm512_load_si512(s.c[2 * h + c] + q * TILE);
+            out(j, r, m + TILE * h, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * h)), n0 + TILE * c,
+                std::min(TILE, cols - TILE * c), blk.sums ? blk.sums + TILE * c : nullptr);
           }
       }
       return;
     }
-    for (int64_t m = part * work.rows; m < m_end; m += BLOCK) {
+    for (int64_t m = m_begin; m < m_end; m += BLOCK) {
       const bool two = m + TILE < m_end;
       const int32_t* xt = xp + m / TILE * (Kb / 4 * TILE);
-      if (two) block<BF16, true>(blk.w, Kb, xt, s.c);  // c[2h + j]: weight rows n0 + 16h .. x rows m + 16j ..
+      if (two) block<BF16, true>(blk.w, Kb, xt, s.c);  // c[2h + t]: weight rows n0 + 16h .. x rows m + 16t ..
       else block<BF16, false>(blk.w, Kb, xt, s.c);
-      for (int j = 0; j < (two ? 2 : 1); ++j)
+      for (int t = 0; t < (two ? 2 : 1); ++t)
         for (int h = 0; h < 2 && TILE * h < cols; ++h) {
-          rows_of(s.c[2 * h + j], r);
-          out(r, m + TILE * j, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * j)), n0 + TILE * h,
+          rows_of(s.c[2 * h + t], r);
+          out(j, r, m + TILE * t, static_cast<int>(std::min<int64_t>(TILE, m_end - m - TILE * t)), n0 + TILE * h,
               std::min(TILE, cols - TILE * h), blk.sums ? blk.sums + TILE * h : nullptr);
         }
     }
@@ -247,14 +248,23 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, int64_t N, Make make, Out out)
 
 inline __mmask16 lanes(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
+// W8A8 for every weight of ws (one input a, one parallel region): int8_epilogue's outputs.
 template <typename T>
-void linear_run(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, const int8_epilogue::RowCol& e) {
-  const auto make = [&] { return StoredRows{reinterpret_cast<const uint8_t*>(b), K, N, e.a_zp != nullptr}; };
-  run<false>(reinterpret_cast<const uint8_t*>(a), M, K, N, make,
-             [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
+void linear_run(const int8_t* a, int64_t M, int64_t K, const float* row, const int32_t* a_zp, at::ScalarType out,
+                const std::vector<Int8Out>& ws) {
+  std::vector<const uint8_t*> bs;
+  std::vector<int64_t> Ns;
+  std::vector<int8_epilogue::RowCol> es;
+  for (const Int8Out& w : ws) {
+    bs.push_back(reinterpret_cast<const uint8_t*>(w.b));
+    Ns.push_back(w.N);
+    es.push_back({row, a_zp, w.col, w.bias, out, w.y, w.N});
+  }
+  run<false>(reinterpret_cast<const uint8_t*>(a), M, K, Ns, [&] { return StoredRows{bs, Ns, K, a_zp != nullptr}; },
+             [&](size_t j, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
     const __mmask16 mask = lanes(cols);
     const __m512i colsum = sums ? _mm512_maskz_loadu_epi32(mask, sums) : _mm512_setzero_si512();
-    for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(e, r[i], colsum, m + i, n0, mask);
+    for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(es[j], r[i], colsum, m + i, n0, mask);
   });
 }
 
@@ -333,7 +343,7 @@ struct DequantizedRows {
   const float *s, *z;
   int64_t N, K, group;
   std::vector<uint16_t> buf = std::vector<uint16_t>(BLOCK * K + 32);
-  Block operator()(int64_t n0) {
+  Block operator()(size_t, int64_t n0) {  // the one weight's block n0
     uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     dequant_block<BITS, SIGNED>(w, s, z, N, K, K / group, group, n0, wb);
     return {reinterpret_cast<const uint8_t*>(wb), nullptr};
@@ -345,8 +355,8 @@ struct DequantizedRows {
 template <int BITS, bool SIGNED, typename T>
 void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
                      int64_t N, int64_t group, T* y) {
-  run<true>(x, M, 2 * K, N, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
-            [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+  run<true>(x, M, 2 * K, {N}, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
+            [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               for (int i = 0; i < rows; ++i)
                 int8_epilogue::store<T>(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
             });
@@ -651,8 +661,8 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
   if (M == 0 || N == 0) return y;
   int32_t* py = y.data_ptr<int32_t>();
   const uint8_t* pb = reinterpret_cast<const uint8_t*>(bc.data_ptr());
-  run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, N, [&] { return StoredRows{pb, K, N, false}; },
-      [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+  run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, {N}, [&] { return StoredRows{{pb}, {N}, K, false}; },
+      [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
         for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes(cols), r[i]);
       });
 #else
@@ -660,6 +670,22 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
 #endif
   return y;
 }
+
+#ifdef LOWBIT_AMX_LINEAR
+void int8_linear_amx_into(const int8_t* a, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
+                          at::ScalarType out, const std::vector<Int8Out>& ws) {
+  switch (out) {
+    case at::kBFloat16: return linear_run<c10::BFloat16>(a, M, K, row, a_zp, out, ws);
+    case at::kHalf: return linear_run<c10::Half>(a, M, K, row, a_zp, out, ws);
+    default: return linear_run<float>(a, M, K, row, a_zp, out, ws);
+  }
+}
+#else
+void int8_linear_amx_into(const int8_t*, int64_t, int64_t, const float*, const int32_t*, at::ScalarType,
+                          const std::vector<Int8Out>&) {
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
+}
+#endif
 
 // int8_linear's contract and bits (gemm_int8.cpp) on AMX tiles: a int8 [M, K], a_zero_point
 // int32 [M] or none, b int8 [N, K], row_scale float32 [M], col_scale float32 [N], bias [N] or
@@ -681,15 +707,10 @@ at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>&
   const at::Tensor row = row_scale.to(at::kFloat).contiguous(), col = col_scale.to(at::kFloat).contiguous();
   const at::Tensor zp = a_zero_point ? a_zero_point->to(at::kInt).contiguous() : at::Tensor();
   const at::Tensor bias_f = bias ? bias->to(out_dtype).to(at::kFloat).contiguous() : at::Tensor();
-  const int8_epilogue::RowCol e{row.data_ptr<float>(), zp.defined() ? zp.data_ptr<int32_t>() : nullptr,
-                                col.data_ptr<float>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-                                out_dtype, y.data_ptr(), N};
-  const int8_t *pa = ac.data_ptr<int8_t>(), *pb = bc.data_ptr<int8_t>();
-  switch (out_dtype) {
-    case at::kBFloat16: linear_run<c10::BFloat16>(pa, M, K, pb, N, e); break;
-    case at::kHalf: linear_run<c10::Half>(pa, M, K, pb, N, e); break;
-    default: linear_run<float>(pa, M, K, pb, N, e);
-  }
+  int8_linear_amx_into(ac.data_ptr<int8_t>(), M, K, row.data_ptr<float>(),
+                       zp.defined() ? zp.data_ptr<int32_t>() : nullptr, out_dtype,
+                       {Int8Out{bc.data_ptr<int8_t>(), N, col.data_ptr<float>(),
+                                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr()}});
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif
@@ -718,8 +739,9 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
   const float* pb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   uint16_t* py = reinterpret_cast<uint16_t*>(y.data_ptr());
   const uint8_t* pw = reinterpret_cast<const uint8_t*>(wc.data_ptr());
-  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, N, [&] { return StoredRows{pw, 2 * K, N, false}; },
-            [&](const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, {N},
+            [&] { return StoredRows{{pw}, {N}, 2 * K, false}; },
+            [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               dense_out(r, m, rows, n0, cols, pb, py, N);
             });
 #else

@@ -1065,13 +1065,13 @@ class Group {
       kind_ = kGemvBf16;
     else if (share_tokens(ptrs))
       kind_ = kTokens;
-    else if (share_int8_panels(ptrs))
-      kind_ = kInt8Panels;
+    else if (share_int8_linear(ptrs))
+      kind_ = kInt8Linear;
     if (kind_ == kTensors) return;
     K_ = in_features(p0);
     bits_ = p0.bits;
     group_ = p0.group;
-    if (kind_ == kInt8Panels) return;
+    if (kind_ == kInt8Linear) return;
     if (kind_ == kTokens) {
       if (p0.act == 2 && bits_ == 8)  // the weight's code sums, for the activations' zero point
         for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
@@ -1112,13 +1112,13 @@ class Group {
   // x [M, K] in T through every projection: ys[i] [M, out_features(i)] in T, bias added, as
   // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row; more
   // rows go through Proj's tensor path, the same arithmetic.  W8A8 on gemm_int8's panels
-  // (kInt8Panels) takes any number of rows.
+  // or AMX tiles (kInt8Linear) takes any number of rows.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
-    if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Panels) && std::is_same<T, double>::value))
+    if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) return run_tokens(x, ys);
-    if (kind_ == kInt8Panels) return run_int8_panels(x, ys, M);
+    if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -1150,28 +1150,30 @@ class Group {
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Panels };
+  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear };
 
-  // W8A8 with per-token activations (act 1 or 2, the same for all) on gemm_int8.cpp's panels
-  // (kernel 2): int8 codes [N, K], one float32 scale per row.
-  static bool share_int8_panels(const std::vector<const Proj*>& ps) {
+  // W8A8 with per-token activations (act 1 or 2, the same for all), all on gemm_int8.cpp's
+  // panels (kernel 2) or all on AMX tiles (kernel 4, K a multiple of 64): int8 codes [N, K],
+  // one float32 scale per row.
+  static bool share_int8_linear(const std::vector<const Proj*>& ps) {
     const Proj& p0 = *ps[0];
     const int64_t K = in_features(p0);
     for (const Proj* p : ps)
       if (!p->codes.defined() || (p->act != 1 && p->act != 2) || p->act != p0.act || p->bits != 8 ||
-          p->kernel != 2 || p->codes.scalar_type() != at::kChar || p->codes.dim() != 2 || !p->codes.is_contiguous() ||
-          in_features(*p) != K || p->scale.scalar_type() != at::kFloat || !p->scale.is_contiguous() ||
-          p->scale.numel() != p->codes.size(0))
+          (p->kernel != 2 && p->kernel != 4) || p->kernel != p0.kernel || p->codes.scalar_type() != at::kChar ||
+          p->codes.dim() != 2 || !p->codes.is_contiguous() || in_features(*p) != K ||
+          p->scale.scalar_type() != at::kFloat || !p->scale.is_contiguous() || p->scale.numel() != p->codes.size(0))
         return false;
-    return int8_gemm_supported(K);
+    return p0.kernel == 4 ? K % 64 == 0 : int8_gemm_supported(K);
   }
 
   // What Proj::int8_linear_fused does for each projection, x quantized once for all of them
-  // and their panels in one parallel region (int8_linear_into): the same integers and
-  // epilogue, so the same bits.
+  // and their weights in one parallel region (int8_linear_into: gemm_int8's panels, kernel 2;
+  // int8_linear_amx_into: AMX tiles, kernel 4): the same integers and epilogue, so the same
+  // bits.
   template <typename T>
-  void run_int8_panels(const T* x, T* const* ys, int64_t M) const {
-    const bool symmetric = ps_[0].act == 1;
+  void run_int8_linear(const T* x, T* const* ys, int64_t M) const {
+    const bool symmetric = ps_[0].act == 1, amx = ps_[0].kernel == 4;
     thread_local std::vector<uint8_t> au_keep;
     thread_local std::vector<float> s_keep;
     thread_local std::vector<int32_t> z_keep;
@@ -1185,12 +1187,11 @@ class Group {
         uint8_t* q = au + m * K_;
         TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, q, s + m, z + m),
                     "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
-        // the kernel takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); unsigned
-        // codes u are a + 128 for a = u - 128, whose zero point is z - 128
-        if (symmetric)
+        // gemm_int8 takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); the AMX tiles
+        // take int8 a: unsigned codes u are a = u - 128 (u ^ 0x80), whose zero point is z - 128
+        if (symmetric == !amx)
           for (int64_t k = 0; k < K_; ++k) q[k] ^= 0x80;
-        else
-          z[m] -= 128;
+        if (!symmetric) z[m] -= 128;
       }
     });
     std::vector<at::Tensor> biases;  // rounded to T, as float32 (int8_linear's bias)
@@ -1204,7 +1205,10 @@ class Group {
       }
       ws.push_back(Int8Out{p.codes.data_ptr<int8_t>(), out_features(i), p.scale.data_ptr<float>(), bias, ys[i]});
     }
-    int8_linear_into(au, M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
+    if (amx)
+      int8_linear_amx_into(reinterpret_cast<const int8_t*>(au), M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
+    else
+      int8_linear_into(au, M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
   }
 
   // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on

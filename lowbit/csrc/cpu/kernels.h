@@ -280,6 +280,10 @@ struct Int8Out {
 // parallel region: au = a + 128 as unsigned bytes [M, K], row scales [M], a_zp [M] or null.
 void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
                       at::ScalarType out, const std::vector<Int8Out>& ws);
+// int8_linear_into's contract on AMX tiles (int8_linear_amx's kernel), int8 a [M, K] as stored
+// (not a + 128), K a multiple of 64.
+void int8_linear_amx_into(const int8_t* a, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
+                          at::ScalarType out, const std::vector<Int8Out>& ws);
 // Whether int8_linear_into runs M rows with the weight read as stored (gemm_int8.cpp's
 // rows16_linear: a batch step's 16-48 rows), not its packed panels.
 bool int8_linear_rows16(int64_t M);

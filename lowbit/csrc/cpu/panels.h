@@ -63,8 +63,9 @@ struct PanelItems {
   int64_t cols, M;
   PanelWork work;  // made from first, declared before it
 
-  PanelItems(const std::vector<int64_t>& Ns, int64_t cols_, int64_t M_, int64_t tile_rows)
-      : first(firsts(Ns, cols_)), cols(cols_), M(M_), work(first.back(), M_, tile_rows, at::get_num_threads()) {}
+  PanelItems(const std::vector<int64_t>& Ns, int64_t cols_, int64_t M_, int64_t tile_rows,
+             int64_t threads = at::get_num_threads())
+      : first(firsts(Ns, cols_)), cols(cols_), M(M_), work(first.back(), M_, tile_rows, threads) {}
   int64_t size() const { return work.items(first.back()); }
   Item operator[](int64_t i) const {
     const int64_t p = i / work.parts, m0 = i % work.parts * work.rows;
