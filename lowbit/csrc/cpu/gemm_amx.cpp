@@ -140,36 +140,41 @@ void tile16(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_
 }
 #undef LOWBIT_BLOCK_DOTS
 
-// The loop of both tile GEMMs here: every panel of COLS weight rows and every part of x's
-// M rows (PanelWork), shared between the threads as each_item shares items; the panel's
-// codes packed into the thread's TileState, then f(state, n0, cols, m0, m_end): the
-// panel's first row and how many of its rows exist, the part's rows m0 .. m_end - 1.
+// The loop of both tile GEMMs here: every panel of COLS weight rows of every weight of ws
+// (one parallel region for q/k/v or gate/up) and every part of x's M rows (PanelItems),
+// shared between the threads as each_item shares items; the panel's codes packed into the
+// thread's TileState, then f(state, wt, n0, cols, m0, m_end): the weight, the panel's first
+// row and how many of its rows exist, the part's rows m0 .. m_end - 1.
 template <typename Setup, typename F>
-void each_panel_part(const PackedWeight& wt, int64_t M, int64_t K, int bits, Setup setup, F f) {
-  const int64_t panels = (wt.N + COLS - 1) / COLS;
-  const PanelWork work(panels, M, TILE, at::get_num_threads());
-  each_item(work.items(panels), setup, [&](TileState& st, int64_t i) {
-    const int64_t n0 = i / work.parts * COLS, part = i % work.parts;
+void each_panel_part(const std::vector<PackedWeight>& ws, int64_t M, int64_t K, int bits, Setup setup, F f) {
+  std::vector<int64_t> Ns;
+  for (const PackedWeight& wt : ws) Ns.push_back(wt.N);
+  const PanelItems items(Ns, COLS, M, TILE);
+  each_item(items.size(), setup, [&](TileState& st, int64_t i) {
+    const auto [j, n0, m0, m_end] = items[i];
+    const PackedWeight& wt = ws[j];
     a8::pack_half_panels(wt, K, bits, n0, 2, reinterpret_cast<uint8_t*>(st.panel.data));
-    f(st, n0, static_cast<int>(std::min<int64_t>(COLS, wt.N - n0)), part * work.rows,
-      std::min(M, (part + 1) * work.rows));
+    f(st, wt, n0, static_cast<int>(std::min<int64_t>(COLS, wt.N - n0)), m0, m_end);
   });
 }
 
 // x [M, K] quantized once (rows padded to a multiple of 16 with zero codes), then every
-// panel of 32 weight rows times every 16 rows, panels and row ranges split between
-// threads as the other panel GEMMs (PanelWork).  False (nothing written) if x held NaN or Inf.
-bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const PackedWeight& wt) {
-  const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK, N = wt.N;
+// panel of 32 weight rows of every weight (of one kind: bits, zero points or not) times
+// every 16 rows, panels and row ranges split between threads as the other panel GEMMs
+// (PanelItems).  False (nothing written) if x held NaN or Inf.
+bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const std::vector<PackedWeight>& ws) {
+  const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
   const a8::Rows<int8_t> x8(x, M, K, group, (M + TILE - 1) / TILE * TILE);
   if (!x8.finite) return false;
   const int8_t* q = x8.q.data();
   const float *d = x8.d.data(), *xs = x8.xs.data();
-  const bool signed_b = bits == 8 && !wt.z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
-  const float zscale = bits == 4 && !wt.z ? 8.f : 1.f;
-  const bool has_term = bits == 4 || wt.z;
+  const bool signed_b = bits == 8 && !ws[0].z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
+  const float zscale = bits == 4 && !ws[0].z ? 8.f : 1.f;
+  const bool has_term = bits == 4 || ws[0].z;
   const auto setup = [&] { return TileState(BLOCK, K * COLS / 4, G * COLS); };
-  each_panel_part(wt, M, K, bits, setup, [&](TileState& st, int64_t n0, int cols, int64_t m0, int64_t m_end) {
+  each_panel_part(ws, M, K, bits, setup,
+                  [&](TileState& st, const PackedWeight& wt, int64_t n0, int cols, int64_t m0, int64_t m_end) {
+    const int64_t N = wt.N;
     auto &sp = st.sp, &sz = st.sz;
     int32_t* c = st.c;
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(st.panel.data);
@@ -271,9 +276,9 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   std::copy(x_q, x_q + M * K, xq.begin());
   std::copy(x_zp, x_zp + M, xz.begin());
   for (int64_t m = 0; m < M; ++m) w4a8_group_sums(xq.data() + m * K, xz[m], K, group, xg.data() + m * G);
-  const PackedWeight wt{w, s, z, N, y};
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
-  each_panel_part(wt, M, K, 4, setup, [&](TileState& st, int64_t n0, int cols, int64_t m0, int64_t m_end) {
+  each_panel_part({PackedWeight{w, s, z, N, y}}, M, K, 4, setup,
+                  [&](TileState& st, const PackedWeight&, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     auto& sp = st.sp;
     auto &zp = st.zp, &usum = st.usum;
     int32_t* c = st.c;
@@ -344,11 +349,17 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
   const std::vector<PackedWeight> weights = packed_weights("lowbit._C.gemm_a8_blocks_amx", x, {codes}, {scale},
                                                            {zero_point}, bits, group, ys, zero_point_min);
   bool finite = true;
-#ifdef LOWBIT_AMX
-  if (x.size(0) > 0 && weights[0].N > 0)
-    finite = run(x.data_ptr<float>(), x.size(0), x.size(1), group, static_cast<int>(bits), weights[0]);
-#endif
+  if (x.size(0) > 0 && weights[0].N > 0) finite = a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights);
   return {ys[0], finite};
+}
+
+bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                        const std::vector<PackedWeight>& weights) {
+#ifdef LOWBIT_AMX
+  return run(x, M, K, group, static_cast<int>(bits), weights);
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX tile kernels");
+#endif
 }
 
 // w4a8_gemm_panels' contract and bits (x_scale and bias applied by the caller): x_q int8

@@ -211,6 +211,10 @@ bool has_amx_bf16();
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                                 int64_t group, bool zero_point_min);
+// gemm_a8_blocks_amx's kernel on weights packed_weights took, all of one kind, in one parallel
+// region (y set by the caller), as a8_blocks_into; false (nothing written) if x held NaN or Inf.
+bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                        const std::vector<PackedWeight>& weights);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // amx_linear.cpp
