@@ -1106,8 +1106,7 @@ class Group {
   // Whether run() takes M rows (float32 or narrower) through all the projections in one
   // kernel call, x prepared once, rather than each projection's tensor path.
   bool one_call(int64_t M) const {
-    return kind_ != kTensors && !(kind_ == kTokens && M != 1) &&
-           !(kind_ == kBlocks && ps_[0].kernel == 1 && M > kAmxBlocksMaxM);
+    return kind_ != kTensors && !(kind_ == kTokens && M != 1);
   }
 
   int64_t out_features(size_t i) const {
@@ -1130,7 +1129,7 @@ class Group {
     const float* xf = reinterpret_cast<const float*>(x);
     if constexpr (!f32) {  // float32 x, as as_float gives it (exact)
       float* buf = grown(xf_keep, M * K_);
-      for (int64_t k = 0; k < M * K_; ++k) buf[k] = to_f(x[k]);
+      convert(x, buf, M * K_);
       xf = buf;
     }
     w.assign(w_.begin(), w_.end());
@@ -1148,20 +1147,27 @@ class Group {
       gemv_bf16_into(xf, M, K_, group_, ps_[0].kernel == static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split), w);
     }
     for (size_t i = 0; i < w.size(); ++i) {
-      const int64_t N = w[i].N;
-      if constexpr (!f32)  // rounded to T, as .to(x's dtype)
-        for (int64_t n = 0; n < M * N; ++n) ys[i][n] = static_cast<T>(w[i].y[n]);
-      for (int64_t m = 0; m < M; ++m) add_bias(i, ys[i] + m * N);
+      if constexpr (!f32) convert(w[i].y, ys[i], M * w[i].N);  // rounded to T, as .to(x's dtype)
+      add_bias(i, ys[i], M);
     }
   }
 
  private:
   enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear };
-  // Rows up to which the int8-block projections on AMX tiles (kernel 1) run as one call:
-  // run() converts x and the outputs in scalar loops on one thread, which the tensor path
-  // leaves to ATen.  In-process A/B of Runner.generate on the AMX Xeon, q4_0-a8, one call
-  // against one per projection: 8 prompts 1.08x, 32 prompts 0.99x, a 512-token prefill 0.92x.
-  static constexpr int64_t kAmxBlocksMaxM = 16;
+  // Values from which convert() and add_bias() leave the work to ATen (vectorized, and
+  // parallel from 32768 values): below, a loop costs less than wrapping the buffers in
+  // tensors.  A decode step's x is ~1000 values; a prefill's, or a batch's outputs, 10^4-10^6.
+  static constexpr int64_t kAtenFrom = 4096;
+
+  // dst[0, n) = src[0, n) in D, rounded to nearest even: the same bits either way.
+  template <typename S, typename D>
+  static void convert(const S* src, D* dst, int64_t n) {
+    if (n < kAtenFrom) {
+      for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<D>(to_f(src[k]));
+      return;
+    }
+    at::from_blob(dst, {n}, dtype<D>()).copy_(at::from_blob(const_cast<S*>(src), {n}, dtype<S>()));
+  }
 
   // W8A8 with per-token activations (act 1 or 2, the same for all), all on gemm_int8.cpp's
   // panels (kernel 2) or all on AMX tiles (kernel 4, K a multiple of 64): int8 codes [N, K],
@@ -1303,14 +1309,20 @@ class Group {
     }
   }
 
-  // y += bias.to(T), in T, as Proj adds it.
+  // Each of y's M rows += bias.to(T), in T, as Proj adds it.
   template <typename T>
-  void add_bias(size_t i, T* y) const {
+  void add_bias(size_t i, T* y, int64_t M = 1) const {
     const auto& b = ps_[i].bias;
     if (!b) return;
+    const int64_t N = out_features(i);
     const at::Tensor bt = b->scalar_type() == dtype<T>() ? *b : b->to(dtype<T>());
+    if (M * N >= kAtenFrom) {
+      at::from_blob(y, {M, N}, dtype<T>()).add_(bt);
+      return;
+    }
     const T* pb = bt.data_ptr<T>();
-    for (int64_t n = 0, N = out_features(i); n < N; ++n) y[n] = y[n] + pb[n];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] = y[m * N + n] + pb[n];
   }
 
   template <typename T>
