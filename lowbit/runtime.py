@@ -618,9 +618,10 @@ def _act_overrides(r: Runner, act_compute: str | None) -> dict:
 
 def _fused_calls(decoder, layer: int, rows: int) -> tuple:
     """(q/k/v, gate/up) of a layer's ``rows`` rows: ``decoder.project`` where the C++ step
-    (planned for that many rows) runs the group as one call (W8A8, or int8 blocks of x on
-    the row kernel or AMX tiles: x quantized once, the weights' panels or tiles in one
-    parallel region; a prefill of 512 tokens 1.035-1.05x on gemm_int8's panels), each the
+    (planned for that many rows) runs the group as one call (W8A8, int8 blocks of x on the
+    row kernel or AMX tiles, weight-only on AMX bf16 tiles: x prepared once, the weights'
+    panels or tiles in one parallel region; a prefill of 512 tokens 1.035-1.05x on
+    gemm_int8's panels), each the
     same bits as the projections alone; else None (the group's projections one by one)."""
     if decoder is None:
         return None, None

@@ -336,39 +336,57 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
   }
 }
 
-// The bf16 rows of a 4- or 8-bit weight, block by block (dequant_block).  One per thread.
+// The bf16 rows of 4- or 8-bit weights, block by block (dequant_block).  One per thread.
 template <int BITS, bool SIGNED>
 struct DequantizedRows {
-  const uint8_t* w;
-  const float *s, *z;
-  int64_t N, K, group;
+  const std::vector<Bf16Out>& ws;
+  int64_t K, group;
   std::vector<uint16_t> buf = std::vector<uint16_t>(BLOCK * K + 32);
-  Block operator()(size_t, int64_t n0) {  // the one weight's block n0
+  Block operator()(size_t j, int64_t n0) {  // weight j's block n0
     uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    dequant_block<BITS, SIGNED>(w, s, z, N, K, K / group, group, n0, wb);
+    const Bf16Out& w = ws[j];
+    dequant_block<BITS, SIGNED>(static_cast<const uint8_t*>(w.w), w.scale, w.zero_point, w.N, K, K / group, group,
+                                n0, wb);
     return {reinterpret_cast<const uint8_t*>(wb), nullptr};
   }
 };
 
-// x bf16 [M, K] (as bytes) times a 4- or 8-bit weight, each block of 32 weight rows
+// x bf16 [M, K] (as bytes) times 4- or 8-bit weights, each block of 32 weight rows
 // dequantized once; y [M, N] float32 (T float), or its sums rounded once to bf16.
 template <int BITS, bool SIGNED, typename T>
-void weight_only_run(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
-                     int64_t N, int64_t group, T* y) {
-  run<true>(x, M, 2 * K, {N}, [&] { return DequantizedRows<BITS, SIGNED>{w, s, z, N, K, group}; },
-            [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+void weight_only_run(const uint8_t* x, int64_t M, int64_t K, int64_t group, const std::vector<Bf16Out>& ws) {
+  std::vector<int64_t> Ns;
+  for (const Bf16Out& w : ws) Ns.push_back(w.N);
+  run<true>(x, M, 2 * K, Ns, [&] { return DequantizedRows<BITS, SIGNED>{ws, K, group}; },
+            [&](size_t j, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+              T* y = static_cast<T*>(ws[j].y) + n0;
               for (int i = 0; i < rows; ++i)
-                int8_epilogue::store<T>(y + (m + i) * N + n0, lanes(cols), _mm512_castsi512_ps(r[i]));
+                int8_epilogue::store<T>(y + (m + i) * ws[j].N, lanes(cols), _mm512_castsi512_ps(r[i]));
             });
 }
 
 template <typename T>
-void weight_only_bits(const uint8_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
-                      int64_t N, int64_t group, int64_t bits, T* y) {
+void weight_only_bits(const uint8_t* x, int64_t M, int64_t K, int64_t group, int64_t bits,
+                      const std::vector<Bf16Out>& ws) {
+  const bool z = ws[0].zero_point != nullptr;
   if (bits == 4)
-    (z ? weight_only_run<4, false, T> : weight_only_run<4, true, T>)(x, M, K, w, s, z, N, group, y);
+    (z ? weight_only_run<4, false, T> : weight_only_run<4, true, T>)(x, M, K, group, ws);
   else
-    (z ? weight_only_run<8, false, T> : weight_only_run<8, true, T>)(x, M, K, w, s, z, N, group, y);
+    (z ? weight_only_run<8, false, T> : weight_only_run<8, true, T>)(x, M, K, group, ws);
+}
+
+// bf16 weights as stored, bias in float32 before the one rounding (dense_out).
+void dense_run(const uint8_t* x, int64_t M, int64_t K, const std::vector<Bf16Out>& ws) {
+  std::vector<const uint8_t*> bs;
+  std::vector<int64_t> Ns;
+  for (const Bf16Out& w : ws) {
+    bs.push_back(static_cast<const uint8_t*>(w.w));
+    Ns.push_back(w.N);
+  }
+  run<true>(x, M, 2 * K, Ns, [&] { return StoredRows{bs, Ns, 2 * K, false}; },
+            [&](size_t j, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
+              dense_out(r, m, rows, n0, cols, ws[j].bias, static_cast<uint16_t*>(ws[j].y), ws[j].N);
+            });
 }
 
 // float32 x times a weight with integer zero points, every product exact (the float32
@@ -717,6 +735,20 @@ at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>&
   return y;
 }
 
+#ifdef LOWBIT_AMX_LINEAR
+void bf16_linear_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                          at::ScalarType out, const std::vector<Bf16Out>& ws) {
+  const uint8_t* px = reinterpret_cast<const uint8_t*>(x);
+  if (bits == 0) return dense_run(px, M, K, ws);
+  (out == at::kBFloat16 ? weight_only_bits<c10::BFloat16> : weight_only_bits<float>)(px, M, K, group, bits, ws);
+}
+#else
+void bf16_linear_amx_into(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, at::ScalarType,
+                          const std::vector<Bf16Out>&) {
+  TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
+}
+#endif
+
 // A bf16 nn.Linear's rows on AMX bf16 tiles: x bf16 [M, K], weight bf16 [N, K] (K a multiple of
 // 32), bias bf16 [N] or none; y bf16 [M, N] = round(sum_k x w (+ bias)), float32 sums.
 at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -736,14 +768,9 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
   if (K == 0) return bias ? y.copy_(bias->expand({M, N})) : y.zero_();
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* pb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  uint16_t* py = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const uint8_t* pw = reinterpret_cast<const uint8_t*>(wc.data_ptr());
-  run<true>(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, 2 * K, {N},
-            [&] { return StoredRows{{pw}, {N}, 2 * K, false}; },
-            [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
-              dense_out(r, m, rows, n0, cols, pb, py, N);
-            });
+  dense_run(reinterpret_cast<const uint8_t*>(xc.data_ptr()), M, K,
+            {Bf16Out{wc.data_ptr(), nullptr, nullptr, N, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                     y.data_ptr()}});
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif
@@ -764,13 +791,10 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   const uint8_t* px = reinterpret_cast<const uint8_t*>(xb.data_ptr());
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scale.data_ptr<float>();
-  const float* z = zero_point ? zero_point->data_ptr<float>() : nullptr;
-  if (bf16)
-    weight_only_bits(px, M, K, w, s, z, N, group, bits, reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
-  else
-    weight_only_bits(px, M, K, w, s, z, N, group, bits, y.data_ptr<float>());
+  const std::vector<Bf16Out> ws{Bf16Out{codes.data_ptr(), scale.data_ptr<float>(),
+                                         zero_point ? zero_point->data_ptr<float>() : nullptr, N, nullptr,
+                                         y.data_ptr()}};
+  (bf16 ? weight_only_bits<c10::BFloat16> : weight_only_bits<float>)(px, M, K, group, bits, ws);
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif

@@ -1069,11 +1069,29 @@ class Group {
       kind_ = kTokens;
     else if (share_int8_linear(ptrs))
       kind_ = kInt8Linear;
+    else if (share_amx_bf16(ptrs))
+      kind_ = kAmxBf16;
     if (kind_ == kTensors) return;
     K_ = in_features(p0);
-    bits_ = p0.bits;
+    bits_ = p0.codes.defined() ? p0.bits : 0;
     group_ = p0.group;
     if (kind_ == kInt8Linear) return;
+    if (kind_ == kAmxBf16) {
+      for (const Proj& p : ps_) {  // float32 scales, zero points and (bf16 weights) biases, as the kernels read them
+        const float* f[3] = {nullptr, nullptr, nullptr};
+        const at::Tensor* from[3] = {p.codes.defined() ? &p.scale : nullptr,
+                                     p.codes.defined() && p.zero_point ? &*p.zero_point : nullptr,
+                                     !p.codes.defined() && p.bias ? &*p.bias : nullptr};
+        for (int i = 0; i < 3; ++i)
+          if (from[i]) {
+            converted_.push_back(as_float(*from[i]).contiguous());
+            f[i] = converted_.back().data_ptr<float>();
+          }
+        amx_.push_back(Bf16Out{p.codes.defined() ? p.codes.data_ptr() : p.weight.data_ptr(), f[0], f[1],
+                               out_features(amx_.size()), f[2], nullptr});
+      }
+      return;
+    }
     if (kind_ == kTokens) {
       if (p0.act == 2 && bits_ == 8)  // the weight's code sums, for the activations' zero point
         for (const Proj& p : ps_) code_sums_.push_back(p.codes.sum(1, false, at::kInt).contiguous());
@@ -1102,6 +1120,7 @@ class Group {
 
   int64_t in_features() const { return in_features(ps_[0]); }
   size_t size() const { return ps_.size(); }
+  bool quantized() const { return ps_[0].codes.defined(); }
 
   // Whether run() takes M rows (float32 or narrower) through all the projections in one
   // kernel call, x prepared once, rather than each projection's tensor path.
@@ -1119,10 +1138,13 @@ class Group {
   // or AMX tiles (kInt8Linear) takes any number of rows.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
-    if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value))
+    constexpr bool bf16 = std::is_same<T, c10::BFloat16>::value;
+    if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value) ||
+        (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) return run_tokens(x, ys);
     if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
+    if (kind_ == kAmxBf16) return run_amx_bf16(x, ys, M);
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -1153,7 +1175,7 @@ class Group {
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear };
+  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear, kAmxBf16 };
   // Values from which convert() and add_bias() leave the work to ATen (vectorized, and
   // parallel from 32768 values): below, a loop costs less than wrapping the buffers in
   // tensors.  A decode step's x is ~1000 values; a prefill's, or a batch's outputs, 10^4-10^6.
@@ -1226,6 +1248,56 @@ class Group {
       int8_linear_amx_into(reinterpret_cast<const int8_t*>(au), M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
     else
       int8_linear_into(au, M, K_, s, symmetric ? nullptr : z, dtype<T>(), ws);
+  }
+
+  // bf16 weights on dense_amx (kernel 3: bf16 x, a bf16 bias or none), or 4- or 8-bit ones on
+  // weight_only_gemm_bf16_amx, all of one kind (bits, group, zero points or none): AMX bf16
+  // tiles, K a multiple of 32.
+  static bool share_amx_bf16(const std::vector<const Proj*>& ps) {
+    const Proj& p0 = *ps[0];
+    const int64_t K = in_features(p0);
+    if (!has_amx_bf16() || K % 32 != 0) return false;
+    for (const Proj* p : ps) {
+      if (p->codes.defined() != p0.codes.defined() || in_features(*p) != K) return false;
+      if (!p->codes.defined()) {
+        if (p->kernel != 3 || p->weight.scalar_type() != at::kBFloat16 || p->weight.dim() != 2 ||
+            !p->weight.is_contiguous() || (p->bias && p->bias->scalar_type() != at::kBFloat16))
+          return false;
+        continue;
+      }
+      const bool zp = p->zero_point.has_value();
+      if (p->act != 0 || p->kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmBf16Amx) || p->bits != p0.bits ||
+          (p->bits != 4 && p->bits != 8) || p->group != p0.group || p->group <= 0 || p->group % 32 != 0 ||
+          K % p->group != 0 || p->zero_point_min || zp != p0.zero_point.has_value() || !p->codes.is_contiguous() ||
+          p->codes.dim() != 2 ||
+          p->codes.scalar_type() != (p->bits == 4 ? at::kInt : zp ? at::kByte : at::kChar) ||
+          p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
+          (zp && p->zero_point->sizes() != p->scale.sizes()))
+        return false;
+    }
+    return true;
+  }
+
+  // What Proj gives through dense_amx or weight_only_gemm_bf16_amx for each projection, x
+  // rounded to bf16 once for all of them and their weights in one parallel region
+  // (bf16_linear_amx_into): the same tile products in the same order, so the same bits.
+  template <typename T>
+  void run_amx_bf16(const T* x, T* const* ys, int64_t M) const {
+    const c10::BFloat16* xb;
+    if constexpr (std::is_same<T, c10::BFloat16>::value) {
+      xb = x;
+    } else {  // as x.to(bfloat16)
+      thread_local std::vector<c10::BFloat16> xb_keep;
+      c10::BFloat16* buf = grown(xb_keep, M * K_);
+      convert(x, buf, M * K_);
+      xb = buf;
+    }
+    thread_local std::vector<Bf16Out> ws;
+    ws.assign(amx_.begin(), amx_.end());
+    for (size_t i = 0; i < ws.size(); ++i) ws[i].y = ys[i];
+    bf16_linear_amx_into(xb, M, K_, bits_, group_, dtype<T>(), ws);
+    if (bits_)  // a weight-only projection's bias after the rounding, as Proj adds it
+      for (size_t i = 0; i < ws.size(); ++i) add_bias(i, ys[i], M);
   }
 
   // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on
@@ -1350,7 +1422,8 @@ class Group {
   std::vector<Proj> ps_;
   Kind kind_ = kTensors;
   std::vector<PackedWeight> w_;  // kBlocks, kGemv, kGemvBf16: the packed weights (y set at each call)
-  std::vector<at::Tensor> converted_;  // the scales and zero points w_ points to
+  std::vector<Bf16Out> amx_;  // kAmxBf16: the weights (y set at each call)
+  std::vector<at::Tensor> converted_;  // the scales, zero points and biases w_ and amx_ point to
   std::vector<at::Tensor> code_sums_;  // kTokens, asymmetric x, 8-bit codes: int32 sums of each row's codes
   int64_t K_ = 0, bits_ = 0, group_ = 0;
 };
@@ -1515,9 +1588,12 @@ class Decoder {
     return ys;
   }
 
-  // Whether project(layer, which, x) of M rows runs the projections in one call.
+  // Whether project(layer, which, x) of M rows runs the projections in one call and a
+  // prefill takes it: not float projections, which a prefill keeps on torch's linear
+  // (transformers' bits), while a decode step runs them on its own kernels.
   bool fuses(int64_t layer, int64_t which, int64_t M) const {
-    return group(layers_[checked_layer(layer, which)], which).one_call(M);
+    const Group& g = group(layers_[checked_layer(layer, which)], which);
+    return g.one_call(M) && g.quantized();
   }
 
  private:

@@ -288,6 +288,24 @@ void int8_linear_into(const uint8_t* au, int64_t M, int64_t K, const float* row,
 // (not a + 128), K a multiple of 64.
 void int8_linear_amx_into(const int8_t* a, int64_t M, int64_t K, const float* row, const int32_t* a_zp,
                           at::ScalarType out, const std::vector<Int8Out>& ws);
+// One weight of a bf16_linear_amx_into call: bf16 rows [N, K] (bits 0), or 4-bit codes
+// (int32 [N, K/8]) or 8-bit ones ([N, K]) with float32 scale and zero_point [N, K/group]
+// (zero_point null: signed codes); bias float32 [N] or null (bf16 weights only: added to
+// the float32 sums before their rounding, as dense_amx); y [M, N] of the call's dtype.
+struct Bf16Out {
+  const void* w;
+  const float* scale;
+  const float* zero_point;
+  int64_t N;
+  const float* bias;
+  void* y;
+};
+// dense_amx (bits 0) or weight_only_gemm_bf16_amx (bits 4 or 8, `group`) for several weights of
+// one bf16 input x [M, K] (q/k/v, gate/up) in one parallel region, the same bits as one call
+// each: y bf16, or float32 (weight-only only).  All weights of one kind: bits, zero points
+// or none.  K a multiple of 32.
+void bf16_linear_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                          at::ScalarType out, const std::vector<Bf16Out>& ws);
 // Whether int8_linear_into runs M rows with the weight read as stored (gemm_int8.cpp's
 // rows16_linear: a batch step's 16-48 rows), not its packed panels.
 bool int8_linear_rows16(int64_t M);
