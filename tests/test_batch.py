@@ -174,12 +174,13 @@ def _same_batch_steps(model, prompts, steps, monkeypatch):
 
 
 @pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
-@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a16", "w8a8", "w8a8-asym", "w4a8-g128", "w4a8-sym",
-                                    "q4_0-a8", "q8_0-a8", "q4_1-a8"])
+@pytest.mark.parametrize("recipe", [None, "w4a16-g128", "w8a16", "w8a16-asym", "q4_0", "w8a8", "w8a8-asym",
+                                    "w4a8-g128", "w4a8-sym", "q4_0-a8", "q8_0-a8", "q4_1-a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, monkeypatch):
     m = biased_llama(dtype)
-    recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token"),
+    recipe = {"w8a16-asym": lowbit.Recipe(weight="int8-asym"),
+              "w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token"),
               "w4a8-sym": lowbit.Recipe(weight="int4-asym-g128-f16", activation="int8-sym-token"),
               "q4_1-a8": lowbit.Recipe(weight="int4-asym-g32-zpmin-f16", activation="int8-sym-g32")}.get(recipe, recipe)
     if recipe is not None:

@@ -1039,9 +1039,10 @@ bool share_gemv_bf16(const std::vector<const Proj*>& ps) {
 }
 
 // Projections of one input that a decode step runs as one call: q/k/v, gate/up, or one alone.
-// Where they share the int8-block kernel (share_blocks) or gemv_f32 (share_gemv_f32), the
-// step calls that kernel on its own buffers (a8_blocks_into, gemv_f32_into): no tensor and
-// no allocation per call, the weights checked once, here.  A step makes ~120 such calls, and
+// Where they share a kernel that takes several weights (share_blocks, share_gemv_f32,
+// share_gemv_bf16, share_tokens, share_int8_linear, share_amx_bf16), the step calls it on
+// its own buffers (a8_blocks_into, gemv_f32_into, ...): no tensor and no allocation per
+// call, x prepared once, the weights checked once, here.  A step makes ~120 such calls, and
 // their tensors, checks and mallocs were ~1 ms of a 6 ms step (SmolLM2, q4_0-a8, 2 threads,
 // perf).  Otherwise each runs Proj's tensor path.  The same bits either way.
 class Group {
@@ -1135,7 +1136,8 @@ class Group {
   // x [M, K] in T through every projection: ys[i] [M, out_features(i)] in T, bias added, as
   // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row; more
   // rows go through Proj's tensor path, the same arithmetic.  W8A8 on gemm_int8's panels
-  // or AMX tiles (kInt8Linear) takes any number of rows.
+  // or AMX tiles (kInt8Linear) takes any number of rows; so do AMX bf16 tiles (kAmxBf16)
+  // for bf16 x (and float32 x with quantized weights), other dtypes the tensor path.
   template <typename T>
   void run(const T* x, T* const* ys, int64_t M = 1) const {
     constexpr bool bf16 = std::is_same<T, c10::BFloat16>::value;
