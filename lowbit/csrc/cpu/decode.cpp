@@ -1258,7 +1258,7 @@ class Group {
   static bool share_amx_bf16(const std::vector<const Proj*>& ps) {
     const Proj& p0 = *ps[0];
     const int64_t K = in_features(p0);
-    if (!has_amx_bf16() || K % 32 != 0) return false;
+    if (!has_amx_bf16() || K <= 0 || K % 32 != 0) return false;
     for (const Proj* p : ps) {
       if (p->codes.defined() != p0.codes.defined() || in_features(*p) != K) return false;
       if (!p->codes.defined()) {
@@ -1285,6 +1285,7 @@ class Group {
   // (bf16_linear_amx_into): the same tile products in the same order, so the same bits.
   template <typename T>
   void run_amx_bf16(const T* x, T* const* ys, int64_t M) const {
+    if (M == 0) return;
     const c10::BFloat16* xb;
     if constexpr (std::is_same<T, c10::BFloat16>::value) {
       xb = x;
@@ -1568,8 +1569,8 @@ class Decoder {
 
   // Layer `layer`'s projections of one input (which: 0 q/k/v, 1 o, 2 gate/up, 3 down) of the
   // rows x [M, in_features] in the model's dtype, as a step runs them: a prefill's q/k/v and
-  // gate/up in one call each where they share a kernel (W8A8's x quantized once, their
-  // panels in one parallel region), the same bits as each projection alone.
+  // gate/up in one call each where they share a kernel (x quantized or rounded once, their
+  // weights in one parallel region), the same bits as each projection alone.
   std::vector<at::Tensor> project(int64_t layer, int64_t which, const at::Tensor& x) const {
     const Layer& L = layers_[checked_layer(layer, which)];
     const Group& g = group(L, which);
