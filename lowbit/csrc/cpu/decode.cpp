@@ -1078,18 +1078,18 @@ class Group {
     group_ = p0.group;
     if (kind_ == kInt8Linear) return;
     if (kind_ == kAmxBf16) {
-      for (const Proj& p : ps_) {  // float32 scales, zero points and (bf16 weights) biases, as the kernels read them
-        const float* f[3] = {nullptr, nullptr, nullptr};
-        const at::Tensor* from[3] = {p.codes.defined() ? &p.scale : nullptr,
-                                     p.codes.defined() && p.zero_point ? &*p.zero_point : nullptr,
-                                     !p.codes.defined() && p.bias ? &*p.bias : nullptr};
-        for (int i = 0; i < 3; ++i)
-          if (from[i]) {
-            converted_.push_back(as_float(*from[i]).contiguous());
-            f[i] = converted_.back().data_ptr<float>();
-          }
-        amx_.push_back(Bf16Out{p.codes.defined() ? p.codes.data_ptr() : p.weight.data_ptr(), f[0], f[1],
-                               out_features(amx_.size()), f[2], nullptr});
+      const auto floats = [&](const at::Tensor& t) {  // float32, as the kernels read it, kept alive here
+        converted_.push_back(as_float(t).contiguous());
+        return converted_.back().data_ptr<float>();
+      };
+      for (size_t i = 0; i < ps_.size(); ++i) {
+        const Proj& p = ps_[i];
+        if (p.codes.defined())  // the bias added after the rounding (add_bias)
+          amx_.push_back(Bf16Out{p.codes.data_ptr(), floats(p.scale), p.zero_point ? floats(*p.zero_point) : nullptr,
+                                 out_features(i), nullptr, nullptr});
+        else  // bf16 weights: the bias in the float32 sums, as dense_amx
+          amx_.push_back(Bf16Out{p.weight.data_ptr(), nullptr, nullptr, out_features(i),
+                                 p.bias ? floats(*p.bias) : nullptr, nullptr});
       }
       return;
     }
@@ -1125,9 +1125,7 @@ class Group {
 
   // Whether run() takes M rows (float32 or narrower) through all the projections in one
   // kernel call, x prepared once, rather than each projection's tensor path.
-  bool one_call(int64_t M) const {
-    return kind_ != kTensors && !(kind_ == kTokens && M != 1);
-  }
+  bool one_call(int64_t M) const { return kind_ != kTensors && !(kind_ == kTokens && M != 1); }
 
   int64_t out_features(size_t i) const {
     return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);

@@ -349,7 +349,8 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
   const std::vector<PackedWeight> weights = packed_weights("lowbit._C.gemm_a8_blocks_amx", x, {codes}, {scale},
                                                            {zero_point}, bits, group, ys, zero_point_min);
   bool finite = true;
-  if (x.size(0) > 0 && weights[0].N > 0) finite = a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights);
+  if (x.size(0) > 0 && weights[0].N > 0)
+    finite = a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights);
   return {ys[0], finite};
 }
 
