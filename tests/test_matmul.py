@@ -931,6 +931,25 @@ def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(s
     assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x, codes, s, z, bits, group), y.bfloat16())
 
 
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g128", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("zero_point", ["integer", "fractional"])
+def test_cpu_weight_only_gemm_bf16_amx_dequantizes_to_the_reference_bf16_weight_bit_for_bit(scheme, zero_point):
+    # amx_linear.cpp's dequant_block (4-bit codes through a per-group table of their 16
+    # values): x = the identity picks each weight value alone, y = bf16 w exactly (one exact
+    # product, the other terms +0 or -0); every code of every group is read (groups of
+    # 32, 64 and 128 along k = 640), and 70 rows leave the last block of 32 short.
+    g = torch.Generator().manual_seed(7)
+    n, k = 70, 640
+    codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
+    if z is not None and zero_point == "fractional":  # float zero points: (q - z) s rounded once
+        z = (z + torch.rand(z.shape, generator=g) - 0.5).contiguous()
+    elif z is None and zero_point == "fractional":
+        pytest.skip("symmetric codes have no zero point")
+    want = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16)
+    y = cpu._C.weight_only_gemm_bf16_amx(torch.eye(k, dtype=torch.bfloat16), codes, s, z, bits, group)
+    assert torch.equal(y.T.contiguous().view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (7, 33, 576), (17, 70, 128), (40, 32, 1536), (300, 70, 128)])
 def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m, n, k):
