@@ -937,7 +937,8 @@ def test_cpu_weight_only_gemm_bf16_amx_dequantizes_to_the_reference_bf16_weight_
     # amx_linear.cpp's dequant_block (4-bit codes through a per-group table of their 16
     # values): x = the identity picks each weight value alone, y = bf16 w exactly (one exact
     # product, the other terms +0 or -0); every code of every group is read (groups of
-    # 32, 64 and 128 along k = 640), and 70 rows leave the last block of 32 short.
+    # 32, 64 and 128 along k = 640), and 70 rows leave the last block of 32 short.  640 rows
+    # of x take the packed-weight layout; the rows layout dequantizes with the same function.
     g = torch.Generator().manual_seed(7)
     n, k = 70, 640
     codes, s, z, bits, group = _amx_weight(scheme, n, k, g)

@@ -125,7 +125,8 @@ inline void block(const uint8_t* w, int64_t Kb, const int32_t* xt, int32_t (*c)[
   for (int64_t k = 0; k < Kb; k += 64) {
     const int32_t* b = xt + k / 4 * TILE;
     if (k + kBlockAhead < Kb)
-      for (int i = 0; i < BLOCK; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * Kb + k + kBlockAhead), _MM_HINT_T0);
+      for (int i = 0; i < BLOCK; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * Kb + k + kBlockAhead), _MM_HINT_T0);
     _tile_loadd(4, w + k, Kb);
     _tile_loadd(6, b, 64);
     _tile_loadd(5, w + TILE * Kb + k, Kb);
