@@ -305,10 +305,12 @@ void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, cons
 // i.e. elements 2i and 2i + 1 in k order.  Per 32 codes 4 vector instructions instead of
 // 12-14 (widen, mask, two conversions, two subtractions, two products, a rounding and an
 // interleave): a batch of 32 SmolLM2 w4a16-g64 decode steps spent 28% of its time here.
-// Half of what was left waited on the codes' loads (a decode step's weights come from the
-// L3): the row kRowsAhead on is fetched as each row starts.  Both, in-process A/B on the
-// AMX Xeon: Runner.generate of 16 tokens for 8 prompts 1.20x, 32 prompts 1.14x, a
-// 512-token prefill 1.07x (the table alone: 1.07x, 1.04x, level).
+// A timer-sampled profile then put half of what was left on the instruction after the
+// codes' load (a decode step's weights come from the L3; the VM has no hardware counters,
+// so that attribution is loose): the row kRowsAhead on is fetched as each row starts.
+// In-process A/B on the AMX Xeon, Runner.generate of 16 tokens, 8 / 32 prompts / a
+// 512-token prefill: both 1.20x / 1.14x / 1.07x; the table alone 1.07x / 1.04x / level;
+// the prefetch alone (medians of a noisy run) 1.10x / 1.05x / level.
 template <int BITS, bool SIGNED>
 void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G,
                    int64_t group, int64_t n0, uint16_t* out) {
