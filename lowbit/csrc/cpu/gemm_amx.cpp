@@ -8,18 +8,25 @@
 //
 // dot_b is block b's exact integer dot product of the activation codes and the weight codes
 // u (4-bit: u = q + 8 for signed codes, sz = 8 s; else the codes as stored, sz = s z, or -m
-// in the "min" domain; signed 8-bit codes as int8, no zero-point term).  One tdpbsud
-// (int8 x uint8) or tdpbssd (int8 x int8) multiplies a 16 x 32 tile of activation codes
-// (16 rows, one block) by an 8 x 64 tile of codes (16 weight rows, 4 consecutive k per
-// dword: the panel layout panel[k / 4][column][4]) into 16 x 16 exact int32 sums, 8192
-// multiply-adds per instruction against 64 for a 512-bit vpdpbusd.  Each block's sums
-// leave the tiles (tilestored) and enter float32 as gemm_a8.cpp's do: one conversion, one
-// product d * s and one FMA per block, in block order, so every lane runs the same IEEE
-// operations in the same order as the AVX2 kernels' lanes.
+// in the "min" domain; signed 8-bit codes as int8, no zero-point term).  One tdpbusd
+// (uint8 x int8) or tdpbssd (int8 x int8) multiplies a 16 x 32 tile of weight codes (16
+// weight rows, one block, the codes as bytes in k order) by an 8 x 64 tile of activation
+// codes (16 rows, 4 consecutive k per dword: the panel layout [k / 4][row][4]) into 16 x 16
+// exact int32 sums, 8192 multiply-adds per instruction against 64 for a 512-bit vpdpbusd.
+// Each block's sums leave the tiles (tilestored) and enter float32 as gemm_a8.cpp's do:
+// one conversion, one product s * d and one FMA per block, in block order, so every lane
+// runs the same IEEE operations in the same order as the AVX2 kernels' lanes.
 //
-// A tile of 16 activation rows x 16 weight rows keeps its float accumulators in registers
-// while block b + 1's tile product runs beside block b's floats.  Tiles need the kernel's
-// permission (arch_prctl ARCH_REQ_XCOMP_PERM), asked once by has_amx_int8().
+// The weight is the A tile so that packing it only spreads 4-bit codes to bytes (no
+// transposition), and its scales stay in their rows' order; the activations, a few rows per
+// call, are laid out once.  With the weight as B (transposed into the panel layout, scales
+// gathered per column) packing took 40-57% of a 1536 x 576 or 576 x 1536 call at 8-32
+// rows; this way whole calls run 1.6-1.7x faster at 8 rows, 1.2-1.4x at 32, 1.15-1.2x at
+// 128 (one thread) and level at 512 (two; Xeon family 6 model 207 VM), where the tiles'
+// loads, products and stores set the pace: ~50 TSC cycles per 16 x 16 x 32 block.  A tile
+// of 16 weight rows x 16 activation rows keeps its float accumulators in registers (one
+// per weight row) while block b + 1's tile product runs beside block b - 1's floats.  Tiles need the kernel's permission (arch_prctl
+// ARCH_REQ_XCOMP_PERM), asked once by has_amx_int8().
 
 #include "a8_blocks.h"
 #include "kernels.h"
@@ -50,8 +57,8 @@ constexpr int TILE = 16;         // rows of an A or C tile, columns of a B or C 
 constexpr int COLS = 2 * TILE;   // weight rows per panel (two halves of 16)
 
 // Two tile sets, one per block in flight: tmm0-1 C (16 x 16 int32), tmm4-5 A (16 rows x
-// kstep int8), tmm6-7 B (kstep / 4 dword rows x 16 columns of 4 codes); kstep: values of K
-// per tile product (32: one activation block; 64 where whole groups of a W4A8 weight allow).
+// kstep bytes), tmm6-7 B (kstep / 4 dword rows x 16 columns of 4 codes); kstep: values of
+// K per tile product (32: one activation block; 64 where whole groups of a W4A8 weight allow).
 void configure_tiles(int kstep) {
   const uint8_t b = static_cast<uint8_t>(kstep / 4);
   const uint16_t a = static_cast<uint16_t>(kstep);
@@ -59,7 +66,7 @@ void configure_tiles(int kstep) {
 }
 
 // A thread's tile configuration (released when its items are done), its panel, per-group
-// values of the panel's columns and C tiles.
+// values of the panel's weight rows and C tiles.
 struct TileState {
   TileState(int kstep, int64_t panel_dwords, int64_t values, int64_t zp_values = 0, int64_t usum_values = 0)
       : panel(panel_dwords), sp(values), sz(values), zp(zp_values), usum(usum_values) {
@@ -73,126 +80,209 @@ struct TileState {
   alignas(64) int32_t c[2 * TILE * TILE];
 };
 
-// The AMX half of one block: tile C = tile A (16 activation rows, block b) x tile B (block b
-// of one half panel), exact int32.  A macro: GCC's tile intrinsics take the tile numbers as
-// tokens of their assembly.
-#define LOWBIT_BLOCK_DOTS(C, A, B, b)                                \
-  do {                                                               \
-    _tile_zero(C);                                                   \
-    _tile_loadd(A, xq + (b) * BLOCK, K);                             \
-    _tile_loadd(B, half_panel + (b) * BLOCK * TILE, TILE * 4);       \
-    if constexpr (SIGNED_B) _tile_dpbssd(C, A, B);                   \
-    else _tile_dpbsud(C, A, B);                                      \
-  } while (0)
-
-// The float half of one block: acc[r] = fma(cvt(dot), d[r, b] * s, acc[r]) for 16 rows.
-inline void block_floats(__m512 (&acc)[TILE], const int32_t* c, const float* d, int64_t nb, int64_t b, __m512 s) {
-#pragma GCC unroll 16
-  for (int r = 0; r < TILE; ++r)
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TILE)),
-                             _mm512_mul_ps(_mm512_set1_ps(d[r * nb + b]), s), acc[r]);
-}
-
-// 16 activation rows (codes xq [16][K], rows past M zero) x 16 weight rows (one half panel,
-// its scales sp and zero-point factors sz [g][COLS] at the half's first column): the blocks
-// in order, block b + 1's tile product issued before block b's floats (two tile sets,
-// alternating) so the tiles and the vector units work at once; then y = acc - the
-// zero-point term for the first `rows` rows and `cols` columns.
-template <bool SIGNED_B>
-void tile16(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t per_group,
-            const uint8_t* half_panel, const float* sp, const float* sz, float zscale, float* y, int64_t ldy,
-            int rows, int cols, int32_t* c) {
-  const int64_t nb = K / BLOCK;
-  __m512 acc[TILE];
-#pragma GCC unroll 16
-  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
-  LOWBIT_BLOCK_DOTS(0, 4, 6, 0);
-  for (int64_t b = 0; b < nb; b += 2) {  // block b in tiles 0/4/6, block b + 1 in 1/5/7
-    if (b + 1 < nb) LOWBIT_BLOCK_DOTS(1, 5, 7, b + 1);
-    _tile_stored(0, c, TILE * 4);
-    block_floats(acc, c, d, nb, b, _mm512_loadu_ps(sp + b / per_group * COLS));
-    if (b + 1 >= nb) break;
-    if (b + 2 < nb) LOWBIT_BLOCK_DOTS(0, 4, 6, b + 2);
-    _tile_stored(1, c + TILE * TILE, TILE * 4);
-    block_floats(acc, c + TILE * TILE, d, nb, b + 1, _mm512_loadu_ps(sp + (b + 1) / per_group * COLS));
-  }
-  // the zero-point sums of all 16 rows (rows past M have zero sums), 4 FMA chains at a
-  // time; every index a constant, so acc stays in registers
-  __m512 out[TILE];
-#pragma GCC unroll 4
-  for (int r0 = 0; r0 < TILE; r0 += 4) {
-    __m512 z[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (sz) {
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 f = _mm512_loadu_ps(sz + g * COLS);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) z[i] = _mm512_fmadd_ps(f, _mm512_set1_ps(xs[(r0 + i) * G + g]), z[i]);
-      }
-      if (zscale != 1.f)
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) z[i] = _mm512_mul_ps(z[i], _mm512_set1_ps(zscale));
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) out[r0 + i] = _mm512_sub_ps(acc[r0 + i], z[i]);
-  }
-  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, out[r]);
-}
-#undef LOWBIT_BLOCK_DOTS
-
 // The loop of both tile GEMMs here: every panel of COLS weight rows of every weight of ws
 // (one parallel region for q/k/v or gate/up) and every part of x's M rows (PanelItems),
-// shared between the threads as each_item shares items; the panel's codes packed into the
-// thread's TileState, then f(state, wt, n0, cols, m0, m_end): the weight, the panel's first
-// row and how many of its rows exist, the part's rows m0 .. m_end - 1.
-template <typename Setup, typename F>
-void each_panel_part(const std::vector<PackedWeight>& ws, int64_t M, int64_t K, int bits, Setup setup, F f) {
+// shared between the threads as each_item shares items; pack(wt, n0, panel) lays the panel's
+// codes out in the thread's TileState, then f(state, wt, n0, cols, m0, m_end): the weight,
+// the panel's first row and how many of its rows exist, the part's rows m0 .. m_end - 1.
+template <typename Setup, typename Pack, typename F>
+void each_panel_part(const std::vector<PackedWeight>& ws, int64_t M, Setup setup, Pack pack, F f) {
   std::vector<int64_t> Ns;
   for (const PackedWeight& wt : ws) Ns.push_back(wt.N);
   const PanelItems items(Ns, COLS, M, TILE);
   each_item(items.size(), setup, [&](TileState& st, int64_t i) {
     const auto [j, n0, m0, m_end] = items[i];
     const PackedWeight& wt = ws[j];
-    a8::pack_half_panels(wt, K, bits, n0, 2, reinterpret_cast<uint8_t*>(st.panel.data));
+    pack(wt, n0, reinterpret_cast<uint8_t*>(st.panel.data));
     f(st, wt, n0, static_cast<int>(std::min<int64_t>(COLS, wt.N - n0)), m0, m_end);
   });
 }
 
-// x [M, K] quantized once (rows padded to a multiple of 16 with zero codes), then every
-// panel of 32 weight rows of every weight (of one kind: bits, zero points or not) times
-// every 16 rows, panels and row ranges split between threads as the other panel GEMMs
-// (PanelItems).  False (nothing written) if x held NaN or Inf.
+// ---- int8 blocks: tile A = 16 weight rows x one block, tile B = the block of 16 x rows --
+// C[r][m] = the block's dot of weight row r and activation row m.
+
+// x's codes, block scales and group sums (Rows, padded to whole tiles) by tile of 16 rows:
+// q [tiles][K / 4][16][4] (B tiles: block b at q + b * 512), d [tiles][nb][16] and
+// xs [tiles][G][16] (lane m: the tile's row m).
+struct TiledRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+  bool finite;
+  TiledRows(const float* x, int64_t M, int64_t K, int64_t group) {
+    const int64_t tiles = (M + TILE - 1) / TILE, nb = K / BLOCK, G = K / group;
+    const a8::Rows<int8_t> rows(x, M, K, group, tiles * TILE);
+    finite = rows.finite;
+    if (!finite) return;
+    q.resize(tiles * TILE * K), d.resize(tiles * TILE * nb), xs.resize(tiles * TILE * G);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int8_t* in = rows.q.data() + t * TILE * K;
+        int8_t* out = q.data() + t * TILE * K;
+        for (int64_t k = 0; k < K; k += 64) {  // 16 rows x 64 codes -> 16 panel rows of 16 dwords
+          const int64_t n = std::min<int64_t>(64, K - k);
+          const __mmask64 live = n == 64 ? ~0ULL : (1ULL << n) - 1;
+          __m512i r[TILE];
+          for (int i = 0; i < TILE; ++i) r[i] = _mm512_maskz_loadu_epi8(live, in + i * K + k);
+          transpose16(r);  // r[j]: codes k + 4j .. k + 4j + 3 of the 16 rows
+          for (int j = 0; j < n / 4; ++j) _mm512_storeu_si512(out + (k / 4 + j) * 64, r[j]);
+        }
+        for (int i = 0; i < TILE; ++i) {
+          for (int64_t b = 0; b < nb; ++b) d[(t * nb + b) * TILE + i] = rows.d[(t * TILE + i) * nb + b];
+          for (int64_t g = 0; g < G; ++g) xs[(t * G + g) * TILE + i] = rows.xs[(t * TILE + i) * G + g];
+        }
+      }
+    });
+  }
+};
+
+// Weight rows [n0, n0 + COLS) (rows past N repeat row N - 1: computed, never stored) as A
+// tiles: panel + h * K * 16 + b * 512 holds block b of rows n0 + 16h .. n0 + 16h + 15, 32
+// bytes a row; 4-bit codes as u8 (signed ones as q + 8), 8-bit ones as stored.
+void pack_weight_rows(const PackedWeight& wt, int64_t K, int bits, int64_t n0, uint8_t* panel) {
+  const int64_t nb = K / BLOCK, row_bytes = bits == 4 ? K / 2 : K;
+  // 4-bit: two blocks at a time, raw dword j (codes 8j .. 8j + 7, code i in bits 4i..4i+3)
+  // zero-extended to qword j, byte i of the qword picked at bit 4i, the high nibbles masked
+  const __m512i pick = _mm512_set1_epi64(0x1C1814100C080400LL), low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(wt.z ? 0x00 : 0x08);
+  for (int c = 0; c < COLS; ++c) {
+    const uint8_t* row = wt.w + std::min<int64_t>(n0 + c, wt.N - 1) * row_bytes;
+    uint8_t* out = panel + (c / TILE) * K * TILE + (c % TILE) * BLOCK;
+    if (bits == 8) {
+      for (int64_t b = 0; b < nb; ++b) std::memcpy(out + b * TILE * BLOCK, row + b * BLOCK, BLOCK);
+      continue;
+    }
+    for (int64_t b = 0; b < nb; b += 2) {
+      const int64_t n = std::min<int64_t>(2, nb - b);  // blocks here: 2, or a last 1
+      const __m256i raw = _mm256_maskz_loadu_epi32(n == 2 ? 0xFF : 0x0F, row + b * BLOCK / 2);
+      const __m512i u = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(pick, _mm512_cvtepu32_epi64(raw)),
+                                                  low, flip, 0x6A);  // (v & low) ^ flip
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * TILE * BLOCK), _mm512_castsi512_si256(u));
+      if (n == 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b + 1) * TILE * BLOCK), _mm512_extracti64x4_epi64(u, 1));
+    }
+  }
+}
+
+// Per-row scales sp and zero-point factors sz (a8::zero_factor), [COLS][G], of the panel
+// at weight row n0 (rows past N repeat row N - 1).
+void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, float* sz) {
+  with_scales(wt, [&](const auto* s, const auto* z) {
+    for (int c = 0; c < COLS; ++c) {
+      const int64_t i0 = std::min<int64_t>(n0 + c, wt.N - 1) * G;
+      float *ps = sp + c * G, *pz = sz + c * G;
+      for (int64_t g = 0; g < G; ++g) ps[g] = scale1(s + i0 + g);
+      if (!z)
+        std::copy(ps, ps + G, pz);
+      else if (wt.min)
+        for (int64_t g = 0; g < G; ++g) pz[g] = -scale1(z + i0 + g);
+      else
+        for (int64_t g = 0; g < G; ++g) pz[g] = ps[g] * scale1(z + i0 + g);
+    }
+  });
+}
+
+// Tile C = tile A (block b of 16 weight rows) x tile B (block b of 16 activation rows).
+#define LOWBIT_ROW_DOTS(C, A, B, b)                          \
+  do {                                                       \
+    _tile_zero(C);                                           \
+    _tile_loadd(A, wa + (b) * TILE * BLOCK, BLOCK);          \
+    _tile_loadd(B, xb + (b) * TILE * BLOCK, TILE * 4);       \
+    if constexpr (SIGNED_A) _tile_dpbssd(C, A, B);           \
+    else _tile_dpbusd(C, A, B);                              \
+  } while (0)
+
+// 16 weight rows (wa: their A tiles; sp, sz [16][G]: their scales and zero-point factors)
+// x one tile of 16 activation rows (xb, d, xs: TiledRows' at the tile): acc[r] lane m =
+// sum_b fma(cvt(dot_b[r][m]), s[r, g(b)] * d[m, b], .), the blocks in order, block b + 1's
+// tile product issued while block b - 1's floats run (the floats read a C tile stored one
+// step earlier); then acc - the zero-point term, turned to activation rows, the first `rows`
+// rows and `cols` columns stored.  Lane m of acc[r] runs the AVX2 kernels' operations for
+// y[m, n0 + r] (s * d is d * s).
+template <bool SIGNED_A>
+void rows16(const uint8_t* wa, const int8_t* xb, const float* d, const float* xs, int64_t nb, int64_t G,
+            int64_t per_group, const float* sp, const float* sz, float zscale, float* y, int64_t ldy, int rows,
+            int cols, int32_t* c) {
+  __m512 acc[TILE];
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  const auto floats = [&](int64_t b) {
+    const int32_t* cb = c + (b % 2) * TILE * TILE;
+    const __m512 dv = _mm512_loadu_ps(d + b * TILE);
+    const int64_t g = b / per_group;
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r * TILE)),
+                               _mm512_mul_ps(_mm512_set1_ps(sp[r * G + g]), dv), acc[r]);
+  };
+  LOWBIT_ROW_DOTS(0, 4, 6, 0);
+  for (int64_t b = 0; b < nb; b += 2) {  // block b in tiles 0/4/6, block b + 1 in 1/5/7
+    if (b + 1 < nb) LOWBIT_ROW_DOTS(1, 5, 7, b + 1);
+    _tile_stored(0, c, TILE * 4);
+    if (b > 0) floats(b - 1);
+    if (b + 1 >= nb) break;
+    if (b + 2 < nb) LOWBIT_ROW_DOTS(0, 4, 6, b + 2);
+    _tile_stored(1, c + TILE * TILE, TILE * 4);
+    floats(b);
+  }
+  floats(nb - 1);
+  __m512i out[TILE];
+#pragma GCC unroll 4
+  for (int r0 = 0; r0 < TILE; r0 += 4) {
+    __m512 z[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (sz) {
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 f = _mm512_loadu_ps(xs + g * TILE);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) z[i] = _mm512_fmadd_ps(_mm512_set1_ps(sz[(r0 + i) * G + g]), f, z[i]);
+      }
+      if (zscale != 1.f)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) z[i] = _mm512_mul_ps(z[i], _mm512_set1_ps(zscale));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) out[r0 + i] = _mm512_castps_si512(_mm512_sub_ps(acc[r0 + i], z[i]));
+  }
+  transpose16(out);  // out[m]: activation row m's 16 weight rows
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_castsi512_ps(out[m]));
+}
+#undef LOWBIT_ROW_DOTS
+
+// x [M, K] quantized and laid out once (TiledRows), then every panel of 32 weight rows of
+// every weight (of one kind: bits, zero points or not) times every tile of 16 rows, panels
+// and row ranges split between threads as the other panel GEMMs (PanelItems).  False
+// (nothing written) if x held NaN or Inf.
 bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const std::vector<PackedWeight>& ws) {
   const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
-  const a8::Rows<int8_t> x8(x, M, K, group, (M + TILE - 1) / TILE * TILE);
-  if (!x8.finite) return false;
-  const int8_t* q = x8.q.data();
-  const float *d = x8.d.data(), *xs = x8.xs.data();
-  const bool signed_b = bits == 8 && !ws[0].z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
+  const TiledRows xt(x, M, K, group);
+  if (!xt.finite) return false;
+  const bool signed_a = bits == 8 && !ws[0].z;  // int8 codes; 4-bit and unsigned 8-bit ones are u8
   const float zscale = bits == 4 && !ws[0].z ? 8.f : 1.f;
   const bool has_term = bits == 4 || ws[0].z;
   const auto setup = [&] { return TileState(BLOCK, K * COLS / 4, G * COLS); };
-  each_panel_part(ws, M, K, bits, setup,
+  const auto pack = [&](const PackedWeight& wt, int64_t n0, uint8_t* panel) {
+    pack_weight_rows(wt, K, bits, n0, panel);
+  };
+  each_panel_part(ws, M, setup, pack,
                   [&](TileState& st, const PackedWeight& wt, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     const int64_t N = wt.N;
-    auto &sp = st.sp, &sz = st.sz;
-    int32_t* c = st.c;
+    float *sp = st.sp.data(), *sz = st.sz.data();
+    pack_row_groups(wt, G, n0, sp, sz);
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(st.panel.data);
-    pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return wt.scale(n * G + g); });
-    pack_groups<COLS>(N, G, n0, sz.data(), [&](int64_t n, int64_t g) { return a8::zero_factor(wt, n * G + g); });
     for (int64_t m = m0; m < m_end; m += TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
+      const int64_t t = m / TILE;
+      const int8_t* xb = xt.q.data() + t * TILE * K;
+      const float *d = xt.d.data() + t * nb * TILE, *xs = xt.xs.data() + t * G * TILE;
       for (int h = 0; h < 2 && TILE * h < cols; ++h) {
         const int hc = std::min(TILE, cols - TILE * h);
-        const float* szp = has_term ? sz.data() + TILE * h : nullptr;
-        const uint8_t* hp = pb + h * K * TILE;
+        const float* szp = has_term ? sz + TILE * h * G : nullptr;
+        const uint8_t* wa = pb + h * K * TILE;
         float* ym = wt.y + m * N + n0 + TILE * h;
-        if (signed_b)
-          tile16<true>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
-                       sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
+        if (signed_a)
+          rows16<true>(wa, xb, d, xs, nb, G, per_group, sp + TILE * h * G, szp, zscale, ym, N, rows, hc, st.c);
         else
-          tile16<false>(q + m * K, d + m * nb, xs + m * G, K, G, per_group, hp,
-                        sp.data() + TILE * h, szp, zscale, ym, N, rows, hc, c);
+          rows16<false>(wa, xb, d, xs, nb, G, per_group, sp + TILE * h * G, szp, zscale, ym, N, rows, hc, st.c);
       }
     }
   });
@@ -241,7 +331,7 @@ inline void group_floats(__m512 (&acc)[TILE], const int32_t* c, const int32_t* x
 }
 
 // 16 rows of x_q (padded with zeros past M) x one half panel (16 weight rows): the groups in
-// order, group g + 1's tile products issued before group g's floats, as tile16.
+// order, group g + 1's tile products issued before group g's floats.
 void w4a8_tile16(const int8_t* xq, const int32_t* xg, const int32_t* xz, int64_t K, int64_t G, int64_t group,
                  int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* zp, const int32_t* usum,
                  float* y, int64_t ldy, int rows, int cols, int32_t* c) {
@@ -277,7 +367,10 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   std::copy(x_zp, x_zp + M, xz.begin());
   for (int64_t m = 0; m < M; ++m) w4a8_group_sums(xq.data() + m * K, xz[m], K, group, xg.data() + m * G);
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
-  each_panel_part({PackedWeight{w, s, z, N, y}}, M, K, 4, setup,
+  const auto pack = [&](const PackedWeight& wt, int64_t n0, uint8_t* panel) {
+    a8::pack_half_panels(wt, K, 4, n0, 2, panel);
+  };
+  each_panel_part({PackedWeight{w, s, z, N, y}}, M, setup, pack,
                   [&](TileState& st, const PackedWeight&, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     auto& sp = st.sp;
     auto &zp = st.zp, &usum = st.usum;
