@@ -114,7 +114,7 @@ struct TiledRows {
     finite = rows.finite;
     if (!finite) return;
     q.resize(tiles * TILE * K), d.resize(tiles * TILE * nb), xs.resize(tiles * TILE * G);
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {  // a batch's few tiles on one thread
       for (int64_t t = t0; t < t1; ++t) {
         const int8_t* in = rows.q.data() + t * TILE * K;
         int8_t* out = q.data() + t * TILE * K;
