@@ -202,11 +202,13 @@ A8_ROWS_MAX_M = {4: 8, 8: 4}
 #   576x1536: M=16 0.25 / 0.22 / 0.40, M=32 0.44 / 0.51 / 0.59, M=512 6.4 / 8.5 / 5.2
 AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 # Where AMX runs, the GEMM path beyond the rows kernel is gemm_amx.cpp's int8 tiles; the rows
-# kernel against it, AVX-512 Xeon with AMX, 2 threads (us):
-#   4-bit 1536x576 g64:  M=2 36 / 89, M=4 64 / 91, M=8 120 / 94, M=16 235 / 103, M=32 515 / 162
-#   4-bit 576x1536 g128: M=2 32 / 83, M=4 56 / 84, M=8 107 / 89, M=16 210 / 101
-#   8-bit 1536x576:      M=2 55 / 52, M=4 76 / 54, M=8 146 / 60, M=16 287 / 64
-AMX_A8_ROWS_MAX_M = {4: 6, 8: 1}
+# kernel against it, AVX-512 Xeon with AMX (family 6 model 207 VM), 2 threads, alternating (us),
+# since the tiles take the weight rows as A (packing without a transposition):
+#   4-bit 1536x576 g64:  M=1 36 / 89, M=2 65 / 91, M=4 110 / 90, M=6 152 / 82, M=8 149 / 79
+#   4-bit 576x1536 g128: M=1 39 / 80, M=2 70 / 86, M=4 93 / 82, M=6 154 / 87, M=8 177 / 90
+#   8-bit 1536x576 g64:  M=1 52 / 86, M=2 69 / 73, M=4 105 / 83, M=6 154 / 80, M=8 196 / 85
+# (before, with the weight as B: 4-bit M=4 64 / 91, M=8 120 / 94; the rows up to 6 then).
+AMX_A8_ROWS_MAX_M = {4: 3, 8: 1}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,

@@ -38,7 +38,9 @@ import torch
 # weight-only kernels one per 32 values: the bf16 gemv's crossover may have moved.
 # 6: on AVX-512 machines without AMX the a8 blocks' GEMM side runs gemm_a8_vnni.cpp (not
 # float32 tiles), with a threshold per weight bits.
-FORMAT = 6
+# 7: gemm_amx.cpp's int8-block tiles take the weight rows as A (1.2-1.7x a call at 4-32
+# rows): the a8 blocks' AMX crossover moved down.
+FORMAT = 7
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
