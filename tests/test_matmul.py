@@ -1056,6 +1056,24 @@ def test_cpu_int8_linear_amx_is_bit_exact_with_the_composed_ops(out_dtype, zero_
     assert cpu._C.int8_linear_amx(a[:0], None if azp is None else azp[:0], b, row[:0], *rest).shape == (0, n)
 
 
+@pytest.mark.parametrize("kernel", ["int8_linear", "int8_linear_amx"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cpu_int8_linear_keeps_subnormal_outputs_as_the_composed_ops_round_them(kernel, out_dtype):
+    # scales of 1e-22 make every product (acc * row) * col a float32 subnormal (~1e-41): the
+    # fused epilogue must round those to bf16 as .to(bfloat16) does (subnormals kept), not as
+    # vcvtneps2bf16, which flushes them to zero
+    if not cpu.available() or (kernel == "int8_linear_amx" and not cpu._C.has_amx_int8()):
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    if kernel == "int8_linear" and not cpu._C.int8_gemm_supported(64):
+        pytest.skip("no int8_linear kernel on this machine")
+    a, azp, b, row, col, _, _ = int8_linear_case(17, 40, 64, "random", True, False, out_dtype)
+    row, col = torch.full_like(row, 1e-22), torch.full_like(col, 1e-22)
+    args = (a, azp, b, row, col, None, out_dtype)
+    want = get_backend("reference").int8_linear(*args)
+    assert bool((want.float().abs() < torch.finfo(torch.float32).tiny).any() & (want != 0).any())
+    assert torch.equal(getattr(cpu._C, kernel)(*args), want)
+
+
 def test_cpu_int8_mm_amx_refuses_what_it_does_not_take():
     if not cpu.available() or not cpu._C.has_amx_int8():
         pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")

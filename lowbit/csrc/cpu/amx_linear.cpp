@@ -333,7 +333,7 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
       if constexpr (BITS == 4) {
         __m512 v = codes;
         if constexpr (!SIGNED) v = _mm512_sub_ps(v, _mm512_set1_ps(z[g]));
-        const __m256i half = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv));
+        const __m256i half = bf16_bits16(_mm512_mul_ps(v, sv));
         const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
         for (const int64_t end = k + group; k < end; k += 32) {
           const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
@@ -351,7 +351,8 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
             a = _mm512_sub_ps(a, zv), b = _mm512_sub_ps(b, zv);
           }
           a = _mm512_mul_ps(a, sv), b = _mm512_mul_ps(b, sv);
-          _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // a in the low half
+          // a in the low half; vcvtne2ps2bf16 flushes subnormals to zero, as tdpbf16ps reads them
+          _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
       }
     }

@@ -75,8 +75,7 @@ template <bool SIGNED, bool HAS_ZP>
 inline void nibbles_to_bf16(const int32_t* words, int64_t nw, float s, float z, uint16_t* dst) {
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i shift = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-  const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8), one = _mm512_set1_epi32(1);
-  const __m512i half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
   const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
   for (int64_t w = 0; w + 2 <= nw; w += 2) {
     const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(words + w));
@@ -84,10 +83,7 @@ inline void nibbles_to_bf16(const int32_t* words, int64_t nw, float s, float z, 
     if constexpr (SIGNED) q = _mm512_sub_epi32(_mm512_xor_si512(q, eight), eight);  // sign-extend 4 bits
     const __m512 qf = _mm512_cvtepi32_ps(q);
     const __m512 v = HAS_ZP ? _mm512_mul_ps(_mm512_sub_ps(qf, zv), sv) : _mm512_mul_ps(qf, sv);
-    const __m512i u = _mm512_castps_si512(v);
-    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * w), _mm512_cvtepi32_epi16(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * w), bf16_bits16(v));
   }
 }
 #endif

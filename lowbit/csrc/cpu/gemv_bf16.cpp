@@ -196,7 +196,9 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
   };
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
-    for (int64_t k = 0; k < K; k += 16) {  // vcvtneps2bf16 rounds to nearest even, as bf16_bits
+    // vcvtneps2bf16 rounds to nearest even as bf16_bits but flushes subnormals to zero,
+    // which vdpbf16ps reads as zero anyway
+    for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = _mm512_loadu_ps(xm + k);
       _mm256_storeu_si256((__m256i*)(h + k), (__m256i)_mm512_cvtneps_pbh(v));
       if (l) _mm256_storeu_si256((__m256i*)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, widen(h + k))));

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <type_traits>
 
@@ -24,10 +26,11 @@ struct RowCol {
   int64_t N;
 };
 
-// Round 16 floats to T's grid and back (T: float, bf16 or f16).
+// Round 16 floats to T's grid and back (T: float, bf16 or f16), as .to(T) rounds.
 template <typename T>
 inline __m512 round_to(__m512 v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits16(v)), 16));
   else if constexpr (std::is_same_v<T, c10::Half>)
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   else return v;
@@ -36,7 +39,7 @@ inline __m512 round_to(__m512 v) {
 template <typename T>
 inline void store(T* out, __mmask16 mask, __m512 v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(out, mask, bf16_bits16(v));
   else if constexpr (std::is_same_v<T, c10::Half>)
     _mm256_mask_storeu_epi16(out, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   else _mm512_mask_storeu_ps(out, mask, v);

@@ -22,6 +22,18 @@ inline uint16_t bf16_bits(float f) {
   return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// bf16_bits of 16 floats at once, in integer lanes.  Not vcvtneps2bf16: that one flushes
+// float32 subnormals to zero, which .to(bfloat16) keeps (bf16 has float32's exponent range).
+inline __m256i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(b);
+}
+#endif
+
 // Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
 // PackedWeight::half) converted to float32, exactly, with F16C: one value, two (the low half
 // of a __m128), or eight.
