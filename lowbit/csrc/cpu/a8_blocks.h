@@ -67,6 +67,13 @@ inline bool block_codes(const float* xb, float& scale, int32_t* q) {
 #endif
 }
 
+// The same for bf16 values (widened to float32: exact).
+inline bool block_codes(const c10::BFloat16* xb, float& scale, int32_t* q) {
+  float x[BLOCK];
+  for (int i = 0; i < BLOCK; ++i) x[i] = static_cast<float>(xb[i]);
+  return block_codes(x, scale, q);
+}
+
 #ifdef LOWBIT_A8_BLOCKS
 // One block's 32 codes (int32 c[0..3], 8 each, all in [-128, 127]: the packs are exact) stored
 // as Q: in order at q, or (int8 only) split, its 16 even values at q and 16 odd at q + odd.
@@ -92,12 +99,12 @@ inline void store_codes(const __m256i c[4], int16_t* q, int64_t, bool) {  // int
 }
 #endif
 
-// Quantize row x [K] into blocks (block_codes): writes the codes in the kernel's layout
-// (int8, even elements then odd ones per block, for 4-bit weights; int16 in order for
-// 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point term).
-// Returns whether the row was finite.
-template <typename Q>
-inline bool quantize_row(const float* x, int64_t K, int64_t group, bool split, Q* xq, float* d, float* xs) {
+// Quantize row x [K] (float32 or bf16) into blocks (block_codes): writes the codes in the
+// kernel's layout (int8, even elements then odd ones per block, for 4-bit weights; int16 in
+// order for 8-bit), d, and xs[g] = sum_{b in g} d[b] * sum_{k in b} xq[k] (the zero-point
+// term).  Returns whether the row was finite.
+template <typename Q, typename X>
+inline bool quantize_row(const X* x, int64_t K, int64_t group, bool split, Q* xq, float* d, float* xs) {
   const int64_t per_group = group / BLOCK;
   bool finite = true;
   for (int64_t b = 0; b < K / BLOCK; ++b) {
@@ -137,16 +144,17 @@ inline void check_x(const char* who, const at::Tensor& x, int64_t group) {
               ": the weight group must be a multiple of 32 that divides K");
 }
 
-// x [M, K] quantized row by row (quantize_row, in order, rows in parallel): codes q [M][K],
-// block scales d [M][K / 32], group sums xs [M][K / group], and whether x was finite.  With
-// `padded` > M the arrays hold that many rows, those past M zero (tiles that read whole
-// 16-row blocks).
+// x [M, K] (float32 or bf16) quantized row by row (quantize_row, in order, rows in
+// parallel): codes q [M][K], block scales d [M][K / 32], group sums xs [M][K / group], and
+// whether x was finite.  With `padded` > M the arrays hold that many rows, those past M
+// zero (tiles that read whole 16-row blocks).
 template <typename Q>
 struct Rows {
   std::vector<Q> q;
   std::vector<float> d, xs;
   bool finite = true;
-  Rows(const float* x, int64_t M, int64_t K, int64_t group, int64_t padded = 0)
+  template <typename X>
+  Rows(const X* x, int64_t M, int64_t K, int64_t group, int64_t padded = 0)
       : q(std::max(M, padded) * K), d(std::max(M, padded) * (K / BLOCK)), xs(std::max(M, padded) * (K / group)) {
     const int64_t nb = K / BLOCK, G = K / group;
     std::vector<char> ok(M);

@@ -1145,6 +1145,15 @@ class Group {
     if (kind_ == kTokens) return run_tokens(x, ys);
     if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
     if (kind_ == kAmxBf16) return run_amx_bf16(x, ys, M);
+    if constexpr (std::is_same<T, c10::BFloat16>::value)
+      if (kind_ == kBlocks && ps_[0].kernel == 1) {  // bf16 in and out of the tiles: no float32 copies
+        thread_local std::vector<PackedWeight> w;
+        w.assign(w_.begin(), w_.end());
+        TORCH_CHECK(a8_blocks_amx_into(x, M, K_, bits_, group_, w, ys),
+                    "lowbit decode: the activations contain NaN or Inf");
+        for (size_t i = 0; i < w.size(); ++i) add_bias(i, ys[i], M);
+        return;
+      }
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -1161,7 +1170,8 @@ class Group {
     for (size_t i = 0, off = 0; i < w.size(); off += M * w[i].N, ++i)
       w[i].y = f32 ? reinterpret_cast<float*>(ys[i]) : yf + off;
     if (kind_ == kBlocks) {
-      TORCH_CHECK((ps_[0].kernel == 1 ? a8_blocks_amx_into : a8_blocks_into)(xf, M, K_, bits_, group_, w),
+      TORCH_CHECK(ps_[0].kernel == 1 ? a8_blocks_amx_into(xf, M, K_, bits_, group_, w)
+                                     : a8_blocks_into(xf, M, K_, bits_, group_, w),
                   "lowbit decode: the activations contain NaN or Inf");
     } else if (kind_ == kGemv) {
       gemv_f32_into(xf, M, K_, bits_, group_, w);

@@ -30,6 +30,7 @@
 
 #include "a8_blocks.h"
 #include "kernels.h"
+#include "int8_epilogue.h"
 #include "panels.h"
 #include <ATen/Parallel.h>
 
@@ -108,7 +109,8 @@ struct TiledRows {
   std::vector<int8_t> q;
   std::vector<float> d, xs;
   bool finite;
-  TiledRows(const float* x, int64_t M, int64_t K, int64_t group) {
+  template <typename X>
+  TiledRows(const X* x, int64_t M, int64_t K, int64_t group) {
     const int64_t tiles = (M + TILE - 1) / TILE, nb = K / BLOCK, G = K / group;
     const a8::Rows<int8_t> rows(x, M, K, group, tiles * TILE);
     finite = rows.finite;
@@ -196,11 +198,12 @@ void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, f
 // sum_b fma(cvt(dot_b[r][m]), s[r, g(b)] * d[m, b], .), the blocks in order, block b + 1's
 // tile product issued while block b - 1's floats run (the floats read a C tile stored one
 // step earlier); then acc - the zero-point term, turned to activation rows, the first `rows`
-// rows and `cols` columns stored.  Lane m of acc[r] runs the AVX2 kernels' operations for
-// y[m, n0 + r] (s * d is d * s).
-template <bool SIGNED_A>
+// rows and `cols` columns stored (Y: float32, or bf16 rounded to nearest even as .to()
+// rounds).  Lane m of acc[r] runs the AVX2 kernels' operations for y[m, n0 + r] (s * d is
+// d * s).
+template <bool SIGNED_A, typename Y>
 void rows16(const uint8_t* wa, const int8_t* xb, const float* d, const float* xs, int64_t nb, int64_t G,
-            int64_t per_group, const float* sp, const float* sz, float zscale, float* y, int64_t ldy, int rows,
+            int64_t per_group, const float* sp, const float* sz, float zscale, Y* y, int64_t ldy, int rows,
             int cols, int32_t* c) {
   __m512 acc[TILE];
 #pragma GCC unroll 16
@@ -244,15 +247,17 @@ void rows16(const uint8_t* wa, const int8_t* xb, const float* d, const float* xs
   }
   transpose16(out);  // out[m]: activation row m's 16 weight rows
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  for (int m = 0; m < rows; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, _mm512_castsi512_ps(out[m]));
+  for (int m = 0; m < rows; ++m) int8_epilogue::store<Y>(y + m * ldy, keep, _mm512_castsi512_ps(out[m]));
 }
 #undef LOWBIT_ROW_DOTS
 
-// x [M, K] quantized and laid out once (TiledRows), then every panel of 32 weight rows of
-// every weight (of one kind: bits, zero points or not) times every tile of 16 rows, panels
-// and row ranges split between threads as the other panel GEMMs (PanelItems).  False
-// (nothing written) if x held NaN or Inf.
-bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const std::vector<PackedWeight>& ws) {
+// x [M, K] (X: float32 or bf16) quantized and laid out once (TiledRows), then every panel of
+// 32 weight rows of every weight (of one kind: bits, zero points or not) times every tile of
+// 16 rows into ys[j] [M, N] (weight j's), panels and row ranges split between threads as the
+// other panel GEMMs (PanelItems).  False (nothing written) if x held NaN or Inf.
+template <typename X, typename Y>
+bool run(const X* x, int64_t M, int64_t K, int64_t group, int bits, const std::vector<PackedWeight>& ws,
+         Y* const* ys) {
   const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
   const TiledRows xt(x, M, K, group);
   if (!xt.finite) return false;
@@ -278,7 +283,7 @@ bool run(const float* x, int64_t M, int64_t K, int64_t group, int bits, const st
         const int hc = std::min(TILE, cols - TILE * h);
         const float* szp = has_term ? sz + TILE * h * G : nullptr;
         const uint8_t* wa = pb + h * K * TILE;
-        float* ym = wt.y + m * N + n0 + TILE * h;
+        Y* ym = ys[&wt - ws.data()] + m * N + n0 + TILE * h;
         if (signed_a)
           rows16<true>(wa, xb, d, xs, nb, G, per_group, sp + TILE * h * G, szp, zscale, ym, N, rows, hc, st.c);
         else
@@ -450,7 +455,18 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
 bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
                         const std::vector<PackedWeight>& weights) {
 #ifdef LOWBIT_AMX
-  return run(x, M, K, group, static_cast<int>(bits), weights);
+  std::vector<float*> ys;
+  for (const PackedWeight& wt : weights) ys.push_back(wt.y);
+  return run(x, M, K, group, static_cast<int>(bits), weights, ys.data());
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX tile kernels");
+#endif
+}
+
+bool a8_blocks_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                        const std::vector<PackedWeight>& weights, c10::BFloat16* const* ys) {
+#ifdef LOWBIT_AMX
+  return run(x, M, K, group, static_cast<int>(bits), weights, ys);
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX tile kernels");
 #endif

@@ -215,6 +215,11 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
 // region (y set by the caller), as a8_blocks_into; false (nothing written) if x held NaN or Inf.
 bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,
                         const std::vector<PackedWeight>& weights);
+// The same for bf16 x (quantized as its float32 values) into bf16 ys[j] [M, N] (weight j's;
+// each weight's y unused): each output rounded once to nearest even, as the float32 call's
+// outputs converted with .to(bfloat16).
+bool a8_blocks_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                        const std::vector<PackedWeight>& weights, c10::BFloat16* const* ys);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // amx_linear.cpp
