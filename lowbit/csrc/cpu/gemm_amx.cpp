@@ -25,8 +25,9 @@
 // 128 (one thread) and level at 512 (two; Xeon family 6 model 207 VM), where the tiles'
 // loads, products and stores set the pace: ~50 TSC cycles per 16 x 16 x 32 block.  A tile
 // of 16 weight rows x 16 activation rows keeps its float accumulators in registers (one
-// per weight row) while block b + 1's tile product runs beside block b - 1's floats.  Tiles need the kernel's permission (arch_prctl
-// ARCH_REQ_XCOMP_PERM), asked once by has_amx_int8().
+// per weight row) while block b + 1's tile product runs beside block b - 1's floats.
+// Tiles need the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM), asked once by
+// has_amx_int8().
 
 #include "a8_blocks.h"
 #include "kernels.h"
@@ -43,7 +44,7 @@
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+    defined(__AVX512VBMI__) && defined(__linux__)  // VBMI: vpmultishiftqb (every AMX CPU has it)
 #define LOWBIT_AMX 1
 #include <cpuid.h>
 #include <sys/syscall.h>

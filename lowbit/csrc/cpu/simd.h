@@ -22,7 +22,7 @@ inline uint16_t bf16_bits(float f) {
   return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 // bf16_bits of 16 floats at once, in integer lanes.  Not vcvtneps2bf16: that one flushes
 // float32 subnormals to zero, which .to(bfloat16) keeps (bf16 has float32's exponent range).
 inline __m256i bf16_bits16(__m512 v) {
