@@ -383,7 +383,7 @@ def _needs_amx():
 @pytest.mark.parametrize("m, n", [(1, 1), (3, 40), (6, 32), (7, 33), (16, 16), (17, 33), (70, 15), (129, 70)])
 def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme, k, m, n):
     # gemm_amx.cpp and gemm_a8_vnni.cpp run gemm_a8.cpp's / gemm_i16.cpp's float operations
-    # lane for lane on the same exact block dot products (AMX: tdpbsud / tdpbssd tiles;
+    # lane for lane on the same exact block dot products (AMX: tdpbusd / tdpbssd tiles;
     # VNNI: vpdpbusd, signed 8-bit codes as q + 128 with the offset taken away in the
     # integers), so they agree with the AVX2 panels bit for bit: AMX tiles of 16 rows and
     # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short, and

@@ -435,7 +435,7 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
         return Plan("a8_gemm", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into {how} "
                                "register tiles")
     if _has_amx_int8():
-        return Plan("a8_amx", f"over {rows} rows: int8 blocks of x, AMX int8 tiles per block (tdpbsud / tdpbssd), "
+        return Plan("a8_amx", f"over {rows} rows: int8 blocks of x, AMX int8 tiles per block (tdpbusd / tdpbssd), "
                               "exact block dot products: 2.5-3x the float32 tiles")
     return Plan("a8_vnni", f"over {rows} rows: int8 blocks of x, the codes unpacked once per call into u8 panels, "
                            "vpdpbusd register tiles, exact block dot products: 1.4-2.9x the AVX2 panels")
