@@ -168,9 +168,11 @@ struct Rows {
 
 // The factor of the zero-point term of weight value i (per row and group): s z, or s again
 // for signed codes (the kernel scales that term by its offset), or -m in the "min" domain
-// (q * s + m: the term subtracted is then -m times the group sums).
+// (q * s + m: the term subtracted is then -m times the group sums).  From the value's scale s
+// and zero point z (has_z false: signed codes, z unused; min: z holds m).
+inline float zero_factor(float s, float z, bool has_z, bool min) { return !has_z ? s : min ? -z : s * z; }
 inline float zero_factor(const PackedWeight& wt, int64_t i) {
-  return !wt.z ? wt.scale(i) : wt.min ? -wt.zero(i) : wt.scale(i) * wt.zero(i);
+  return zero_factor(wt.scale(i), wt.z ? wt.zero(i) : 0.f, wt.z != nullptr, wt.min);
 }
 
 // The loop of the many-row kernels (gemm_a8.cpp, gemm_i16.cpp): x [M, K] in blocks

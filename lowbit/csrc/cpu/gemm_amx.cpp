@@ -173,13 +173,10 @@ void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, f
     for (int c = 0; c < COLS; ++c) {
       const int64_t i0 = std::min<int64_t>(n0 + c, wt.N - 1) * G;
       float *ps = sp + c * G, *pz = sz + c * G;
-      for (int64_t g = 0; g < G; ++g) ps[g] = scale1(s + i0 + g);
-      if (!z)
-        std::copy(ps, ps + G, pz);
-      else if (wt.min)
-        for (int64_t g = 0; g < G; ++g) pz[g] = -scale1(z + i0 + g);
-      else
-        for (int64_t g = 0; g < G; ++g) pz[g] = ps[g] * scale1(z + i0 + g);
+      for (int64_t g = 0; g < G; ++g) {
+        ps[g] = scale1(s + i0 + g);
+        pz[g] = a8::zero_factor(ps[g], z ? scale1(z + i0 + g) : 0.f, z != nullptr, wt.min);
+      }
     }
   });
 }
