@@ -24,7 +24,8 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
                                    "lowbit/csrc/cpu/dense.cpp",
                                    "lowbit/csrc/cpu/decode.cpp", "lowbit/csrc/cpu/gptq.cpp",
                                    "lowbit/csrc/cpu/ggml.cpp", "lowbit/csrc/cpu/gemm_f32.cpp",
-                                   "lowbit/csrc/cpu/gemm_amx.cpp", "lowbit/csrc/cpu/amx_linear.cpp"],
+                                   "lowbit/csrc/cpu/gemm_amx.cpp", "lowbit/csrc/cpu/amx_linear.cpp",
+                                   "lowbit/csrc/cpu/attend_amx.cpp"],
                      depends=["lowbit/csrc/cpu/kernels.h", "lowbit/csrc/cpu/panels.h", "lowbit/csrc/cpu/simd.h",
                               "lowbit/csrc/cpu/a8_blocks.h", "lowbit/csrc/cpu/int8_epilogue.h"],
                      extra_compile_args=flags, extra_link_args=["-fopenmp"])

@@ -341,10 +341,12 @@ def _needs_prefill():
 # t not a multiple of the 16-query blocks or of the 8- and 6-row tiles, groups of 3, 1 and 4
 # query heads, keys not a multiple of 32, chunks after cached positions (pos > 0), several
 # sequences of a batch's caches in any order, head sizes 48 (a 64-value step cut short),
-# 64 and 128 (two steps)
+# 64 and 128 (two steps); with AMX, bf16 tiles of every head size they take (32, 64, 96,
+# 128: one to four 32-value steps of the scores, 2 to 8 value tiles in passes of 4)
 @pytest.mark.parametrize("n_seq, t, heads, kv_heads, hd, pos", [(1, 37, 9, 3, 64, 0), (1, 16, 9, 3, 64, 100),
                                                                (2, 20, 8, 2, 128, 5), (1, 5, 4, 4, 48, 0),
-                                                               (3, 2, 4, 1, 64, 0), (1, 70, 2, 2, 16, 33)])
+                                                               (3, 2, 4, 1, 64, 0), (1, 70, 2, 2, 16, 33),
+                                                               (1, 40, 4, 2, 32, 3), (1, 33, 2, 1, 96, 0)])
 def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, heads, kv_heads, hd, pos):
     _needs_prefill()
     torch.manual_seed(t * 100 + pos)
@@ -365,18 +367,22 @@ def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, hea
         scores = scores.masked_fill(~torch.ones(t, n, dtype=torch.bool).tril(pos), float("-inf"))
         want = torch.einsum("hts,hsd->thd", torch.softmax(scores, -1), vd)
         # decode_attention's bound (test above), with the longest row's n positions: each
-        # score an hd-term dot product, exp's few units, an n-term weighted sum, the division
+        # score an hd-term dot product, exp's few units, an n-term weighted sum, the division.
+        # bf16 on AMX tiles: each weight in three bf16 parts (within 2^-24 of it, parts below
+        # 2^-126 lost), so 3n products in the weighted sum
         k_max = kd.abs().amax(-2)  # [heads, hd]: each dimension's largest |k| over the positions
         dot_err = gamma(hd + 1) * float((q[i].double().abs() * k_max).sum(-1).max()) * scale
-        tol = (2 * dot_err + 4 * 2.0**-24 + gamma(n + 2)) * 2 * float(vd.abs().max())
+        terms = 3 * n if dtype == torch.bfloat16 else n
+        tol = (2 * dot_err + 5 * 2.0**-24 + gamma(terms + 2) + terms * 2.0**-126) * 2 * float(vd.abs().max())
         err = (out[i].double() - want).abs()
         assert bool((err <= tol + unit * want.abs()).all()), float(err.max())
 
 
-def test_prefill_attention_gives_the_same_bits_on_any_number_of_threads():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: AMX tiles where they run
+def test_prefill_attention_gives_the_same_bits_on_any_number_of_threads(dtype):
     # each output row is one work item's: the threads only decide which item runs where
     _needs_prefill()
-    q, k, v = torch.randn(1, 100, 9, 64), torch.randn(1, 3, 128, 64), torch.randn(1, 3, 128, 64)
+    q, k, v = (torch.randn(*s).to(dtype) for s in ((1, 100, 9, 64), (1, 3, 128, 64), (1, 3, 128, 64)))
     threads = torch.get_num_threads()
     try:
         outs = []

@@ -195,6 +195,22 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tens
 bool has_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                              const at::Tensor& seqs, int64_t pos, double scale);
+// attend_amx.cpp: prefill_attention's products for bf16 caches on AMX bf16 tiles.
+// Whether they run here for head size hd (AMX bf16 tiles usable, hd 32, 64, 96 or 128).
+bool attend_tiles_run(int64_t hd);
+// The calling thread's tile configuration for the calls below, and its release.
+void attend_tiles_begin();
+void attend_tiles_end();
+// One row tile of a prefill_attention work item: 16 query rows (q bf16 [16][hd]) of one query
+// head, row r over the first len[r] positions (0: a padding row), against its kv head's key
+// panels kt and value pairs vt, positions < kpad (a multiple of 32 and >= every len):
+// o [16][hd] = sum_j e_rj v_j, not yet divided by l[r] = sum_j e_rj, e = exp(s * scale -
+// max); s: scratch [16][kpad].
+void attend_row_tile(const c10::BFloat16* q, const uint32_t* kt, const uint32_t* vt, int64_t hd, int64_t kpad,
+                     const int64_t* len, float scale, float* s, float* o, float* l);
+// The first n rows of v (bf16 [n][hd]) as pairs vt[i][d] = v[2i][d] | v[2i + 1][d] << 16,
+// zero pairs up to npad (even) positions.
+void attend_value_pairs(const c10::BFloat16* v, int64_t n, int64_t npad, int64_t hd, uint32_t* vt);
 // gemm_a8_vnni.cpp
 bool has_a8_vnni();
 std::tuple<std::vector<at::Tensor>, bool> gemm_a8_blocks_vnni_many(

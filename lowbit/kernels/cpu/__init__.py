@@ -1038,7 +1038,9 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
     [B, KV, capacity, hd], which already hold those tokens' keys and values; query j of a
     sequence sees its positions 0 .. pos + j.  Float32 arithmetic, GEMM-shaped (decode.cpp's
     prefill_attend; bf16 q and caches take the scores on bf16 dot products, each product
-    exact, the sums float32); returns [N, t, H, hd] in q's dtype.
+    exact, the sums float32, and where AMX bf16 tiles run and hd is 32, 64, 96 or 128 both
+    products on tiles, the softmax weights in three bf16 parts); returns [N, t, H, hd] in
+    q's dtype.
 
     Example::
 
