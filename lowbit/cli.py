@@ -939,6 +939,11 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
                   f"{cpu.DENSE_DOTS_MAX_M} rows, torch's linear beyond" if dots else "torch's linear beyond")
         print(f"bfloat16 nn.Linear: decode steps dense_rows (the bf16 values widened, float32 FMAs) up to "
               f"{cpu.dense_rows_max_m(torch.bfloat16)} rows, {beyond}; prefill torch's linear")
+    if cpu.prefill_attention_available():
+        tiles = ("; bf16 caches with heads of 32, 64, 96 or 128 values on AMX bf16 tiles (the softmax weights "
+                 "in three bf16 parts)" if cpu.prefill_attention_tiles(64) else "")
+        print(f"prefill attention: prefill_attention (register tiles of float32 FMAs, bf16 scores on vdpbf16ps "
+              f"where AVX512-BF16 runs){tiles}")
     return rows
 
 

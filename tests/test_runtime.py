@@ -378,6 +378,13 @@ def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, hea
         assert bool((err <= tol + unit * want.abs()).all()), float(err.max())
 
 
+def test_prefill_attention_takes_amx_tiles_for_the_head_sizes_they_fit_where_amx_bf16_runs():
+    _needs_prefill()
+    amx = cpu._C.has_amx_bf16()
+    assert [cpu.prefill_attention_tiles(hd) for hd in (32, 64, 96, 128)] == [amx] * 4
+    assert not any(cpu.prefill_attention_tiles(hd) for hd in (16, 48, 80, 160, 256))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: AMX tiles where they run
 def test_prefill_attention_gives_the_same_bits_on_any_number_of_threads(dtype):
     # each output row is one work item's: the threads only decide which item runs where

@@ -1779,6 +1779,8 @@ void bind_decode(pybind11::module& m) {
   m.def("decode_attention_rows", &decode_attention_rows,
         "decode_attention for one new token of each of a batch's sequences, over its own cache");
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention (AVX-512) was compiled in");
+  m.def("prefill_attention_tiles", &attend_tiles_run,
+        "whether prefill_attention runs bf16 caches of head size hd on AMX bf16 tiles here");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of t new tokens of each of N sequences over their caches, float32 arithmetic");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (a NaN the largest), as int64");

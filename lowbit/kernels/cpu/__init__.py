@@ -1032,6 +1032,19 @@ def prefill_attention_available() -> bool:
     return _C is not None and hasattr(_C, "has_prefill_attention") and _C.has_prefill_attention()
 
 
+def prefill_attention_tiles(head_dim: int) -> bool:
+    """Whether ``prefill_attention`` runs bf16 caches with heads of ``head_dim`` values on
+    AMX bf16 tiles here (attend_amx.cpp: AMX bf16 usable, head sizes 32, 64, 96 or 128).
+
+    Example::
+
+        >>> prefill_attention_tiles(48)
+        False
+    """
+    return prefill_attention_available() and hasattr(_C, "prefill_attention_tiles") and \
+        _C.prefill_attention_tiles(head_dim)
+
+
 def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
     """Causal attention of t new tokens of each of N sequences at once (a prefill): q [N, t,
     H, hd] at positions ``pos`` .. ``pos + t - 1`` of sequence ``seqs[i]`` of the caches
