@@ -940,8 +940,9 @@ def kernels_cmd(path: str | None = None, dtype: str | None = None, calibrate: bo
         print(f"bfloat16 nn.Linear: decode steps dense_rows (the bf16 values widened, float32 FMAs) up to "
               f"{cpu.dense_rows_max_m(torch.bfloat16)} rows, {beyond}; prefill torch's linear")
     if cpu.prefill_attention_available():
-        tiles = ("; bf16 caches with heads of 32, 64, 96 or 128 values on AMX bf16 tiles (the softmax weights "
-                 "in three bf16 parts)" if cpu.prefill_attention_tiles(64) else "")
+        sizes = [hd for hd in range(16, 257, 16) if cpu.prefill_attention_tiles(hd)]
+        tiles = (f"; bf16 caches with heads of {', '.join(map(str, sizes))} values on AMX bf16 tiles (the softmax "
+                 "weights in three bf16 parts)" if sizes else "")
         print(f"prefill attention: prefill_attention (register tiles of float32 FMAs, bf16 scores on vdpbf16ps "
               f"where AVX512-BF16 runs){tiles}")
     return rows

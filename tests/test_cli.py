@@ -269,7 +269,7 @@ def test_info_kernels_shows_the_cpu_plan_of_the_presets(capsys):
     assert out.startswith("cpu: ") and "why:" in out
     if cpu.prefill_attention_available():  # which attention a prefill runs, tiles named where they run
         assert "prefill attention: prefill_attention" in out
-        assert ("AMX bf16 tiles (the softmax weights" in out) == cpu.prefill_attention_tiles(64)
+        assert ("heads of 32, 64, 96, 128 values on AMX bf16 tiles" in out) == cpu.prefill_attention_tiles(64)
     assert {(r["weight"], r["activation"]) for r in rows} >= {("int4-sym-g32-f16", "int8-sym-g32"),
                                                                ("int8-sym", None)}
     for r in rows:  # every kernel named is explained, and the decode rows run no weight tiles

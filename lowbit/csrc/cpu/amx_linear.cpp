@@ -257,8 +257,6 @@ void run(const uint8_t* a, int64_t M, int64_t Kb, const std::vector<int64_t>& Ns
   });
 }
 
-inline __mmask16 lanes(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
 // W8A8 for every weight of ws (one input a, one parallel region): int8_epilogue's outputs.
 template <typename T>
 void linear_run(const int8_t* a, int64_t M, int64_t K, const float* row, const int32_t* a_zp, at::ScalarType out,
@@ -273,7 +271,7 @@ void linear_run(const int8_t* a, int64_t M, int64_t K, const float* row, const i
   }
   run<false>(reinterpret_cast<const uint8_t*>(a), M, K, Ns, [&] { return StoredRows{bs, Ns, K, a_zp != nullptr}; },
              [&](size_t j, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t* sums) {
-    const __mmask16 mask = lanes(cols);
+    const __mmask16 mask = lanes16(cols);
     const __m512i colsum = sums ? _mm512_maskz_loadu_epi32(mask, sums) : _mm512_setzero_si512();
     for (int i = 0; i < rows; ++i) int8_epilogue::rowcol16<T>(es[j], r[i], colsum, m + i, n0, mask);
   });
@@ -282,7 +280,7 @@ void linear_run(const int8_t* a, int64_t M, int64_t K, const float* row, const i
 // y[m, n] = bf16(acc (+ bias[n])) for one C tile of float32 sums.
 void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const float* bias, uint16_t* y,
                int64_t N) {
-  const __mmask16 mask = lanes(cols);
+  const __mmask16 mask = lanes16(cols);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
   for (int i = 0; i < rows; ++i) {
     __m512 f = _mm512_castsi512_ps(r[i]);
@@ -384,7 +382,7 @@ void weight_only_run(const uint8_t* x, int64_t M, int64_t K, int64_t group, cons
             [&](size_t j, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
               T* y = static_cast<T*>(ws[j].y) + n0;
               for (int i = 0; i < rows; ++i)
-                int8_epilogue::store<T>(y + (m + i) * ws[j].N, lanes(cols), _mm512_castsi512_ps(r[i]));
+                int8_epilogue::store<T>(y + (m + i) * ws[j].N, lanes16(cols), _mm512_castsi512_ps(r[i]));
             });
 }
 
@@ -546,7 +544,7 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
           transpose16(r);  // r[q]: row m + 16j + q of x, lanes the weight rows
           const int64_t rows = std::min<int64_t>(TILE, M - m - TILE * j);
           for (int64_t q = 0; q < rows; ++q)
-            _mm512_mask_storeu_ps(y + (m + TILE * j + q) * N + n0 + TILE * h, lanes(cols - TILE * h),
+            _mm512_mask_storeu_ps(y + (m + TILE * j + q) * N + n0 + TILE * h, lanes16(cols - TILE * h),
                                   _mm512_castsi512_ps(r[q]));
         }
     }
@@ -650,7 +648,7 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
         const int64_t rows = std::min<int64_t>(BLOCK, M - m);
         for (int64_t r = 0; r < rows; ++r)
           for (int j = 0; j < 2 && TILE * j < cols; ++j)
-            _mm512_mask_storeu_ps(y + (m + r) * N + n0 + TILE * j, lanes(cols - TILE * j),
+            _mm512_mask_storeu_ps(y + (m + r) * N + n0 + TILE * j, lanes16(cols - TILE * j),
                                   _mm512_load_ps(st.acc[r] + TILE * j));
       }
     });
@@ -704,7 +702,7 @@ at::Tensor int8_mm_amx(const at::Tensor& a, const at::Tensor& b) {
   const uint8_t* pb = reinterpret_cast<const uint8_t*>(bc.data_ptr());
   run<false>(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, {N}, [&] { return StoredRows{{pb}, {N}, K, false}; },
       [&](size_t, const __m512i* r, int64_t m, int rows, int64_t n0, int cols, const int32_t*) {
-        for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes(cols), r[i]);
+        for (int i = 0; i < rows; ++i) _mm512_mask_storeu_epi32(py + (m + i) * N + n0, lanes16(cols), r[i]);
       });
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");

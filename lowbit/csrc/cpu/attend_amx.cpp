@@ -86,10 +86,8 @@ inline void weights_step(const float* s, int64_t lds, const int64_t* len, const 
   for (int r = 0; r < TILE; ++r)
     for (int h = 0; h < 2; ++h) {
       const int64_t j = j0 + h * TILE;
-      const __mmask16 valid =
-          static_cast<__mmask16>(j >= len[r] ? 0u : (1u << std::min<int64_t>(16, len[r] - j)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(
-          valid, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * lds + j), scale), _mm512_set1_ps(mx[r]))));
+          lanes16(len[r] - j), exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * lds + j), scale), _mm512_set1_ps(mx[r]))));
       if (total) total[r] = _mm512_add_ps(total[r], e);
       const __m256bh hi = _mm512_cvtneps_pbh(e);
       const __m512 r1 = _mm512_sub_ps(e, _mm512_cvtpbh_ps(hi));
@@ -158,14 +156,7 @@ void attend_row_tile(const c10::BFloat16* q, const uint32_t* kt, const uint32_t*
   }
   // each row's largest s * scale: its largest s times scale, rounded (scale > 0)
   float mx[TILE];
-  for (int r = 0; r < TILE; ++r) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < len[r]; j0 += 16) {
-      const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, len[r] - j0)) - 1);
-      m = _mm512_mask_max_ps(m, valid, m, _mm512_maskz_loadu_ps(valid, s + r * kpad + j0));
-    }
-    mx[r] = len[r] > 0 ? _mm512_reduce_max_ps(m) * scale : 0.0f;
-  }
+  for (int r = 0; r < TILE; ++r) mx[r] = len[r] > 0 ? row_max16(s + r * kpad, len[r]) * scale : 0.0f;
   __m512 total[TILE];
   for (int r = 0; r < TILE; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t d0 = 0; d0 < hd; d0 += 4 * TILE) {

@@ -726,15 +726,10 @@ void each_tile(int64_t rows, F f) {
 // A row of scores sr as softmax weights: exp(s - max) over its first len positions, zeros
 // from len to kpad; returns their sum.
 inline float softmax_row(float* sr, int64_t len, int64_t kpad) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, len - j0)) - 1);
-    mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_maskz_loadu_ps(valid, sr + j0));
-  }
-  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const __m512 mv = _mm512_set1_ps(row_max16(sr, len));
   __m512 total = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < kpad; j0 += 16) {
-    const __mmask16 valid = static_cast<__mmask16>(j0 >= len ? 0u : (1u << std::min<int64_t>(16, len - j0)) - 1);
+    const __mmask16 valid = lanes16(len - j0);
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j0), mv)));
     _mm512_storeu_ps(sr + j0, e);
     total = _mm512_add_ps(total, e);

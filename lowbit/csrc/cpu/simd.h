@@ -2,6 +2,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -43,6 +44,21 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// The mask of the first n of 16 lanes: none for n <= 0, all from 16 on.
+inline __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The largest of s[0 .. len), 16 lanes at a time (-inf for len <= 0).
+inline float row_max16(const float* s, int64_t len) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 valid = lanes16(len - j);
+    m = _mm512_mask_max_ps(m, valid, m, _mm512_maskz_loadu_ps(valid, s + j));
+  }
+  return _mm512_reduce_max_ps(m);
 }
 #endif
 
