@@ -1,4 +1,4 @@
-// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp,
+// Python bindings of lowbit._C; the kernels live in dequant.cpp, matmul.cpp, gemv_bf16.cpp, gemv_amx.cpp,
 // gemm_bf16.cpp, gemm_int8.cpp, gemv_a8.cpp, gemm_a8.cpp, gemm_i16.cpp, gemm_a8_vnni.cpp, gemm_amx.cpp, dense.cpp, gptq.cpp and ggml.cpp, the one-call decode step of lowbit.runtime in decode.cpp.
 #include "kernels.h"
 
@@ -92,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_rows", &dense_rows,
         "x [M, K] @ weight [N, K].T (+ bias), float32 or bfloat16, for a few rows, each row summed in one order whatever M");
   m.def("gemv_bf16_supported", &gemv_bf16_supported, "whether weight_only_gemv_bf16 handles K and group");
+  m.def("gemv_bf16_amx_supported", &gemv_bf16_amx_supported,
+        "whether weight_only_gemv_bf16_amx runs here (AMX bf16) for K and group");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
   m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");
   m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul with the kernel the plan chose (an index)");

@@ -1050,13 +1050,15 @@ bool share_gemv_f32(const std::vector<const Proj*>& ps) {
   return true;
 }
 
-// Weight-only 4-bit projections on the bf16 dot-product kernel (gemv_bf16, x rounded to
-// bf16 or split in two bf16 parts: the same kernel for all) share x's preparation and one
-// parallel region (gemv_bf16_into), as share_gemv_f32's do.
+// Weight-only 4-bit projections on the bf16 dot-product kernels (gemv_bf16, x rounded to
+// bf16 or split in two bf16 parts, or gemv_bf16_amx: the same kernel for all) share x's
+// preparation and one parallel region (gemv_bf16_into, gemv_bf16_amx_into), as
+// share_gemv_f32's do.
 bool share_gemv_bf16(const std::vector<const Proj*>& ps) {
   const int64_t kernel = ps[0]->kernel;
   if (kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16) &&
-      kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split))
+      kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split) &&
+      kernel != static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Amx))
     return false;
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 0 || p->kernel != kernel || p->bits != 4 || p->group != ps[0]->group ||
@@ -1091,7 +1093,9 @@ class Group {
       kind_ = kBlocks;
     else if (share_gemv_f32(ptrs) && has_gemv_f32())
       kind_ = kGemv;
-    else if (share_gemv_bf16(ptrs) && gemv_bf16_supported(in_features(p0), p0.group))
+    else if (share_gemv_bf16(ptrs) && (p0.kernel == static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Amx)
+                                           ? gemv_bf16_amx_supported(in_features(p0), p0.group)
+                                           : gemv_bf16_supported(in_features(p0), p0.group)))
       kind_ = kGemvBf16;
     else if (share_tokens(ptrs))
       kind_ = kTokens;
@@ -1202,6 +1206,8 @@ class Group {
                   "lowbit decode: the activations contain NaN or Inf");
     } else if (kind_ == kGemv) {
       gemv_f32_into(xf, M, K_, bits_, group_, w);
+    } else if (ps_[0].kernel == static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Amx)) {
+      gemv_bf16_amx_into(xf, M, K_, group_, w);
     } else {
       gemv_bf16_into(xf, M, K_, group_, ps_[0].kernel == static_cast<int64_t>(WeightOnlyKernel::kGemvBf16Split), w);
     }

@@ -67,21 +67,30 @@ struct PackedWeight {
 // f(weight, n0, n1) for rows n0 .. n1 - 1 of every weight, all weights' rows numbered in one
 // range and shared between the threads in chunks of `chunk` rows (parallel_chunks): one
 // parallel region for q/k/v or gate/up of a decode step.
-template <typename F>
-void parallel_weight_rows(const std::vector<PackedWeight>& weights, int64_t chunk, const F& f) {
+// With a per-thread state: state = setup() once per thread, then f(state, weight, n0, n1).
+template <typename Setup, typename F>
+void parallel_weight_rows(const std::vector<PackedWeight>& weights, int64_t chunk, Setup setup, const F& f) {
   thread_local std::vector<int64_t> first_keep;  // no malloc per call (see grown)
   first_keep.assign(weights.size() + 1, 0);
   const int64_t* first = first_keep.data();
   for (size_t i = 0; i < weights.size(); ++i) first_keep[i + 1] = first[i] + weights[i].N;
-  parallel_chunks(0, first[weights.size()], chunk, [&](int64_t r0, int64_t r1) {
+  const int64_t total = first[weights.size()];
+  if (total <= 0) return;
+  each_item((total + chunk - 1) / chunk, setup, [&](auto& state, int64_t c) {
+    const int64_t r0 = c * chunk, r1 = std::min(total, r0 + chunk);
     size_t i = 0;
     for (int64_t r = r0; r < r1;) {
       while (r >= first[i + 1]) ++i;
       const int64_t n0 = r - first[i], n1 = std::min(r1, first[i + 1]) - first[i];
-      f(weights[i], n0, n1);
+      f(state, weights[i], n0, n1);
       r += n1 - n0;
     }
   });
+}
+template <typename F>
+void parallel_weight_rows(const std::vector<PackedWeight>& weights, int64_t chunk, const F& f) {
+  parallel_weight_rows(weights, chunk, [] { return 0; },
+                       [&](int, const PackedWeight& wt, int64_t n0, int64_t n1) { f(wt, n0, n1); });
 }
 // n values of scratch memory in v, which keeps it between calls: a function's buffers as
 // `thread_local std::vector<T>`, one per calling thread.  A decode step calls its kernels
@@ -130,7 +139,8 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 // The kernels weight_only_matmul runs, in the order of weight_only_kernels() (their names,
 // which lowbit.kernels.cpu's plan returns).
 enum class WeightOnlyKernel : int64_t {
-  kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4, kGemmF32Amx = 5
+  kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4, kGemmF32Amx = 5,
+  kGemvBf16Amx = 6
 };
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -271,6 +281,12 @@ void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool sp
                     const std::vector<PackedWeight>& weights);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
+// gemv_amx.cpp: gemv_bf16's arithmetic on AMX bf16 tiles for bf16 x (float32 x rounded to
+// bf16), 32 rows of x per pass over the weights; gemv_bf16_amx_into as gemv_bf16_into.
+bool gemv_bf16_amx_supported(int64_t K, int64_t group);
+void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights);
+at::Tensor weight_only_gemv_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& zero_point, int64_t group);
 // gemm_bf16.cpp
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

@@ -811,7 +811,7 @@ void w4a8_gemm_many_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t
 // lowbit.kernels.cpu's plan chose (WeightOnlyKernel) and returns [..., N] in x's dtype.
 
 const char* const kWeightOnlyKernels[] = {"gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx",
-                                           "gemm_f32_amx"};
+                                           "gemm_f32_amx", "gemv_bf16_amx"};
 
 std::vector<std::string> weight_only_kernels() {
   return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
@@ -892,6 +892,10 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
       TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
       y = weight_only_gemv_bf16(as_float(x2), c, s, z, group,
                                 static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split);
+      break;
+    case WeightOnlyKernel::kGemvBf16Amx:
+      TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
+      y = weight_only_gemv_bf16_amx(as_float(x2), c, s, z, group);
       break;
     case WeightOnlyKernel::kGemmBf16:
       y = weight_only_gemm_bf16(x2, c, s, z, bits, group, zero_point_min);
