@@ -51,58 +51,71 @@ namespace {
 
 #ifdef LOWBIT_GEMV_AMX
 constexpr int TILE = 16;
-constexpr int64_t kMaxRows = 2 * TILE;  // rows of x: two C tiles of 16 columns
-constexpr int kRing = 4;                // A buffers: step i + kAhead converted while step i's tiles run
+constexpr int64_t kPassRows = TILE;  // rows of x per pass over the weights: one C tile of columns
+constexpr int kRing = 4;             // A buffers: step i + kAhead converted while step i's tiles run
 constexpr int kAhead = 2;
 
-// Per thread: the tile configuration for M rows of x and the buffers the tiles read.
-// tmm0-1: C (16 weight rows x columns 0-15 / 16-31 of x's rows); tmm2-3: A (low, high
-// nibbles); tmm4-5: B of columns 0-15 (low, high), tmm6-7: B of columns 16-31.
-struct Tiles {
-  explicit Tiles(int64_t M) {
-    const uint8_t two = M > TILE ? TILE : 0;
-    const uint16_t c0 = static_cast<uint16_t>(4 * std::min<int64_t>(M, TILE));
-    const uint16_t c1 = static_cast<uint16_t>(M > TILE ? 4 * (M - TILE) : 0);
-    const uint8_t rows[8] = {TILE, two, TILE, TILE, TILE, TILE, two, two};
-    const uint16_t colsb[8] = {c0, c1, 64, 64, c0, c0, c1, c1};
+// A thread's tile configuration, released when its items are done.  tmm0: C (16 weight
+// rows x `columns` rows of x); tmm2-3: A (low, high nibbles); tmm4-5: B (low, high).
+struct TileConfig {
+  explicit TileConfig(int64_t columns) {
+    const uint16_t cb = static_cast<uint16_t>(4 * columns);
+    const uint8_t rows[8] = {TILE, 0, TILE, TILE, TILE, TILE, 0, 0};
+    const uint16_t colsb[8] = {cb, 0, 64, 64, cb, cb, 0, 0};
     load_tile_config(rows, colsb);
-    std::memset(a, 0, sizeof(a));  // rows past a weight's end are read, never stored: finite
   }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-  alignas(64) uint16_t a[kRing][2][TILE * 32];
-  alignas(64) float c[2][2][TILE * TILE];  // [group parity][C tile], as stored
-  alignas(64) float total[2][TILE][TILE];   // M > 1: [C tile][weight row][column]
+  ~TileConfig() { _tile_release(); }
+  TileConfig(const TileConfig&) = delete;
+  TileConfig& operator=(const TileConfig&) = delete;
 };
 
-// x [M, K] as the B tiles read it.  Step t (of `width` values: 64 or 32) has `halves` B
-// tiles, each [16 pairs][M columns] of bf16 pairs: pair p of half h is A columns 2p and
-// 2p + 1, which hold values column_k(2p) and column_k(2p + 1) of the step.  Also x's group
-// sums over the same bf16 values: xsum[g * kMaxRows + m] (zero past M).
+// A thread's buffers, kept between calls.  Rows of A past a weight's end repeat its last row.
+struct Buffers {
+  alignas(64) uint16_t a[kRing][2][TILE * 32];
+  alignas(64) float c[2][TILE * TILE];  // C as stored, by parity of what it summed
+  std::vector<float> scale, offset;        // a strip's s and s * (offset + z), [G][16 weight rows]
+};
+Buffers& buffers() {
+  thread_local Buffers b;
+  return b;
+}
+
+// x [M, K] as the B tiles read it: step t (of `width` values, 64 or 32) has `halves` B tiles,
+// [16 pairs][columns] of bf16 pairs, pair p of half h being the values in A columns 2p and
+// 2p + 1 of the step (see convert); column m holds row m of x.  Columns: 1 for one row of x
+// (C then stores as 16 contiguous floats, one per weight row), else 16, zero past M (C as
+// [weight row][16 columns]).  Also x's group sums over the same bf16 values, xsum[g * 16 + m]
+// (zero past M).
 struct Prepared {
   const uint32_t* b;
   const float* xsum;
 };
 
-// Value of the step (0 .. width - 1) in column j of A half h: 64-value steps hold values
-// 2j + h; 32-value steps one tile, the low nibbles of its 16 bytes in columns 0-15, the high
-// ones in 16-31.
-inline int64_t column_k(int64_t width, int h, int64_t j) {
-  return width == 64 ? 2 * j + h : 2 * (j % 16) + j / 16;
+// The words of 64 (32) consecutive bf16 values that pairs p = 0..15 of half h take: A column
+// j holds value 2j + h of a 64-value step; a 32-value step has one tile, its 16 bytes' low
+// nibbles in columns 0-15 and high ones in 16-31 (values 2j and 2(j - 16) + 1).
+inline __m512i pair_index(int64_t width, int h) {
+  alignas(64) uint16_t idx[32];
+  for (int j = 0; j < 32; ++j) idx[j] = static_cast<uint16_t>(width == 64 ? 2 * j + h : j < 16 ? 2 * j : 2 * (j - 16) + 1);
+  return _mm512_load_si512(idx);
 }
 
+inline int64_t columns(int64_t M) { return M == 1 ? 1 : TILE; }
+
 Prepared prepare(const float* x, int64_t M, int64_t K, int64_t group, int64_t width) {
-  thread_local std::vector<uint16_t> row_keep;
+  thread_local std::vector<uint16_t> rows_keep;
   thread_local std::vector<uint32_t> b_keep;
   thread_local std::vector<float> sum_keep;
-  const int64_t halves = width == 64 ? 2 : 1, steps = K / width, G = K / group;
-  uint16_t* row = grown(row_keep, K);
-  uint32_t* b = grown(b_keep, steps * halves * TILE * M);
-  float* xsum = grown(sum_keep, G * kMaxRows);
-  std::fill(xsum, xsum + G * kMaxRows, 0.f);
+  const int halves = width == 64 ? 2 : 1;
+  const int64_t steps = K / width, G = K / group;
+  uint16_t* rows = grown(rows_keep, M * K);
+  const int64_t cols = columns(M);
+  uint32_t* b = grown(b_keep, steps * halves * TILE * cols);
+  float* xsum = grown(sum_keep, G * TILE);
+  std::fill(xsum, xsum + G * TILE, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
+    uint16_t* row = rows + m * K;
     // vcvtneps2bf16: to nearest even, subnormals to zero (which tdpbf16ps reads as zero)
     for (int64_t k = 0; k < K; k += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xm + k)));
@@ -112,26 +125,39 @@ Prepared prepare(const float* x, int64_t M, int64_t K, int64_t group, int64_t wi
         t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(
                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k))),
                                  16)));
-      xsum[g * kMaxRows + m] = _mm512_reduce_add_ps(t);
+      xsum[g * TILE + m] = _mm512_reduce_add_ps(t);
     }
-    for (int64_t t = 0; t < steps; ++t)
-      for (int h = 0; h < halves; ++h)
-        for (int64_t p = 0; p < TILE; ++p) {
-          const uint16_t* v = row + t * width;
-          b[((t * halves + h) * TILE + p) * M + m] =
-              v[column_k(width, h, 2 * p)] | static_cast<uint32_t>(v[column_k(width, h, 2 * p + 1)]) << 16;
-        }
+  }
+  for (int h = 0; h < halves; ++h) {
+    const __m512i idx = pair_index(width, h);
+    for (int64_t t = 0; t < steps; ++t) {
+      uint32_t* out = b + (t * halves + h) * TILE * cols;
+      const auto pairs = [&](int64_t m) {  // the 16 pairs of row m, pair p in dword p
+        const uint16_t* v = rows + m * K + t * width;
+        return width == 64 ? _mm512_permutex2var_epi16(_mm512_loadu_si512(v), idx, _mm512_loadu_si512(v + 32))
+                           : _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(v));
+      };
+      if (M == 1) {
+        _mm512_storeu_si512(out, pairs(0));
+        continue;
+      }
+      __m512i r[TILE];  // r[m]: row m's pairs
+      for (int m = 0; m < TILE; ++m) r[m] = m < M ? pairs(m) : _mm512_setzero_si512();
+      transpose16(r);  // r[p]: pair p of every row
+      for (int p = 0; p < TILE; ++p) _mm512_storeu_si512(out + p * TILE, r[p]);
+    }
   }
   return {b, xsum};
 }
 
-// Codes of step t of 16 weight rows (rows of the chunk from `w`, `rows` of them, K / 2 bytes
-// apart) as bf16 128 + u into a[0] (and a[1]).
+// The codes of step t of 16 weight rows (row r at w + row[r]) as bf16 128 + u into a[0]
+// (and a[1]): low nibbles of a row's bytes, then high ones (see pair_index).
 template <bool SIGNED, int64_t WIDTH>
-inline void convert(const uint8_t* w, int64_t K, int rows, int64_t t, uint16_t (*a)[TILE * 32]) {
+inline void convert(const uint8_t* const* row, int64_t t, uint16_t (*a)[TILE * 32]) {
   const __m512i low = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(SIGNED ? 0x4308 : 0x4300);
-  const uint8_t* p = w + t * (WIDTH / 2);
-  for (int r = 0; r < rows; ++r, p += K / 2) {
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) {
+    const uint8_t* p = row[r] + t * (WIDTH / 2);
     if constexpr (WIDTH == 64) {
       const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       _mm512_store_si512(a[0] + r * 32, _mm512_ternarylogic_epi32(b, low, base, 0x6A));  // (b & low) ^ base
@@ -139,105 +165,139 @@ inline void convert(const uint8_t* w, int64_t K, int rows, int64_t t, uint16_t (
     } else {
       const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       const __m256i l = _mm512_castsi512_si256(low), s = _mm512_castsi512_si256(base);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(a[0] + r * 32), _mm256_ternarylogic_epi32(b, l, s, 0x6A));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(a[0] + r * 32 + 16),
-                         _mm256_ternarylogic_epi32(_mm256_srli_epi16(b, 4), l, s, 0x6A));
+      const __m256i lo = _mm256_ternarylogic_epi32(b, l, s, 0x6A);
+      const __m256i hi = _mm256_ternarylogic_epi32(_mm256_srli_epi16(b, 4), l, s, 0x6A);
+      _mm512_store_si512(a[0] + r * 32, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
     }
   }
 }
 
-// Weight rows n0 .. n1 - 1 of wt times the prepared x: y[m * N + n].  Steps run over the
-// chunk's strips of 16 rows, strip after strip.
-template <bool SIGNED, int64_t WIDTH>
-void weight_rows(Tiles& tl, const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t K, int64_t group,
-                 int64_t n0, int64_t n1) {
-  constexpr int H = WIDTH == 64 ? 2 : 1;
-  const int64_t N = wt.N, G = K / group, S = K / WIDTH, per_group = group / WIDTH;
-  const int64_t strips = (n1 - n0 + TILE - 1) / TILE, steps = strips * S;
-  const bool two = M > TILE;
-  const float* s = static_cast<const float*>(wt.s);
-  const float* z = static_cast<const float*>(wt.z);
-  const int64_t bstride = 4 * M;  // bytes from one B row (pair) to the next
-  const auto rows_of = [&](int64_t strip) { return static_cast<int>(std::min<int64_t>(TILE, n1 - n0 - strip * TILE)); };
-  const auto convert_step = [&](int64_t i) {
-    const int64_t strip = i / S;
-    convert<SIGNED, WIDTH>(wt.w + (n0 + strip * TILE) * (K / 2), K, rows_of(strip), i % S, tl.a[i % kRing]);
-  };
-  __m512 total1 = _mm512_setzero_ps();  // M = 1: lanes are the strip's weight rows
-  if (M > 1) std::memset(tl.total, 0, sizeof(tl.total));
-  // the group that ended at step i: scaled into the totals, and a strip's outputs stored
-  const auto finish = [&](int64_t i) {
-    const int64_t strip = i / S, g = i % S / per_group, parity = i / per_group % 2;
-    const int rows = rows_of(strip);
-    const int64_t nb = n0 + strip * TILE;
-    if (M == 1) {
-      alignas(64) float sv[TILE], ov[TILE];
-      for (int r = 0; r < TILE; ++r) {
-        const int64_t n = nb + std::min(r, rows - 1);  // rows past the end repeat the last: finite
-        sv[r] = s[n * G + g];
-        ov[r] = sv[r] * ((z ? z[n * G + g] : 0.f) + (SIGNED ? 136.f : 128.f));
-      }
-      const __m512 c = _mm512_load_ps(tl.c[parity][0]);
-      total1 = _mm512_fmadd_ps(_mm512_load_ps(sv), c, total1);
-      total1 = _mm512_fnmadd_ps(_mm512_load_ps(ov), _mm512_set1_ps(xp.xsum[g * kMaxRows]), total1);
-    } else {
-      for (int ct = 0; ct < (two ? 2 : 1); ++ct) {
-        const __m512 xs = _mm512_loadu_ps(xp.xsum + g * kMaxRows + ct * TILE);
-        for (int r = 0; r < rows; ++r) {
-          const int64_t n = nb + r;
-          const float sc = s[n * G + g], off = sc * ((z ? z[n * G + g] : 0.f) + (SIGNED ? 136.f : 128.f));
-          __m512 t = _mm512_load_ps(tl.total[ct][r]);
-          t = _mm512_fmadd_ps(_mm512_set1_ps(sc), _mm512_load_ps(tl.c[parity][ct] + r * TILE), t);
-          _mm512_store_ps(tl.total[ct][r], _mm512_fnmadd_ps(_mm512_set1_ps(off), xs, t));
-        }
-      }
+// One row of x: a strip's scales, and for unsigned codes s * (128 + z), as [G][16 weight rows]
+// (row n[r] in lane r): 16 x 16 transposes of the rows' [G] values.
+template <bool SIGNED>
+void strip_scales(const float* s, const float* z, int64_t G, const int64_t* n, float* scale, float* offset) {
+  for (int64_t g0 = 0; g0 < G; g0 += TILE) {
+    const __mmask16 in = lanes16(G - g0);
+    __m512i sv[TILE], ov[TILE];
+    for (int r = 0; r < TILE; ++r) {
+      const __m512 sr = _mm512_maskz_loadu_ps(in, s + n[r] * G + g0);
+      sv[r] = _mm512_castps_si512(sr);
+      if (!SIGNED)
+        ov[r] = _mm512_castps_si512(
+            _mm512_mul_ps(sr, _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + n[r] * G + g0), _mm512_set1_ps(128.f))));
     }
-    if (i % S != S - 1) return;  // the strip goes on
-    if (M == 1) {
-      _mm512_mask_storeu_ps(wt.y + nb, lanes16(rows), total1);
-      total1 = _mm512_setzero_ps();
-    } else {
-      for (int64_t m = 0; m < M; ++m)
-        for (int r = 0; r < rows; ++r) wt.y[m * N + nb + r] = tl.total[m / TILE][r][m % TILE];
-      std::memset(tl.total, 0, sizeof(tl.total));
-    }
-  };
-  for (int64_t i = 0; i < std::min<int64_t>(kAhead, steps); ++i) convert_step(i);
-  int64_t pending = -1;  // a group's last step whose C tiles wait to be scaled
-  for (int64_t i = 0; i < steps; ++i) {
-    if (i + kAhead < steps) convert_step(i + kAhead);
-    const int64_t t = i % S;
-    if (t % per_group == 0) {
-      _tile_zero(0);
-      if (two) _tile_zero(1);
-    }
-    const uint16_t(*a)[TILE * 32] = tl.a[i % kRing];
-    const uint32_t* b = xp.b + t * H * TILE * M;
-    _tile_loadd(2, a[0], 64);
-    _tile_loadd(4, b, bstride);
-    _tile_dpbf16ps(0, 2, 4);
-    if (two) {
-      _tile_loadd(6, b + TILE, bstride);
-      _tile_dpbf16ps(1, 2, 6);
-    }
-    if constexpr (H == 2) {
-      _tile_loadd(3, a[1], 64);
-      _tile_loadd(5, b + TILE * M, bstride);
-      _tile_dpbf16ps(0, 3, 5);
-      if (two) {
-        _tile_loadd(7, b + TILE * M + TILE, bstride);
-        _tile_dpbf16ps(1, 3, 7);
-      }
-    }
-    if (pending >= 0) finish(pending), pending = -1;
-    if (t % per_group == per_group - 1) {
-      const int64_t parity = i / per_group % 2;
-      _tile_stored(0, tl.c[parity][0], M == 1 ? 4 : 64);
-      if (two) _tile_stored(1, tl.c[parity][1], 64);
-      pending = i;
+    transpose16(sv);
+    if (!SIGNED) transpose16(ov);
+    for (int64_t g = g0; g < std::min(G, g0 + TILE); ++g) {
+      _mm512_storeu_ps(scale + g * TILE, _mm512_castsi512_ps(sv[g - g0]));
+      if (!SIGNED) _mm512_storeu_ps(offset + g * TILE, _mm512_castsi512_ps(ov[g - g0]));
     }
   }
-  if (pending >= 0) finish(pending);
+}
+
+// Weight rows n0 .. n1 - 1 of wt times the prepared x: y[m * N + n], strips of 16 weight rows
+// one after another, their steps in one pipeline.
+template <bool SIGNED, int64_t WIDTH>
+void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t K, int64_t group, int64_t n0,
+                 int64_t n1) {
+  constexpr int H = WIDTH == 64 ? 2 : 1;
+  Buffers& bf = buffers();
+  const int64_t N = wt.N, G = K / group, S = K / WIDTH, per_group = group / WIDTH;
+  const int64_t strips = (n1 - n0 + TILE - 1) / TILE, steps = strips * S;
+  if (strips <= 0) return;
+  float* scale = grown(bf.scale, G * TILE);
+  float* offset = grown(bf.offset, G * TILE);  // (unsigned codes)
+  uint16_t(*ring)[2][TILE * 32] = bf.a;  // (TLS addresses taken once: not per step)
+  float(*cbuf)[TILE * TILE] = bf.c;
+  const auto rows_of = [&](int64_t strip) { return std::min<int64_t>(TILE, n1 - n0 - strip * TILE); };
+  // Steps are counted as they go (no division per step: a 64-bit idiv costs about as much as
+  // a step's conversion of 16 x 64 codes).
+  const uint8_t* row[TILE];  // the rows of the strip being converted
+  int64_t conv_strip = 0, conv_t = 0, conv_slot = 0;
+  const auto set_rows = [&] {
+    const int64_t nb = n0 + conv_strip * TILE, last = rows_of(conv_strip) - 1;
+    for (int r = 0; r < TILE; ++r) row[r] = wt.w + (nb + std::min<int64_t>(r, last)) * (K / 2);
+  };
+  const auto convert_next = [&] {
+    convert<SIGNED, WIDTH>(row, conv_t, ring[conv_slot]);
+    conv_slot = (conv_slot + 1) % kRing;
+    if (++conv_t == S && ++conv_strip < strips) conv_t = 0, set_rows();
+  };
+  const float* s = static_cast<const float*>(wt.s);
+  const float* z = static_cast<const float*>(wt.z);
+  int64_t n[TILE];  // the weight rows of the strip being finished (past the end: the last)
+  __m512 total[TILE];  // one row: lanes are the strip's weight rows (total[0]); else [weight row][column]
+  const auto begin_strip = [&](int64_t strip) {
+    const int64_t nb = n0 + strip * TILE, last = rows_of(strip) - 1;
+    for (int r = 0; r < TILE; ++r) n[r] = nb + std::min<int64_t>(r, last);
+    if (M == 1) strip_scales<SIGNED>(s, z, G, n, scale, offset);
+    for (int r = 0; r < TILE; ++r) total[r] = _mm512_setzero_ps();
+  };
+  // Group g of a strip ended, its sums in cbuf[parity]: scaled into the totals (per weight row
+  // and row of x, the same operations for one row or more: fma(s, C, total), then
+  // fnmadd(s (128 + z), xsum, total)), and at the strip's end its outputs stored.
+  struct Ended {
+    int64_t strip, g, parity;
+    bool last;
+  };
+  const auto finish = [&](const Ended& e) {
+    const float* c = cbuf[e.parity];
+    const int64_t g = e.g;
+    if (M == 1) {
+      const __m512 sv = _mm512_loadu_ps(scale + g * TILE);
+      const __m512 ov = SIGNED ? _mm512_mul_ps(sv, _mm512_set1_ps(136.f)) : _mm512_loadu_ps(offset + g * TILE);
+      total[0] = _mm512_fmadd_ps(sv, _mm512_load_ps(c), total[0]);
+      total[0] = _mm512_fnmadd_ps(ov, _mm512_set1_ps(xp.xsum[g * TILE]), total[0]);
+    } else {
+      const __m512 xs = _mm512_loadu_ps(xp.xsum + g * TILE);
+      for (int r = 0; r < TILE; ++r) {
+        const float sr = s[n[r] * G + g], o = sr * (SIGNED ? 136.f : z[n[r] * G + g] + 128.f);
+        total[r] = _mm512_fmadd_ps(_mm512_set1_ps(sr), _mm512_load_ps(c + r * TILE), total[r]);
+        total[r] = _mm512_fnmadd_ps(_mm512_set1_ps(o), xs, total[r]);
+      }
+    }
+    if (!e.last) return;  // the strip goes on
+    const int64_t nb = n0 + e.strip * TILE;
+    const __mmask16 valid = lanes16(rows_of(e.strip));
+    if (M == 1) {
+      _mm512_mask_storeu_ps(wt.y + nb, valid, total[0]);
+    } else {
+      __m512i t[TILE];
+      for (int r = 0; r < TILE; ++r) t[r] = _mm512_castps_si512(total[r]);
+      transpose16(t);  // t[m]: column m of every weight row
+      for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(wt.y + m * N + nb, valid, _mm512_castsi512_ps(t[m]));
+    }
+    if (e.strip + 1 < strips) begin_strip(e.strip + 1);
+  };
+  set_rows();
+  begin_strip(0);
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, steps); ++i) convert_next();
+  const int64_t cols = columns(M), bstride = 4 * cols;
+  Ended pending{0, 0, 0, false};
+  bool waiting = false;  // pending's C tile waits to be scaled
+  int64_t slot = 0, parity = 0;
+  for (int64_t strip = 0, left = steps; strip < strips; ++strip)
+    for (int64_t t = 0, g = 0, in_group = 0; t < S; ++t, --left) {
+      if (left > kAhead) convert_next();
+      if (in_group == 0) _tile_zero(0);
+      const uint32_t* b = xp.b + t * H * TILE * cols;
+      _tile_loadd(2, ring[slot][0], 64);
+      _tile_loadd(4, b, bstride);
+      _tile_dpbf16ps(0, 2, 4);
+      if constexpr (H == 2) {  // the high nibbles into the same C: one chain, one C store a group
+        _tile_loadd(3, ring[slot][1], 64);
+        _tile_loadd(5, b + TILE * cols, bstride);
+        _tile_dpbf16ps(0, 3, 5);
+      }
+      slot = (slot + 1) % kRing;
+      if (waiting) finish(pending), waiting = false;
+      if (++in_group < per_group) continue;
+      _tile_stored(0, cbuf[parity], bstride);
+      pending = Ended{strip, g, parity, t == S - 1};
+      waiting = true;
+      parity ^= 1, ++g, in_group = 0;
+    }
+  if (waiting) finish(pending);
 }
 #endif
 
@@ -265,18 +325,18 @@ void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, con
   const int64_t width = group % 64 == 0 ? 64 : 32;
   const bool is_signed = weights[0].z == nullptr;
   thread_local std::vector<PackedWeight> part;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // 32 rows of x at a time, each a pass over the weights
-    const int64_t rows = std::min(kMaxRows, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {  // 16 rows of x at a time, each a pass over the weights
+    const int64_t rows = std::min(kPassRows, M - m0);
     part.assign(weights.begin(), weights.end());
     for (PackedWeight& wt : part) wt.y += m0 * wt.N;
     const Prepared xp = prepare(x + m0 * K, rows, K, group, width);
     // chunks of 64 weight rows: four strips of 16 per pipeline
-    parallel_weight_rows(part, 64, [&] { return std::make_unique<Tiles>(rows); },
-                         [&](std::unique_ptr<Tiles>& tl, const PackedWeight& wt, int64_t n0, int64_t n1) {
-                           if (is_signed && width == 64) weight_rows<true, 64>(*tl, wt, xp, rows, K, group, n0, n1);
-                           else if (is_signed) weight_rows<true, 32>(*tl, wt, xp, rows, K, group, n0, n1);
-                           else if (width == 64) weight_rows<false, 64>(*tl, wt, xp, rows, K, group, n0, n1);
-                           else weight_rows<false, 32>(*tl, wt, xp, rows, K, group, n0, n1);
+    parallel_weight_rows(part, 64, [&] { return TileConfig(columns(rows)); },
+                         [&](TileConfig&, const PackedWeight& wt, int64_t n0, int64_t n1) {
+                           if (is_signed && width == 64) weight_rows<true, 64>(wt, xp, rows, K, group, n0, n1);
+                           else if (is_signed) weight_rows<true, 32>(wt, xp, rows, K, group, n0, n1);
+                           else if (width == 64) weight_rows<false, 64>(wt, xp, rows, K, group, n0, n1);
+                           else weight_rows<false, 32>(wt, xp, rows, K, group, n0, n1);
                          });
   }
 #else

@@ -92,6 +92,21 @@ SPLIT_MAX_M = 2
 # 349/330, M=8 232/198 vs 345/335, M=16 459/383 vs 359/363, M=32 843/746 vs 374/382.
 # Calibrated per machine (``calibration.py``).
 GEMV_BF16_MAX_M = 4
+# Where AMX runs, 4-bit weights with bf16 x from GEMV_BF16_AMX_MIN_M to GEMV_BF16_AMX_MAX_M
+# rows: gemv_amx.cpp's gemv_bf16_amx (gemv_bf16's arithmetic, the codes as bf16 A tiles, x in
+# the B tiles, one pass over the weights per 16 rows of x) against gemv_bf16 and
+# gemm_bf16_amx, AVX-512 Xeon with AMX, 2 threads, in-process alternating medians (us):
+#   1536x576 g64:  M=1 35 / 37 / 77, M=2 51 / 63 / 78, M=3 52 / 84 / 73, M=4 49 / 94 / 73,
+#                  M=8 55 / 176 / 77, M=16 62 / 404 / 93, M=32 160 / 928 / 151
+#   576x1536 g128: M=1 36 / 37 / 86, M=2 77 / 66 / 88, M=3 64 / 83 / 79, M=4 57 / 77 / 69,
+#                  M=8 60 / 145 / 71, M=16 96 / 395 / 109
+#   576x576 g32:   M=1 32 / 22 / 58, M=3 36 / 38 / 44, M=4 34 / 40 / 43, M=8 37 / 76 / 45,
+#                  M=16 54 / 202 / 64
+#   200x576 g64:   M=1 12 / 12 / 24, M=3 19 / 17 / 20, M=4 19 / 21 / 21, M=8 20 / 34 / 21
+# At one or two rows it is level with gemv_bf16 or behind (its tile products and their
+# per-group stores cost the same for 1 row as for 16), from 3 ahead of both.
+GEMV_BF16_AMX_MIN_M = 3
+GEMV_BF16_AMX_MAX_M = 16
 # W4A8 beyond a few rows: gemm_int8.cpp's panels (codes unpacked once per call, not once
 # per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
 # M=16 1.50 vs 0.82, M=128 12.9 vs 3.7 (bf16 torch.matmul: 5.2).
@@ -368,6 +383,11 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
     # q * s + m weights (the "min" domain): the bf16 decode and AMX kernels compute (q - z) * s;
     # gemm_bf16 dequantizes either form into its panels
     bf16 = zero_point_domain != "min"
+    if (bf16 and bits == 4 and dtype == torch.bfloat16 and GEMV_BF16_AMX_MIN_M <= m <= GEMV_BF16_AMX_MAX_M
+            and _C is not None and _C.gemv_bf16_amx_supported(k, group)):
+        return Plan("gemv_bf16_amx", f"{GEMV_BF16_AMX_MIN_M} to {GEMV_BF16_AMX_MAX_M} rows where AMX runs: packed "
+                                     "weight, codes as bf16 A tiles, x in B tiles, gemv_bf16's arithmetic (1.1-6x "
+                                     "gemv_bf16, 1.1-1.5x gemm_bf16_amx: figures at GEMV_BF16_AMX_MAX_M)")
     if fused and m <= rows:
         split = dtype != torch.bfloat16
         if (bf16 and bits == 4 and _C.gemv_bf16_supported(k, group)
@@ -484,8 +504,8 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 
 class CpuBackend(Backend):
     name = "cpu"
-    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
-               "tiles_f32", "tiles_bf16",
+    kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
+               "gemm_f32_amx", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_vnni")
 
@@ -544,7 +564,9 @@ class CpuBackend(Backend):
         """x @ dequantize(W).T with the kernel ``plan`` picks.  The decode kernels
         (``gemv_*``, up to ``gemv_max_m`` rows) read the packed weight and accumulate in
         float32: 4-bit through bf16 dot products on the codes (gemv_bf16.cpp; non-bf16 x
-        split into two bf16 parts), else float32 FMAs (matmul.cpp).  ``gemm_bf16``
+        split into two bf16 parts; where AMX runs, from ``GEMV_BF16_AMX_MIN_M`` rows of bf16
+        x the same products and float32 sums on AMX bf16 tiles, gemv_amx.cpp), else float32
+        FMAs (matmul.cpp).  ``gemm_bf16``
         (gemm_bf16.cpp) dequantizes panels of W to bf16 (rounded once, as
         W.to(bfloat16)) and multiplies them with x rounded to bf16 with float32
         accumulation: bf16 torch.matmul's arithmetic, 4-5x faster than float32 here, and
@@ -811,7 +833,8 @@ BACKEND = CpuBackend()
 DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_amx")
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
 DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm", "a8_vnni")
-DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx",
+DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
+                  "gemm_f32_amx",
                   *DECODE_W8A8_KERNELS, *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 
 
