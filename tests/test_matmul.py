@@ -99,20 +99,25 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
 
 @pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512),
                                        ("int4-asym-g128", 1536), ("int4-sym-g32", 1088)])
-@pytest.mark.parametrize("kernel", ["gemv_bf16", "gemv_bf16_split"])
+@pytest.mark.parametrize("kernel", ["gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx"])
 def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k, kernel):
     # gemv_bf16.cpp: below 4 rows of x the weight rows go 4 at a time (rows<1, 4>) where a
     # row's codes are shorter than 512 bytes (K < 1024), the rest of a thread's range, long
     # rows and 4 rows of x or more one weight row at a time (rows<R>): the same operations
-    # per output, so the same bits.  n = 39: groups and a remainder.
-    if cpu._C is None or not cpu._C.gemv_bf16_supported(k, int(scheme.split("-g")[1])):
-        pytest.skip("no AVX512-BF16 decode kernel here")
+    # per output, so the same bits.  n = 39: groups and a remainder.  gemv_amx.cpp: one row
+    # of x in a C tile of one column, more in one of 16, weight rows in strips of 16 (the
+    # last one short here): the same tile products and float32 steps per output.
+    if cpu._C is None:
+        pytest.skip("no cpu kernels")
+    supported = cpu._C.gemv_bf16_amx_supported if kernel == "gemv_bf16_amx" else cpu._C.gemv_bf16_supported
+    if not supported(k, int(scheme.split("-g")[1])):
+        pytest.skip(f"no {kernel} kernel here")
     from lowbit.ops.matmul import weight_parts
     g = torch.Generator().manual_seed(k)
     codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(39, k, generator=g), scheme))
     s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
     x = torch.randn(6, k, generator=g)
-    if kernel == "gemv_bf16":
+    if kernel != "gemv_bf16_split":
         x = x.bfloat16().float()
     index = cpu.weight_only_kernel_index(kernel)
     full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
@@ -122,6 +127,36 @@ def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k,
         z_n = None if z is None else z[:n]
         assert torch.equal(cpu._C.weight_only_matmul(x[:1], codes[:n], s[:n], z_n, bits, group, index, False),
                            full[:1, :n])
+
+
+@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-sym-g128", 512)])
+def test_cpu_amx_decode_kernel_takes_16_rows_of_x_a_pass(scheme, k):
+    # gemv_amx.cpp: beyond 16 rows of x, one pass over the weights per 16 rows, each the
+    # computation of those rows alone
+    if cpu._C is None or not cpu._C.gemv_bf16_amx_supported(k, int(scheme.split("-g")[1])):
+        pytest.skip("no AMX bf16 tiles here")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(k)
+    qt = lowbit.quantize(torch.randn(40, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    x = torch.randn(35, k, generator=g).bfloat16().float()
+    index = cpu.weight_only_kernel_index("gemv_bf16_amx")
+    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
+    for rows in (slice(0, 16), slice(16, 32), slice(32, 35), slice(20, 21)):
+        assert torch.equal(cpu._C.weight_only_matmul(x[rows], codes, s, z, bits, group, index, False), full[rows])
+    y = x.double() @ lowbit.dequantize(qt, torch.float64).T  # the values (the bound: test above)
+    assert (full.double() - y).abs().max() < 1e-4 * y.abs().max()
+
+
+def test_cpu_amx_decode_kernel_takes_only_groups_that_its_steps_fit():
+    # steps of 64 values (two A tiles) in groups that are multiples of 64, of 32 in groups of 32
+    if cpu._C is None or not cpu._C.gemv_bf16_amx_supported(512, 64):
+        pytest.skip("no AMX bf16 tiles here")
+    assert cpu._C.gemv_bf16_amx_supported(576, 32) and cpu._C.gemv_bf16_amx_supported(576, 192)
+    assert cpu._C.gemv_bf16_amx_supported(1536, 128) and cpu._C.gemv_bf16_amx_supported(512, 512)
+    for k, group in [(576, 128), (576, 0), (576, 96), (576, 16), (0, 64), (48, 16)]:
+        assert not cpu._C.gemv_bf16_amx_supported(k, group), (k, group)
 
 
 def test_cpu_bf16_decode_kernel_takes_only_groups_that_divide_k():
