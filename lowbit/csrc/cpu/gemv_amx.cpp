@@ -1,18 +1,21 @@
-// W4A16 for up to 32 rows of bf16 x on AMX bf16 tiles (gemv_bf16_amx): gemv_bf16.cpp's
-// arithmetic with the dot products on tiles.  On the AMX Xeon this project measures on,
-// vdpbf16ps takes two cycles of the vector ports per 32 products, so gemv_bf16's blocks
-// wait on it; a tile product takes the weights' 16 rows x 32 values at once on its own unit
-// while the vector ports only turn codes into bf16.
+// W4A16 for a few rows of bf16 x on AMX bf16 tiles (gemv_bf16_amx): gemv_bf16.cpp's
+// arithmetic with the products on tiles.  On the AMX Xeon this project measures on, a
+// vdpbf16ps of 32 products takes about as long as four float32 FMAs of 16 (eight
+// independent chains: 0.78 ns per vdpbf16ps, 0.20 ns per vfmadd231ps, one thread), so
+// gemv_bf16 waits on it and on the shifts that feed it, and at M rows it does all that M
+// times; a tile product takes 16 weight rows x 32 values for up to 16 rows of x at once,
+// while the vector ports only turn the codes into bf16, once for all the rows of x.
 //
 // Codes as bf16 without scaling: the bf16 with bits 0x4300 | u is exactly 128 + u, so each
 // code byte b of a weight row, widened to a 16-bit lane, gives two bf16 numbers with one
 // vpternlogd each ((b & 0xF) | 0x4300 and ((b >> 4) & 0xF) | 0x4300; signed codes read as
 // u = q + 8, the xor folded into the same instruction).  The A tiles hold 16 weight rows of
-// those; the B tiles the rows of x as bf16 pairs, laid out once per call to match; the C
-// tiles sum the exact float32 products per group, and per group
-//   y += s * (C - (128 + z) * sum_k x_k)     (z = 8 for signed codes, offset 136)
+// those; the B tiles the rows of x as bf16 pairs, laid out once per call to match; one C
+// tile sums a group's exact float32 products (the low nibbles' tile, then the high ones'),
+// and per group
+//   y = fnmadd(s (128 + z), sum_k x_k, fma(s, C, y))     (signed codes: 136 for 128 + z)
 // in float32, x's group sums taken over the bf16 values the tiles multiply.  The same
-// operations as gemv_bf16 in another order: tdpbf16ps adds each product to the float32 sum
+// quantities as gemv_bf16 in another order: tdpbf16ps adds each product to the float32 sum
 // in turn and treats subnormal bf16 inputs as zero (so x is rounded to bf16 with its
 // subnormals flushed, as gemv_bf16's prepare does).
 //
@@ -22,12 +25,15 @@
 // one A tile, lows then highs.  The stores of a step's A tiles and its tile loads are kept
 // two steps apart (a ring of four A buffers): a tile load that follows the vector stores of
 // its rows at once waits for them to drain, and the conversion and the tile products then
-// take turns instead of overlapping (1536 x 576 at one row: 7.6 ns per 128 values one step
-// apart, 3.8 two steps apart; gemv_bf16 5.7).  Each group's C tiles are stored and scaled
-// one step later, for the same reason.
+// take turns instead of overlapping (a standalone version, 1536 x 576 at one row, one
+// thread: 7.6 ns per 128 values one step apart, 3.8 two steps apart).  Each group's C tile
+// is stored and scaled one step later, for the same reason.  Per step the tile loads, the
+// C store and the A stores are ~130 memory operations for 16 x 64 codes: at one row of x
+// that is where the time goes (level with gemv_bf16 there), from 3 rows on it is shared.
 //
-// Every output is the same sequence of tile products and float32 operations whatever M,
-// its column in the tiles, its row in the A tile and the thread: the same bits.
+// 16 rows of x per pass over the weights.  Every output is the same sequence of tile
+// products and float32 operations whatever M, its column in the tiles, its row in the A
+// tile and the thread: the same bits.
 
 #include "balance.h"
 #include "kernels.h"
@@ -218,7 +224,14 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
     const int64_t nb = n0 + conv_strip * TILE, last = rows_of(conv_strip) - 1;
     for (int r = 0; r < TILE; ++r) row[r] = wt.w + (nb + std::min<int64_t>(r, last)) * (K / 2);
   };
+  // The next strip's codes (16 rows side by side: one block of 16 K / 2 bytes) are fetched
+  // into the L1 a part per step while this strip's are converted: the weights of a decode
+  // step stream from the L3 or DRAM, and 16 rows read 32 bytes at a time are 16 streams that
+  // the hardware prefetcher follows late (amx_linear.cpp's blocks fetch ahead the same way).
+  const int64_t lines = (TILE * (K / 2) / 64 + S - 1) / S;  // per step
   const auto convert_next = [&] {
+    const char* next = reinterpret_cast<const char*>(wt.w + (n0 + (conv_strip + 1) * TILE) * (K / 2));
+    for (int64_t l = conv_t * lines; l < (conv_t + 1) * lines; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
     convert<SIGNED, WIDTH>(row, conv_t, ring[conv_slot]);
     conv_slot = (conv_slot + 1) % kRing;
     if (++conv_t == S && ++conv_strip < strips) conv_t = 0, set_rows();

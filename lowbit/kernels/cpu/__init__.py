@@ -103,8 +103,15 @@ GEMV_BF16_MAX_M = 4
 #   576x576 g32:   M=1 32 / 22 / 58, M=3 36 / 38 / 44, M=4 34 / 40 / 43, M=8 37 / 76 / 45,
 #                  M=16 54 / 202 / 64
 #   200x576 g64:   M=1 12 / 12 / 24, M=3 19 / 17 / 20, M=4 19 / 21 / 21, M=8 20 / 34 / 21
-# At one or two rows it is level with gemv_bf16 or behind (its tile products and their
-# per-group stores cost the same for 1 row as for 16), from 3 ahead of both.
+# At one or two rows it is level with gemv_bf16 or behind (its tile loads and per-group
+# stores cost the same for 1 row as for 16), from 3 ahead of both.  Cycling through 120
+# copies of the 1536x576 weight (L3, not L2): M=4 88 / 142 / 110, M=8 100 / 260 / 109,
+# M=16 105 / 526 / 129.  In a batch's decode step (against amx_linear.cpp's tiles on the
+# step's bf16 buffers, no tensors) SmolLM2 w4a16-g64, generate() of 16 tokens, in-process
+# A/B: 4 prompts 1.10-1.14x, 8 0.97-0.99x, 16 0.88-1.02x.  Its sums are gemv_bf16's, exact
+# products of the codes (no bf16 rounding of the dequantized weight, which gemm_bf16_amx
+# makes): largest error against float64 over those shapes 2e-6 - 1e-5, gemm_bf16_amx's
+# 2.5e-3 - 5.5e-3.
 GEMV_BF16_AMX_MIN_M = 3
 GEMV_BF16_AMX_MAX_M = 16
 # W4A8 beyond a few rows: gemm_int8.cpp's panels (codes unpacked once per call, not once
