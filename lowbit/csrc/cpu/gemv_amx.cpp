@@ -44,8 +44,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
@@ -75,11 +73,11 @@ struct TileConfig {
   TileConfig& operator=(const TileConfig&) = delete;
 };
 
-// A thread's buffers, kept between calls.  Rows of A past a weight's end repeat its last row.
+// A thread's buffers, kept between calls.
 struct Buffers {
-  alignas(64) uint16_t a[kRing][2][TILE * 32];
-  alignas(64) float c[2][TILE * TILE];  // C as stored, by parity of what it summed
-  std::vector<float> scale, offset;        // a strip's s and s * (offset + z), [G][16 weight rows]
+  alignas(64) uint16_t a[kRing][2][TILE * 32];  // A tiles (rows past a weight's end: its last row)
+  alignas(64) float c[2][TILE * TILE];          // C as stored, by the parity of its group
+  std::vector<float> scale, offset;             // one row of x: a strip's s and s (128 + z), [G][16]
 };
 Buffers& buffers() {
   thread_local Buffers b;

@@ -92,10 +92,11 @@ SPLIT_MAX_M = 2
 # 349/330, M=8 232/198 vs 345/335, M=16 459/383 vs 359/363, M=32 843/746 vs 374/382.
 # Calibrated per machine (``calibration.py``).
 GEMV_BF16_MAX_M = 4
-# Where AMX runs, 4-bit weights with bf16 x from GEMV_BF16_AMX_MIN_M to GEMV_BF16_AMX_MAX_M
-# rows: gemv_amx.cpp's gemv_bf16_amx (gemv_bf16's arithmetic, the codes as bf16 A tiles, x in
-# the B tiles, one pass over the weights per 16 rows of x) against gemv_bf16 and
-# gemm_bf16_amx, AVX-512 Xeon with AMX, 2 threads, in-process alternating medians (us):
+# Where AMX runs (and its shape fits), 4-bit weights with bf16 x run gemv_bf16 up to
+# AMX_GEMV_BF16_MAX_M rows (calibrated per machine), then gemv_amx.cpp's gemv_bf16_amx up to
+# GEMV_BF16_AMX_MAX_M (gemv_bf16's arithmetic, the codes as bf16 A tiles, x in the B
+# tiles, one pass over the weights per 16 rows of x); against gemv_bf16 and gemm_bf16_amx,
+# AVX-512 Xeon with AMX, 2 threads, in-process alternating medians (us):
 #   1536x576 g64:  M=1 35 / 37 / 77, M=2 51 / 63 / 78, M=3 52 / 84 / 73, M=4 49 / 94 / 73,
 #                  M=8 55 / 176 / 77, M=16 62 / 404 / 93, M=32 160 / 928 / 151
 #   576x1536 g128: M=1 36 / 37 / 86, M=2 77 / 66 / 88, M=3 64 / 83 / 79, M=4 57 / 77 / 69,
@@ -112,7 +113,7 @@ GEMV_BF16_MAX_M = 4
 # products of the codes (no bf16 rounding of the dequantized weight, which gemm_bf16_amx
 # makes): largest error against float64 over those shapes 2e-6 - 1e-5, gemm_bf16_amx's
 # 2.5e-3 - 5.5e-3.
-GEMV_BF16_AMX_MIN_M = 3
+AMX_GEMV_BF16_MAX_M = 2
 GEMV_BF16_AMX_MAX_M = 16
 # W4A8 beyond a few rows: gemm_int8.cpp's panels (codes unpacked once per call, not once
 # per 4 rows); 4096x4096 g128 on Zen 5, 2 threads: M=4 0.38 vs 0.58 ms, M=6 0.87 vs 0.61,
@@ -270,7 +271,9 @@ DENSE_DOTS_MAX_M = 64
 
 
 def gemv_max_m(bits: int, dtype: torch.dtype) -> int:
-    """Up to how many activation rows a weight-only matmul runs the decode kernels."""
+    """Up to how many activation rows a weight-only matmul runs the decode kernels of
+    AVX-512 and AVX2 registers (where AMX runs, 4-bit weights with bf16 x run gemv_bf16 up
+    to ``AMX_GEMV_BF16_MAX_M`` rows instead, then gemv_bf16_amx, when their shape fits)."""
     return _gemv_max_m(bits, dtype, float32_exact(dtype))
 
 
@@ -386,15 +389,12 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
         return Plan("reference", "float64 activations")
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
-    rows = _gemv_max_m(bits, dtype, exact)
     # q * s + m weights (the "min" domain): the bf16 decode and AMX kernels compute (q - z) * s;
     # gemm_bf16 dequantizes either form into its panels
     bf16 = zero_point_domain != "min"
-    if (bf16 and bits == 4 and dtype == torch.bfloat16 and GEMV_BF16_AMX_MIN_M <= m <= GEMV_BF16_AMX_MAX_M
-            and _C is not None and _C.gemv_bf16_amx_supported(k, group)):
-        return Plan("gemv_bf16_amx", f"{GEMV_BF16_AMX_MIN_M} to {GEMV_BF16_AMX_MAX_M} rows where AMX runs: packed "
-                                     "weight, codes as bf16 A tiles, x in B tiles, gemv_bf16's arithmetic (1.1-6x "
-                                     "gemv_bf16, 1.1-1.5x gemm_bf16_amx: figures at GEMV_BF16_AMX_MAX_M)")
+    amx_rows = (bf16 and bits == 4 and dtype == torch.bfloat16 and _C is not None
+                and _C.gemv_bf16_amx_supported(k, group))
+    rows = AMX_GEMV_BF16_MAX_M if amx_rows else _gemv_max_m(bits, dtype, exact)
     if fused and m <= rows:
         split = dtype != torch.bfloat16
         if (bf16 and bits == 4 and _C.gemv_bf16_supported(k, group)
@@ -403,6 +403,10 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
                 return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
             return Plan("gemv_bf16", f"up to {rows} rows: packed weight, bf16 dot products")
         return Plan("gemv_f32", f"up to {rows} rows: packed weight, float32 FMAs")
+    if amx_rows and m <= GEMV_BF16_AMX_MAX_M:
+        return Plan("gemv_bf16_amx", f"{rows + 1} to {GEMV_BF16_AMX_MAX_M} rows where AMX runs: packed weight, codes "
+                                     "as bf16 A tiles, x in B tiles, gemv_bf16's arithmetic (1.1-6x gemv_bf16, "
+                                     "1.1-1.5x gemm_bf16_amx: figures at GEMV_BF16_AMX_MAX_M)")
     if not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if (exact and zero_point_domain == "int" and k % 32 == 0 and group % 32 == 0 and k % group == 0
@@ -571,8 +575,8 @@ class CpuBackend(Backend):
         """x @ dequantize(W).T with the kernel ``plan`` picks.  The decode kernels
         (``gemv_*``, up to ``gemv_max_m`` rows) read the packed weight and accumulate in
         float32: 4-bit through bf16 dot products on the codes (gemv_bf16.cpp; non-bf16 x
-        split into two bf16 parts; where AMX runs, from ``GEMV_BF16_AMX_MIN_M`` rows of bf16
-        x the same products and float32 sums on AMX bf16 tiles, gemv_amx.cpp), else float32
+        split into two bf16 parts; where AMX runs, beyond ``AMX_GEMV_BF16_MAX_M`` rows of
+        bf16 x the same products and float32 sums on AMX bf16 tiles, gemv_amx.cpp), else float32
         FMAs (matmul.cpp).  ``gemm_bf16``
         (gemm_bf16.cpp) dequantizes panels of W to bf16 (rounded once, as
         W.to(bfloat16)) and multiplies them with x rounded to bf16 with float32

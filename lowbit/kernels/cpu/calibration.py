@@ -40,7 +40,8 @@ import torch
 # float32 tiles), with a threshold per weight bits.
 # 7: gemm_amx.cpp's int8-block tiles take the weight rows as A (1.2-1.7x a call at 4-32
 # rows): the a8 blocks' AMX crossover moved down.
-FORMAT = 7
+# 8: where AMX runs, gemv_bf16's other side is gemv_amx.cpp's tiles, with a threshold of its own.
+FORMAT = 8
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
@@ -87,6 +88,7 @@ THRESHOLDS = (
     Threshold("dense float32 rows", "DENSE_ROWS_MAX_M", None, None, None, None),
     Threshold("dense bfloat16 rows", "DENSE_BF16_ROWS_MAX_M", None, None, None, None, "bfloat16"),
     Threshold("gemv bf16 (AVX-512)", "GEMV_BF16_MAX_M", None, "int4-asym-g64-f16", None, True, "bfloat16"),
+    Threshold("gemv bf16 (AMX)", "AMX_GEMV_BF16_MAX_M", None, "int4-asym-g64-f16", None, True, "bfloat16"),
 )
 
 
@@ -118,8 +120,8 @@ def applies(t: Threshold) -> bool:
         return False
     if t.weight is None:
         return _C.has_dense_rows()
-    if t.constant == "GEMV_BF16_MAX_M":
-        return _C.gemv_bf16_supported(576, 64)
+    if t.constant.endswith("GEMV_BF16_MAX_M"):  # the AMX threshold where AMX runs, the other elsewhere
+        return _C.gemv_bf16_supported(576, 64) and t.constant.startswith("AMX_") == _C.gemv_bf16_amx_supported(576, 64)
     if t.constant == "INT8_ROWS_MAX_M":
         return _C.has_int8_rows()
     if t.constant.startswith("W4A8"):
