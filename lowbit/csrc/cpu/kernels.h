@@ -65,9 +65,9 @@ struct PackedWeight {
   }
 };
 // f(weight, n0, n1) for rows n0 .. n1 - 1 of every weight, all weights' rows numbered in one
-// range and shared between the threads in chunks of `chunk` rows (parallel_chunks): one
-// parallel region for q/k/v or gate/up of a decode step.
-// With a per-thread state: state = setup() once per thread, then f(state, weight, n0, n1).
+// range and shared between the threads in chunks of `chunk` rows (as each_item shares
+// items): one parallel region for q/k/v or gate/up of a decode step.  With `setup`, a
+// per-thread state: state = setup() once per thread, then f(state, weight, n0, n1).
 template <typename Setup, typename F>
 void parallel_weight_rows(const std::vector<PackedWeight>& weights, int64_t chunk, Setup setup, const F& f) {
   thread_local std::vector<int64_t> first_keep;  // no malloc per call (see grown)
@@ -282,7 +282,7 @@ void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool sp
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
 // gemv_amx.cpp: gemv_bf16's arithmetic on AMX bf16 tiles for bf16 x (float32 x rounded to
-// bf16), 32 rows of x per pass over the weights; gemv_bf16_amx_into as gemv_bf16_into.
+// bf16), 16 rows of x per pass over the weights; gemv_bf16_amx_into as gemv_bf16_into.
 bool gemv_bf16_amx_supported(int64_t K, int64_t group);
 void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights);
 at::Tensor weight_only_gemv_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
