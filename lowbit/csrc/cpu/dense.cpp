@@ -44,9 +44,7 @@ inline F fload(const float* p) { return _mm512_loadu_ps(p); }
 inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline F fadd(F a, F b) { return _mm512_add_ps(a, b); }
 inline float fsum(F a) { return _mm512_reduce_add_ps(a); }
-inline F fload(const uint16_t* p) {  // 16 bf16 widened to float32 (<< 16: exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline F fload(const uint16_t* p) { return bf16x16(p); }  // 16 bf16 widened to float32 (exact)
 #define LOWBIT_DENSE 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;

@@ -125,10 +125,7 @@ Prepared prepare(const float* x, int64_t M, int64_t K, int64_t group, int64_t wi
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xm + k)));
     for (int64_t g = 0; g < G; ++g) {
       __m512 t = _mm512_setzero_ps();
-      for (int64_t k = g * group; k < (g + 1) * group; k += 16)
-        t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k))),
-                                 16)));
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) t = _mm512_add_ps(t, bf16x16(row + k));
       xsum[g * TILE + m] = _mm512_reduce_add_ps(t);
     }
   }
@@ -214,13 +211,16 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   uint16_t(*ring)[2][TILE * 32] = bf.a;  // (TLS addresses taken once: not per step)
   float(*cbuf)[TILE * TILE] = bf.c;
   const auto rows_of = [&](int64_t strip) { return std::min<int64_t>(TILE, n1 - n0 - strip * TILE); };
+  // weight row r of a strip (rows past the end: its last)
+  const auto row_index = [&](int64_t strip, int r) {
+    return n0 + strip * TILE + std::min<int64_t>(r, rows_of(strip) - 1);
+  };
   // Steps are counted as they go (no division per step: a 64-bit idiv costs about as much as
   // a step's conversion of 16 x 64 codes).
   const uint8_t* row[TILE];  // the rows of the strip being converted
   int64_t conv_strip = 0, conv_t = 0, conv_slot = 0;
   const auto set_rows = [&] {
-    const int64_t nb = n0 + conv_strip * TILE, last = rows_of(conv_strip) - 1;
-    for (int r = 0; r < TILE; ++r) row[r] = wt.w + (nb + std::min<int64_t>(r, last)) * (K / 2);
+    for (int r = 0; r < TILE; ++r) row[r] = wt.w + row_index(conv_strip, r) * (K / 2);
   };
   // The next strip's codes (16 rows side by side: one block of 16 K / 2 bytes) are fetched
   // into the L1 a part per step while this strip's are converted: the weights of a decode
@@ -236,20 +236,18 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   };
   const float* s = static_cast<const float*>(wt.s);
   const float* z = static_cast<const float*>(wt.z);
-  int64_t n[TILE];  // the weight rows of the strip being finished (past the end: the last)
+  int64_t n[TILE];  // the weight rows of the strip being finished (row_index)
   __m512 total[TILE];  // one row: lanes are the strip's weight rows (total[0]); else [weight row][column]
   const auto begin_strip = [&](int64_t strip) {
-    const int64_t nb = n0 + strip * TILE, last = rows_of(strip) - 1;
-    for (int r = 0; r < TILE; ++r) n[r] = nb + std::min<int64_t>(r, last);
+    for (int r = 0; r < TILE; ++r) n[r] = row_index(strip, r);
     if (M == 1) strip_scales<SIGNED>(s, z, G, n, scale, offset);
     for (int r = 0; r < TILE; ++r) total[r] = _mm512_setzero_ps();
   };
   // Group g of a strip ended, its sums in cbuf[parity]: scaled into the totals (per weight row
   // and row of x, the same operations for one row or more: fma(s, C, total), then
-  // fnmadd(s (128 + z), xsum, total)), and at the strip's end its outputs stored.
+  // fnmadd(s (128 + z), xsum, total)), and after its last group its outputs stored.
   struct Ended {
     int64_t strip, g, parity;
-    bool last;
   };
   const auto finish = [&](const Ended& e) {
     const float* c = cbuf[e.parity];
@@ -267,7 +265,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
         total[r] = _mm512_fnmadd_ps(_mm512_set1_ps(o), xs, total[r]);
       }
     }
-    if (!e.last) return;  // the strip goes on
+    if (g < G - 1) return;  // the strip goes on
     const int64_t nb = n0 + e.strip * TILE;
     const __mmask16 valid = lanes16(rows_of(e.strip));
     if (M == 1) {
@@ -284,7 +282,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   begin_strip(0);
   for (int64_t i = 0; i < std::min<int64_t>(kAhead, steps); ++i) convert_next();
   const int64_t cols = columns(M), bstride = 4 * cols;
-  Ended pending{0, 0, 0, false};
+  Ended pending{0, 0, 0};
   bool waiting = false;  // pending's C tile waits to be scaled
   int64_t slot = 0, parity = 0;
   for (int64_t strip = 0, left = steps; strip < strips; ++strip)
@@ -304,7 +302,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
       if (waiting) finish(pending), waiting = false;
       if (++in_group < per_group) continue;
       _tile_stored(0, cbuf[parity], bstride);
-      pending = Ended{strip, g, parity, t == S - 1};
+      pending = Ended{strip, g, parity};
       waiting = true;
       parity ^= 1, ++g, in_group = 0;
     }

@@ -191,9 +191,6 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
   thread_local std::vector<uint16_t> h_keep, l_keep;  // a row's bf16 parts in x's order
   uint16_t* h = grown(h_keep, K);
   uint16_t* l = lo ? grown(l_keep, K) : nullptr;
-  const auto widen = [](const uint16_t* p) {  // 16 bf16 values as float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-  };
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     // vcvtneps2bf16 rounds to nearest even as bf16_bits but flushes subnormals to zero,
@@ -201,13 +198,13 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = _mm512_loadu_ps(xm + k);
       _mm256_storeu_si256((__m256i*)(h + k), (__m256i)_mm512_cvtneps_pbh(v));
-      if (l) _mm256_storeu_si256((__m256i*)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, widen(h + k))));
+      if (l) _mm256_storeu_si256((__m256i*)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16(h + k))));
     }
     for (int64_t g = 0; g < K / group; ++g) {
       __m512 t = _mm512_setzero_ps();
       for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-        t = _mm512_add_ps(t, widen(h + k));
-        if (l) t = _mm512_add_ps(t, widen(l + k));
+        t = _mm512_add_ps(t, bf16x16(h + k));
+        if (l) t = _mm512_add_ps(t, bf16x16(l + k));
       }
       xsum[m * (K / group) + g] = _mm512_reduce_add_ps(t);
     }

@@ -72,6 +72,11 @@ inline __m256i bf16_bits16(__m512 v) {
   b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(b);
 }
+// 16 bf16 values (bits) widened to float32: exact.
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 #endif
 
 // Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
