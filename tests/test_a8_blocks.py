@@ -380,14 +380,16 @@ def _needs_amx():
 
 @pytest.mark.parametrize("kernel", ["amx", "vnni"])
 @pytest.mark.parametrize("scheme, k", PANEL_GEMM_WEIGHTS)
-@pytest.mark.parametrize("m, n", [(1, 1), (3, 40), (6, 32), (7, 33), (16, 16), (17, 33), (70, 15), (129, 70)])
+@pytest.mark.parametrize("m, n", [(1, 1), (1, 33), (1, 70), (3, 40), (6, 32), (7, 33), (16, 16), (17, 33), (70, 15),
+                                  (129, 70)])
 def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme, k, m, n):
     # gemm_amx.cpp and gemm_a8_vnni.cpp run gemm_a8.cpp's / gemm_i16.cpp's float operations
     # lane for lane on the same exact block dot products (AMX: tdpbusd / tdpbssd tiles;
     # VNNI: vpdpbusd, signed 8-bit codes as q + 128 with the offset taken away in the
     # integers), so they agree with the AVX2 panels bit for bit: AMX tiles of 16 rows and
     # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short, and
-    # the weights of PANEL_GEMM_WEIGHTS.
+    # the weights of PANEL_GEMM_WEIGHTS.  AMX at one row: gemv_a8_amx.cpp (16 blocks a tile
+    # product, strips of 16 weight rows, a strip cut short, K's last 64 bytes cut short).
     _needs_amx() if kernel == "amx" else _needs_vnni()
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts
@@ -407,13 +409,14 @@ def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme,
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad):
+@pytest.mark.parametrize("m", [1, 20])
+def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad, m):
     _needs_amx()
     from lowbit.ops.matmul import weight_parts
 
     codes, scale, zero_point, bits, group = weight_parts(lowbit.quantize(torch.randn(16, 64), "int4-sym-g32"))
-    x = torch.randn(20, 64)
-    x[19, 5] = bad
+    x = torch.randn(m, 64)
+    x[m - 1, 5] = bad
     _, ok = cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 4, group, False)
     assert not ok
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):

@@ -246,6 +246,12 @@ bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int6
 // outputs converted with .to(bfloat16).
 bool a8_blocks_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
                         const std::vector<PackedWeight>& weights, c10::BFloat16* const* ys);
+// gemv_a8_amx.cpp
+// a8_blocks_amx_into's kernel at one row of x (the same bits): x [K] (float32 or bf16) into
+// ys[j] [N] (weight j's; float32 or bf16).  False (nothing written) if x held NaN or Inf.
+template <typename X, typename Y>
+bool a8_blocks_amx_row(const X* x, int64_t K, int64_t bits, int64_t group, const std::vector<PackedWeight>& weights,
+                       Y* const* ys);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // amx_linear.cpp

@@ -231,7 +231,11 @@ AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 #   4-bit 576x1536 g128: M=1 39 / 80, M=2 70 / 86, M=4 93 / 82, M=6 154 / 87, M=8 177 / 90
 #   8-bit 1536x576 g64:  M=1 52 / 86, M=2 69 / 73, M=4 105 / 83, M=6 154 / 80, M=8 196 / 85
 # (before, with the weight as B: 4-bit M=4 64 / 91, M=8 120 / 94; the rows up to 6 then).
-AMX_A8_ROWS_MAX_M = {4: 3, 8: 1}
+# At one row the tiles run gemv_a8_amx.cpp (16 blocks a tile product, the same bits):
+#   4-bit 1536x576 g32: 24 / 34, 576x1536 26 / 33, 49152x576 769 / 947-1163
+#   8-bit 1536x576 g32: 42 / 31-40, 576x1536 48 / 37-44, 49152x576 1581 / 1161-1251
+# (f16 scales, against 81-86 us for the tiles' 16-row path at two rows).
+AMX_A8_ROWS_MAX_M = {4: 3, 8: 0}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,

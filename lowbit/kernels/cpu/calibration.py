@@ -41,7 +41,9 @@ import torch
 # 7: gemm_amx.cpp's int8-block tiles take the weight rows as A (1.2-1.7x a call at 4-32
 # rows): the a8 blocks' AMX crossover moved down.
 # 8: where AMX runs, gemv_bf16's other side is gemv_amx.cpp's tiles, with a threshold of its own.
-FORMAT = 8
+# 9: at one row the a8 blocks' AMX side runs gemv_a8_amx.cpp (16 blocks a tile product:
+# 2.5x the 16-row tiles there), so its crossover may be 0.
+FORMAT = 9
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
 BUILT_IN: dict[str, int] = {}                # each threshold's value in the code, before a calibration
 
