@@ -121,13 +121,16 @@ def test_check_act_weight_accepts_the_presets_pairs():
 def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     if not cpu.available() or not cpu._has_a8_blocks():
         pytest.skip("no AVX2 build of lowbit._C")
+    # (where AMX runs, one row takes gemm_amx.cpp's one-row kernels whatever the threshold)
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
-    assert plan(w, a, 1, 576, torch.bfloat16).kernel == "a8_blocks"
+    one = "a8_amx" if cpu._C.has_amx_int8() else "a8_blocks"
+    assert plan(w, a, 1, 576, torch.bfloat16).kernel == one
     beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_vnni"
     for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
-        assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
+        if rows > 1 or one == "a8_blocks":
+            assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
         assert plan(w, a, rows + 1, 576, torch.float32).kernel == beyond
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
 
@@ -156,6 +159,7 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
     monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: 0, 8: 0})
+    monkeypatch.setattr(cpu, "_a8_amx_row", lambda bits: False)
     monkeypatch.setattr(cpu, "_a8_gemm", lambda: True)
     cpu.clear_plans()
     try:

@@ -75,7 +75,7 @@ def calibrate(reps: int = 15, write: bool = True, log=print, ladder=LADDER) -> d
     for t in THRESHOLDS:
         if not applies(t):
             continue
-        rows = measure(t, ladder, reps)
+        rows = measure(t, tuple(m for m in ladder if m >= t.first_m), reps)
         # A quantized matmul keeps its rows kernel for one row whatever the timing says: it is
         # what the C++ decode step runs (a plan without it leaves decoding to Python, several
         # times slower), and a GEMM path "winning" at one row is noise of its fixed costs.

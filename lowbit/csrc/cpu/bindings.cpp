@@ -66,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_a8_blocks8_many", &gemm_a8_blocks8_many,
         "gemm_a8_blocks8 of one x with several weights of one kind: x quantized once, one parallel region");
   m.def("has_a8_vnni", &has_a8_vnni, "whether gemm_a8_blocks_vnni (AVX-512 VNNI register tiles) was compiled in");
+  m.def("a8_vnni_row_supported", &a8_vnni_row_supported,
+        "whether gemv_a8_vnni.cpp's one-row kernel (int8 blocks x 4-bit codes, vpdpbusd) was compiled in");
   m.def("gemm_a8_blocks_vnni", &gemm_a8_blocks_vnni,
         "gemm_a8_blocks / gemm_a8_blocks8 on AVX-512 VNNI register tiles (vpdpbusd per block), the same bits");
   m.def("gemm_a8_blocks_vnni_many", &gemm_a8_blocks_vnni_many,

@@ -112,37 +112,6 @@ Prepared prepare(const X* x, int64_t K, int64_t group, int bits) {
   return {b, d, xs, true};
 }
 
-// A strip's scales and zero-point factors (a8::zero_factor) as [G][16] (row n[r] in lane r):
-// 16 x 16 transposes of the rows' [G] values.
-template <typename S>
-void strip_scales(const S* s, const S* z, bool min, int64_t G, const int64_t* n, float* scale, float* zfactor) {
-  const auto load = [&](const S* p, __mmask16 in) {
-    if constexpr (std::is_same_v<S, float>) return _mm512_maskz_loadu_ps(in, p);
-    else return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p));
-  };
-  for (int64_t g0 = 0; g0 < G; g0 += TILE) {
-    const __mmask16 in = lanes16(G - g0);
-    __m512i sv[TILE], zv[TILE];
-    for (int r = 0; r < TILE; ++r) {
-      const __m512 sr = load(s + n[r] * G + g0, in);
-      sv[r] = _mm512_castps_si512(sr);
-      __m512 f = sr;  // signed codes: s (scaled by 8 after the sum)
-      if (z) {
-        const __m512 zr = load(z + n[r] * G + g0, in);
-        f = min ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(zr), _mm512_set1_epi32(INT32_MIN)))  // -m
-                : _mm512_mul_ps(sr, zr);
-      }
-      zv[r] = _mm512_castps_si512(f);
-    }
-    transpose16(sv);
-    transpose16(zv);
-    for (int64_t g = g0; g < std::min(G, g0 + TILE); ++g) {
-      _mm512_storeu_si512(scale + g * TILE, sv[g - g0]);
-      _mm512_storeu_si512(zfactor + g * TILE, zv[g - g0]);
-    }
-  }
-}
-
 // One tile product: C += A (16 weight rows x 64 code bytes) . B (the step's block-diagonal
 // x).  A macro: GCC's tile intrinsics take the tile numbers as literal text.
 #define LOWBIT_PRODUCT(C, A, B, a, b)               \
@@ -207,7 +176,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t K, int64_t 
   const auto begin_strip = [&](int64_t strip) {
     int64_t n[TILE];
     for (int r = 0; r < TILE; ++r) n[r] = row_index(strip, r);
-    with_scales(wt, [&](const auto* s, const auto* z) { strip_scales(s, z, wt.min, G, n, scale, zfactor); });
+    with_scales(wt, [&](const auto* s, const auto* z) { a8::strip_scales(s, z, wt.min, G, n, scale, zfactor); });
     acc = _mm512_setzero_ps();
     blk = 0, g = 0, in_group = 0;
   };
@@ -279,6 +248,8 @@ template <typename X, typename Y>
 bool a8_blocks_amx_row(const X* x, int64_t K, int64_t bits, int64_t group, const std::vector<PackedWeight>& weights,
                        Y* const* ys) {
 #ifdef LOWBIT_GEMV_A8_AMX
+  // 4-bit codes: vpdpbusd over 16 weight rows (gemv_a8_vnni.cpp), 1.6x these tiles at one row
+  if (bits == 4 && a8_vnni_row_supported()) return a8_blocks_vnni_row(x, K, group, weights, ys);
   const Prepared xp = prepare(x, K, group, static_cast<int>(bits));
   if (!xp.finite) return false;
   const bool signed_a = bits == 8 && !weights[0].z;  // as gemm_amx.cpp: only int8 codes are signed A

@@ -252,6 +252,13 @@ bool a8_blocks_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bi
 template <typename X, typename Y>
 bool a8_blocks_amx_row(const X* x, int64_t K, int64_t bits, int64_t group, const std::vector<PackedWeight>& weights,
                        Y* const* ys);
+// gemv_a8_vnni.cpp
+// Whether the one-row AVX-512 VNNI kernel of int8 blocks x 4-bit codes is compiled in.
+bool a8_vnni_row_supported();
+// That kernel (gemm_a8.cpp's bits): x [K] (float32 or bf16) into ys[j] [N] (float32 or bf16),
+// 4-bit codes.  False (nothing written) if x held NaN or Inf.
+template <typename X, typename Y>
+bool a8_blocks_vnni_row(const X* x, int64_t K, int64_t group, const std::vector<PackedWeight>& weights, Y* const* ys);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // amx_linear.cpp

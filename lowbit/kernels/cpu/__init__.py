@@ -232,10 +232,12 @@ AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 #   8-bit 1536x576 g64:  M=1 52 / 86, M=2 69 / 73, M=4 105 / 83, M=6 154 / 80, M=8 196 / 85
 # (before, with the weight as B: 4-bit M=4 64 / 91, M=8 120 / 94; the rows up to 6 then).
 # At one row the tiles run gemv_a8_amx.cpp (16 blocks a tile product, the same bits):
-#   4-bit 1536x576 g32: 24 / 34, 576x1536 26 / 33, 49152x576 769 / 947-1163
 #   8-bit 1536x576 g32: 42 / 31-40, 576x1536 48 / 37-44, 49152x576 1581 / 1161-1251
-# (f16 scales, against 81-86 us for the tiles' 16-row path at two rows).
-AMX_A8_ROWS_MAX_M = {4: 3, 8: 0}
+# and 4-bit codes there on gemv_a8_vnni.cpp's vpdpbusd (the same bits; its tiles lost, 24 / 34):
+#   4-bit 1536x576 g32: 23-30 / 21-26, 576x1536 27-35 / 21-24, 49152x576 636-829 / 590-714
+# (f16 scales, against 81-86 us for the tiles' 16-row path at two rows).  So one row runs
+# a8_amx whatever these say (_a8_amx_row), and they decide from two rows on.
+AMX_A8_ROWS_MAX_M = {4: 3, 8: 1}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
 # (MKL: 12-14 GB/s for one row), 2 threads, weights cycled through more than the L3,
@@ -457,10 +459,19 @@ def _a8_gemm() -> bool:
     return not _has_avx512()
 
 
+def _a8_amx_row(bits: int) -> bool:
+    # gemm_amx.cpp's one-row kernels (gemv_a8_amx.cpp): 8-bit codes on tiles, 4-bit on vpdpbusd
+    return _has_amx_int8() and (bits == 8 or _C.a8_vnni_row_supported())
+
+
 @lru_cache(maxsize=4096)
 def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
+    if m == 1 and _a8_amx_row(bits):
+        how = "16 weight rows x 16 blocks a tile product" if bits == 8 else "vpdpbusd over 16 weight rows"
+        return Plan("a8_amx", f"one row where AMX runs: int8 blocks of x, {how}, exact block dot products: "
+                              "1.1-1.4x the rows kernel (figures at AMX_A8_ROWS_MAX_M)")
     rows = a8_rows_max_m(bits)
     if m <= rows:
         return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "
