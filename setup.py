@@ -18,7 +18,7 @@ if os.environ.get("LOWBIT_NO_EXT") != "1":
     ext_modules = [
         CppExtension("lowbit._C", ["lowbit/csrc/cpu/bindings.cpp", "lowbit/csrc/cpu/dequant.cpp",
                                    "lowbit/csrc/cpu/matmul.cpp", "lowbit/csrc/cpu/gemv_bf16.cpp",
-                                   "lowbit/csrc/cpu/gemv_amx.cpp", "lowbit/csrc/cpu/gemv_a8_amx.cpp", "lowbit/csrc/cpu/gemv_a8_vnni.cpp",
+                                   "lowbit/csrc/cpu/gemv_amx.cpp", "lowbit/csrc/cpu/gemv_a8_vnni.cpp",
                                    "lowbit/csrc/cpu/gemm_bf16.cpp", "lowbit/csrc/cpu/gemm_int8.cpp",
                                    "lowbit/csrc/cpu/gemv_a8.cpp", "lowbit/csrc/cpu/gemm_a8.cpp",
                                    "lowbit/csrc/cpu/gemm_i16.cpp", "lowbit/csrc/cpu/gemm_a8_vnni.cpp",

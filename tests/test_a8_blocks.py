@@ -121,15 +121,15 @@ def test_check_act_weight_accepts_the_presets_pairs():
 def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     if not cpu.available() or not cpu._has_a8_blocks():
         pytest.skip("no AVX2 build of lowbit._C")
-    # (where AMX runs, one row takes gemm_amx.cpp's one-row kernels whatever the threshold)
+    # (where AMX runs, one row of 4-bit codes takes gemm_amx.cpp's one-row kernel whatever
+    # the threshold)
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
-    one = "a8_amx" if cpu._C.has_amx_int8() else "a8_blocks"
-    assert plan(w, a, 1, 576, torch.bfloat16).kernel == one
+    assert plan(w, a, 1, 576, torch.bfloat16).kernel == ("a8_amx" if cpu._a8_amx_row(4) else "a8_blocks")
     beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_vnni"
     for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
-        if rows > 1 or one == "a8_blocks":
+        if rows > 1 or not cpu._a8_amx_row(w.bits):
             assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
         assert plan(w, a, rows + 1, 576, torch.float32).kernel == beyond
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
@@ -392,8 +392,8 @@ def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme,
     # VNNI: vpdpbusd, signed 8-bit codes as q + 128 with the offset taken away in the
     # integers), so they agree with the AVX2 panels bit for bit: AMX tiles of 16 rows and
     # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short, and
-    # the weights of PANEL_GEMM_WEIGHTS.  AMX at one row: gemv_a8_amx.cpp (16 blocks a tile
-    # product, strips of 16 weight rows, a strip cut short, K's last 64 bytes cut short).
+    # the weights of PANEL_GEMM_WEIGHTS.  AMX at one row, 4-bit codes: gemv_a8_vnni.cpp
+    # (strips of 16 weight rows, a strip cut short, K's last 64 code bytes cut short).
     _needs_amx() if kernel == "amx" else _needs_vnni()
     _needs_gemm()
     from lowbit.ops.matmul import weight_parts

@@ -257,8 +257,8 @@ inline void pack_half_panels(const PackedWeight& wt, int64_t K, int bits, int64_
 }
 
 // The scales and zero-point factors (zero_factor) of a strip of 16 weight rows as [G][16]
-// (row n[r] in lane r), for the one-row kernels whose lanes are weight rows
-// (gemv_a8_amx.cpp, gemv_a8_vnni.cpp): 16 x 16 transposes of the rows' [G] values.
+// (row n[r] in lane r), for the one-row kernel whose lanes are weight rows (gemv_a8_vnni.cpp):
+// 16 x 16 transposes of the rows' [G] values.
 #if defined(__AVX512VL__)
 template <typename S>
 inline void strip_scales(const S* s, const S* z, bool min, int64_t G, const int64_t* n, float* scale, float* zfactor) {

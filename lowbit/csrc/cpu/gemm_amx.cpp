@@ -256,7 +256,9 @@ void rows16(const uint8_t* wa, const int8_t* xb, const float* d, const float* xs
 template <typename X, typename Y>
 bool run(const X* x, int64_t M, int64_t K, int64_t group, int bits, const std::vector<PackedWeight>& ws,
          Y* const* ys) {
-  if (M == 1) return a8_blocks_amx_row(x, K, bits, group, ws, ys);  // 16 blocks a tile product (gemv_a8_amx.cpp)
+  // one row of x fills one column of the tiles' 16: 4-bit codes take vpdpbusd over 16 weight
+  // rows there (gemv_a8_vnni.cpp, the same bits), 2.5x these tiles
+  if (M == 1 && bits == 4 && a8_vnni_row_supported()) return a8_blocks_vnni_row(x, K, group, ws, ys);
   const int64_t G = K / group, nb = K / BLOCK, per_group = group / BLOCK;
   const TiledRows xt(x, M, K, group);
   if (!xt.finite) return false;

@@ -14,8 +14,11 @@
 //   y   = acc - zscale * sum_g fma(sz[g], xs[g], .)         groups in order
 // gemm_amx.cpp's rows16 lane for lane (signed codes as u = q + 8, zscale 8).
 //
-// Against gemm_amx.cpp's tiles at one row (gemv_a8_amx.cpp), whose tile products fill one
-// column of 16 there and whose A tiles go through memory: ... (see the plan's figures).
+// gemm_amx.cpp runs it for one row of x, where its tile products would fill one column of 16:
+// 2.5x those tiles, 1.1-1.4x gemv_a8.cpp's AVX2 rows with the weights in L2 and 1.0-1.24x
+// with them in the L3 (figures at the plan's AMX_A8_ROWS_MAX_M).  A tile version (x as a
+// block-diagonal B tile, 16 blocks a tile product) was level with this one with the weights
+// in L2 and lost in decode steps, its A tiles going through memory.
 
 #include "a8_blocks.h"
 #include "balance.h"
@@ -42,6 +45,11 @@ namespace {
 using a8::BLOCK;
 constexpr int ROWS = 16;        // weight rows a strip: one float lane each
 constexpr int64_t WIDTH = 128;  // values a step: 64 code bytes of a row
+// The strip two on is fetched a part per step: weights of a decode step come from the L3,
+// 16 rows read side by side are 16 streams, and one strip ahead was too late (1536 x 576 and
+// 576 x 1536 from the L3, 2 threads: 1.07-1.13x / 1.23-1.24x gemv_a8 two ahead, 1.00-1.03x /
+// 1.10-1.16x one ahead).
+constexpr int64_t kStripsAhead = 2;
 
 // x's one row in blocks (a8::quantize_row): codes by step, [even 64 | odd 64] (zero past K),
 // block scales d [nb] and group sums xs [G].
@@ -101,7 +109,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t K, int64_t 
     const uint8_t* row[ROWS];
     for (int r = 0; r < ROWS; ++r) idx[r] = n + std::min(r, rows - 1), row[r] = wt.w + idx[r] * row_bytes;
     with_scales(wt, [&](const auto* s, const auto* z) { a8::strip_scales(s, z, wt.min, G, idx, scale, zfactor); });
-    const char* next = reinterpret_cast<const char*>(wt.w + (n + ROWS) * row_bytes);
+    const char* next = reinterpret_cast<const char*>(wt.w + (n + kStripsAhead * ROWS) * row_bytes);
     __m512 acc = _mm512_setzero_ps();
     int64_t blk = 0, g = 0, in_group = 0;
     for (int64_t t = 0; t < steps; ++t) {

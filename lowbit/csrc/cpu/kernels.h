@@ -246,12 +246,6 @@ bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int6
 // outputs converted with .to(bfloat16).
 bool a8_blocks_amx_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
                         const std::vector<PackedWeight>& weights, c10::BFloat16* const* ys);
-// gemv_a8_amx.cpp
-// a8_blocks_amx_into's kernel at one row of x (the same bits): x [K] (float32 or bf16) into
-// ys[j] [N] (weight j's; float32 or bf16).  False (nothing written) if x held NaN or Inf.
-template <typename X, typename Y>
-bool a8_blocks_amx_row(const X* x, int64_t K, int64_t bits, int64_t group, const std::vector<PackedWeight>& weights,
-                       Y* const* ys);
 // gemv_a8_vnni.cpp
 // Whether the one-row AVX-512 VNNI kernel of int8 blocks x 4-bit codes is compiled in.
 bool a8_vnni_row_supported();

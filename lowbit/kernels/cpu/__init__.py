@@ -231,12 +231,17 @@ AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 #   4-bit 576x1536 g128: M=1 39 / 80, M=2 70 / 86, M=4 93 / 82, M=6 154 / 87, M=8 177 / 90
 #   8-bit 1536x576 g64:  M=1 52 / 86, M=2 69 / 73, M=4 105 / 83, M=6 154 / 80, M=8 196 / 85
 # (before, with the weight as B: 4-bit M=4 64 / 91, M=8 120 / 94; the rows up to 6 then).
-# At one row the tiles run gemv_a8_amx.cpp (16 blocks a tile product, the same bits):
-#   8-bit 1536x576 g32: 42 / 31-40, 576x1536 48 / 37-44, 49152x576 1581 / 1161-1251
-# and 4-bit codes there on gemv_a8_vnni.cpp's vpdpbusd (the same bits; its tiles lost, 24 / 34):
-#   4-bit 1536x576 g32: 23-30 / 21-26, 576x1536 27-35 / 21-24, 49152x576 636-829 / 590-714
-# (f16 scales, against 81-86 us for the tiles' 16-row path at two rows).  So one row runs
-# a8_amx whatever these say (_a8_amx_row), and they decide from two rows on.
+# At one row, 4-bit codes take gemv_a8_vnni.cpp's vpdpbusd over 16 weight rows instead of the
+# tiles (the same bits; the tiles' 16-row path there 81-86 us); against the rows kernel, f16
+# scales, group 32, us (weights in L2 / in the L3: 60-120 weights cycled):
+#   1536x576:  23-30 / 21-26,    L3 33-40 / 29-37
+#   576x1536:  27-35 / 21-24,    L3 37-48 / 31-39
+#   49152x576: 636-829 / 590-714
+# and in decode steps (q4_0-a8, bf16 model, 48 tokens, alternating) 1.07-1.10x the tokens/s.
+# So one row of 4-bit codes runs a8_amx whatever these say (_a8_amx_row), and they decide from
+# two rows on.  8-bit codes stay with the rows kernel: a tile version of the one-row kernel
+# (x as a block-diagonal B tile, 16 blocks a tile product) took 1536x576 in 31-40 us against
+# 42 with the weights in L2, but q8_0-a8 decoded at 0.85-0.87x with it.
 AMX_A8_ROWS_MAX_M = {4: 3, 8: 1}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
@@ -460,8 +465,8 @@ def _a8_gemm() -> bool:
 
 
 def _a8_amx_row(bits: int) -> bool:
-    # gemm_amx.cpp's one-row kernels (gemv_a8_amx.cpp): 8-bit codes on tiles, 4-bit on vpdpbusd
-    return _has_amx_int8() and (bits == 8 or _C.a8_vnni_row_supported())
+    # gemm_amx.cpp's one-row kernel for 4-bit codes (gemv_a8_vnni.cpp)
+    return bits == 4 and _has_amx_int8() and _C.a8_vnni_row_supported()
 
 
 @lru_cache(maxsize=4096)
@@ -469,9 +474,9 @@ def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
     if m == 1 and _a8_amx_row(bits):
-        how = "16 weight rows x 16 blocks a tile product" if bits == 8 else "vpdpbusd over 16 weight rows"
-        return Plan("a8_amx", f"one row where AMX runs: int8 blocks of x, {how}, exact block dot products: "
-                              "1.1-1.4x the rows kernel (figures at AMX_A8_ROWS_MAX_M)")
+        return Plan("a8_amx", "one row where AMX runs: int8 blocks of x, vpdpbusd over 16 weight rows, exact "
+                              "block dot products (the tiles' bits): 1.0-1.4x the rows kernel (figures at "
+                              "AMX_A8_ROWS_MAX_M)")
     rows = a8_rows_max_m(bits)
     if m <= rows:
         return Plan("a8_blocks", f"up to {rows} rows: int8 blocks of x, integer dot products per "

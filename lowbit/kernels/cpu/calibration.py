@@ -41,7 +41,7 @@ import torch
 # 7: gemm_amx.cpp's int8-block tiles take the weight rows as A (1.2-1.7x a call at 4-32
 # rows): the a8 blocks' AMX crossover moved down.
 # 8: where AMX runs, gemv_bf16's other side is gemv_amx.cpp's tiles, with a threshold of its own.
-# 9: where AMX runs, one row of int8 blocks runs a8_amx (gemv_a8_amx.cpp, gemv_a8_vnni.cpp)
+# 9: where AMX runs, one row of int8 blocks times 4-bit codes runs a8_amx (gemv_a8_vnni.cpp)
 # whatever the threshold, which is timed from two rows.
 FORMAT = 9
 LARGE = 1 << 20                              # a threshold that forces the rows kernel
@@ -62,7 +62,7 @@ class Threshold:
     act: str | None
     avx512: bool | None
     dtype: str = "float32"
-    first_m: int = 1  # the fewest rows timed (the AMX a8 blocks: one row runs a8_amx whatever the threshold)
+    first_m: int = 1  # the fewest rows timed (AMX a8 blocks, 4-bit: one row runs a8_amx whatever the threshold)
 
     def get(self, mod) -> int:
         value = getattr(mod, self.constant)
@@ -84,7 +84,7 @@ THRESHOLDS = (
     Threshold("a8 blocks 4-bit (AVX-512)", "A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", True),
     Threshold("a8 blocks 8-bit (AVX-512)", "A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True),
     Threshold("a8 blocks 4-bit (AMX)", "AMX_A8_ROWS_MAX_M", 4, "int4-sym-g32-f16", "int8-sym-g32", True, first_m=2),
-    Threshold("a8 blocks 8-bit (AMX)", "AMX_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True, first_m=2),
+    Threshold("a8 blocks 8-bit (AMX)", "AMX_A8_ROWS_MAX_M", 8, "int8-sym-g32-f16", "int8-sym-g32", True),
     Threshold("int8 rows (AVX2)", "INT8_ROWS_MAX_M", None, "int8-sym", "int8-sym-token", False),
     Threshold("w4a8 rows (AVX2)", "W4A8_AVX2_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", False),
     Threshold("w4a8 rows (AVX-512)", "W4A8_ROWS_MAX_M", None, "int4-asym-g64-f16", "int8-asym-token", True),
