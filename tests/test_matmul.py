@@ -157,6 +157,12 @@ def test_cpu_amx_decode_kernel_takes_only_groups_that_its_steps_fit():
     assert cpu._C.gemv_bf16_amx_supported(1536, 128) and cpu._C.gemv_bf16_amx_supported(512, 512)
     for k, group in [(576, 128), (576, 0), (576, 96), (576, 16), (0, 64), (48, 16)]:
         assert not cpu._C.gemv_bf16_amx_supported(k, group), (k, group)
+    # and the kernel itself refuses what it does not take, naming what it expects
+    from lowbit.ops.matmul import weight_parts
+    index = cpu.weight_only_kernel_index("gemv_bf16_amx")
+    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(16, 576), "int4-asym-g96"))
+    with pytest.raises(RuntimeError, match="groups of 32 or of a multiple of 64 that divide K"):
+        cpu._C.weight_only_matmul(torch.randn(1, 576), codes, s.float(), z.float(), bits, group, index, False)
 
 
 def test_cpu_bf16_decode_kernel_takes_only_groups_that_divide_k():

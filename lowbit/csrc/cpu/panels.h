@@ -45,7 +45,7 @@ struct PanelWork {
     while (uneven(want) && want < 4 * threads) ++want;
     const int64_t tiles = (M + tile_rows - 1) / tile_rows;
     parts = std::max<int64_t>(1, std::min(want, tiles / 4));  // at least 4 tiles per part
-    rows = (tiles + parts - 1) / parts * tile_rows;
+    rows = std::max<int64_t>(1, (tiles + parts - 1) / parts) * tile_rows;  // (M = 0: no parts, no division by 0)
     parts = (M + rows - 1) / rows;
   }
   int64_t items(int64_t panels) const { return panels * parts; }
