@@ -1,6 +1,6 @@
 // One row of int8 activation blocks times 4-bit weight codes on AVX-512 VNNI, with
-// gemm_a8.cpp's arithmetic bit for bit (so gemm_amx.cpp's and gemm_a8_vnni.cpp's too): the
-// row kernel of the a8 blocks' AMX and VNNI paths.
+// gemm_a8.cpp's arithmetic bit for bit (so gemm_amx.cpp's and gemm_a8_vnni.cpp's too):
+// what gemm_amx.cpp (the a8 blocks' AMX path) runs for one row of x.
 //
 // 16 weight rows at a time, 128 values (64 code bytes) a step: a row's bytes give its low
 // nibbles (values 2i) and high ones (2i + 1) as two vectors of 64 u8 codes with no
@@ -14,11 +14,13 @@
 //   y   = acc - zscale * sum_g fma(sz[g], xs[g], .)         groups in order
 // gemm_amx.cpp's rows16 lane for lane (signed codes as u = q + 8, zscale 8).
 //
-// gemm_amx.cpp runs it for one row of x, where its tile products would fill one column of 16:
-// 2.5x those tiles, 1.1-1.4x gemv_a8.cpp's AVX2 rows with the weights in L2 and 1.0-1.24x
-// with them in the L3 (figures at the plan's AMX_A8_ROWS_MAX_M).  A tile version (x as a
-// block-diagonal B tile, 16 blocks a tile product) was level with this one with the weights
-// in L2 and lost in decode steps, its A tiles going through memory.
+// There the tile products would fill one column of 16: this is 2.5x those tiles, 1.1-1.4x
+// gemv_a8.cpp's AVX2 rows with the weights in L2 and 1.0-1.24x with them in the L3 (figures
+// at the plan's AMX_A8_ROWS_MAX_M).  A tile version (x as a block-diagonal B tile, 16 blocks
+// a tile product, one C store per 16 x 512 codes) took 1.4-1.6x as long for 4-bit codes: its
+// A tiles pass through memory, and a tile product with its two tile loads costs ~17-20 ns on
+// this VM however few of its columns count.  For 8-bit codes it beat gemv_a8 1.1-1.4x with
+// the weights in L2 but decoded q8_0-a8 at 0.85x, so it was dropped.
 
 #include "a8_blocks.h"
 #include "balance.h"
