@@ -125,14 +125,17 @@ def test_cpu_plan_runs_blocks_on_few_rows_and_a_gemm_beyond():
     # the threshold)
     plan = get_backend("cpu").plan
     w, a = QuantScheme.parse("int4-sym-g32"), QuantScheme.parse(ACT)
-    assert plan(w, a, 1, 576, torch.bfloat16).kernel == ("a8_amx" if cpu._a8_amx_row(4) else "a8_blocks")
+    assert plan(w, a, 1, 576, torch.bfloat16).kernel == ("a8_amx" if cpu._a8_amx_row(4, 32, True) else "a8_blocks")
     beyond = "a8_gemm" if not cpu._has_avx512() else "a8_amx" if cpu._C.has_amx_int8() else "a8_vnni"
     for w in (w, QuantScheme.parse("int8-sym-g32")):
         rows = cpu.a8_rows_max_m(w.bits)
-        if rows > 1 or not cpu._a8_amx_row(w.bits):
+        if rows > 1 or not cpu._a8_amx_row(w.bits, 32, True):
             assert plan(w, a, rows, 576, torch.float32).kernel == "a8_blocks"
         assert plan(w, a, rows + 1, 576, torch.float32).kernel == beyond
     assert plan(w, QuantScheme.parse("int8-sym-g64"), 1, 576, torch.float32).kernel == "reference"
+    if cpu._a8_amx_row(4, 32, True):  # zero points in groups of 32 keep the rows kernel at one row
+        assert plan(QuantScheme.parse("int4-asym-g32"), a, 1, 576, torch.float32).kernel == "a8_blocks"
+        assert plan(QuantScheme.parse("int4-asym-g64"), a, 1, 576, torch.float32).kernel == "a8_amx"
 
 
 def _needs_gemm():
@@ -159,7 +162,7 @@ def test_cpu_panel_gemm_matches_the_reference(monkeypatch, scheme, k, m, n):
     monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", {4: 0, 8: 0})
     monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: 0, 8: 0})
-    monkeypatch.setattr(cpu, "_a8_amx_row", lambda bits: False)
+    monkeypatch.setattr(cpu, "_a8_amx_row", lambda *a: False)
     monkeypatch.setattr(cpu, "_a8_gemm", lambda: True)
     cpu.clear_plans()
     try:

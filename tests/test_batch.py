@@ -59,7 +59,7 @@ def test_batch_greedy_tokens_equal_one_prompt_at_a_time(smol, prompts, recipe, r
         monkeypatch.setattr(cpu, "A8_ROWS_MAX_M", {4: rows, 8: rows})
         monkeypatch.setattr(cpu, "AVX2_A8_ROWS_MAX_M", {4: rows, 8: rows})
         monkeypatch.setattr(cpu, "AMX_A8_ROWS_MAX_M", {4: rows, 8: rows})
-        monkeypatch.setattr(cpu, "_a8_amx_row", lambda bits: False)  # one row too (one prompt's decode)
+        monkeypatch.setattr(cpu, "_a8_amx_row", lambda *a: False)  # one row too (one prompt's decode)
         cpu.clear_plans()
         request.addfinalizer(cpu.clear_plans)  # forget the plans made under these limits
         assert cpu.BACKEND.plan(lowbit.QuantScheme.parse("int4-sym-g32-f16"), lowbit.QuantScheme.parse("int8-sym-g32"),

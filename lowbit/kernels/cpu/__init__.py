@@ -237,11 +237,13 @@ AVX2_A8_ROWS_MAX_M = {4: 8, 8: 16}
 #   1536x576:  23-30 / 21-26,    L3 33-40 / 29-37
 #   576x1536:  27-35 / 21-24,    L3 37-48 / 31-39
 #   49152x576: 636-829 / 590-714
-# and in decode steps (q4_0-a8, bf16 model, 48 tokens, alternating) 1.07-1.10x the tokens/s.
-# So one row of 4-bit codes runs a8_amx whatever these say (_a8_amx_row), and they decide from
-# two rows on.  8-bit codes stay with the rows kernel: a tile version of the one-row kernel
-# (x as a block-diagonal B tile, 16 blocks a tile product) took 1536x576 in 31-40 us against
-# 42 with the weights in L2, but q8_0-a8 decoded at 0.85-0.87x with it.
+# and in decode steps (bf16 model, 48 tokens, alternating) q4_0-a8 1.07-1.10x the tokens/s,
+# w4a16-g128-head8 act int8 (zero points, groups of 64 and 128) 1.12x, but q4_1 act int8 (zero
+# points in groups of 32) 0.94-0.97x.  So one row of 4-bit codes runs a8_amx whatever these
+# say (_a8_amx_row) except with zero points in groups of 32, and they decide from two rows on.
+# 8-bit codes stay with the rows kernel: a tile version of the one-row kernel (x as a
+# block-diagonal B tile, 16 blocks a tile product) took 1536x576 in 31-40 us against 42 with
+# the weights in L2, but q8_0-a8 decoded at 0.85-0.87x with it.
 AMX_A8_ROWS_MAX_M = {4: 3, 8: 1}
 # A float32 nn.Linear in a decode step (float lm_head, float models): dense.cpp's
 # dense_rows (each weight row read once, kept in L1 across x's rows) against at::linear
@@ -464,16 +466,18 @@ def _a8_gemm() -> bool:
     return not _has_avx512()
 
 
-def _a8_amx_row(bits: int) -> bool:
-    # gemm_amx.cpp's one-row kernel for 4-bit codes (gemv_a8_vnni.cpp)
-    return bits == 4 and _has_amx_int8() and _C.a8_vnni_row_supported()
+def _a8_amx_row(bits: int, group: int, symmetric: bool) -> bool:
+    # gemm_amx.cpp's one-row kernel for 4-bit codes (gemv_a8_vnni.cpp); not for zero points in
+    # groups of 32, whose scales and zero points it reads as 32 streams per 16 weight rows
+    # (q4_1 act int8 decoded at 0.94-0.97x with it: figures at AMX_A8_ROWS_MAX_M)
+    return bits == 4 and (symmetric or group >= 64) and _has_amx_int8() and _C.a8_vnni_row_supported()
 
 
 @lru_cache(maxsize=4096)
-def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int) -> Plan:
+def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int, symmetric: bool = True) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
-    if m == 1 and _a8_amx_row(bits):
+    if m == 1 and _a8_amx_row(bits, group, symmetric):
         return Plan("a8_amx", "one row where AMX runs: int8 blocks of x, vpdpbusd over 16 weight rows, exact "
                               "block dot products (the tiles' bits): 1.0-1.4x the rows kernel (figures at "
                               "AMX_A8_ROWS_MAX_M)")
@@ -542,7 +546,7 @@ class CpuBackend(Backend):
 
     def plan(self, weight, act, m, k, dtype):
         if act is not None and act.granularity == "group":
-            return _a8_blocks_plan(weight.bits, weight.group_size or k, act.group_size, m, k)
+            return _a8_blocks_plan(weight.bits, weight.group_size or k, act.group_size, m, k, weight.symmetric)
         if act is not None:
             return _act8_plan(weight.bits, weight.group_size or k, m, k)
         return _weight_only_plan(weight.bits, weight.group_size or k, m, k, dtype, weight.zero_point_domain)
@@ -673,7 +677,7 @@ class CpuBackend(Backend):
         s z times them away."""
         k, n = x.shape[-1], codes.shape[0]
         m = x.numel() // k
-        kernel = _a8_blocks_plan(bits, group_size, act_block, m, k).kernel
+        kernel = _a8_blocks_plan(bits, group_size, act_block, m, k, zero_point is None).kernel
         if kernel == "reference":
             return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
         x2 = _float32(x.reshape(m, k))
