@@ -257,8 +257,8 @@ inline void pack_half_panels(const PackedWeight& wt, int64_t K, int bits, int64_
 }
 
 // The scales and zero-point factors (zero_factor) of a strip of 16 weight rows as [G][16]
-// (row n[r] in lane r), for the one-row kernel whose lanes are weight rows (gemv_a8_vnni.cpp):
-// 16 x 16 transposes of the rows' [G] values.
+// (row n[r] in lane r), for the one-row kernel whose lanes are weight rows (gemv_a8_vnni.cpp).
+// Signed codes (no z): their factor is s itself, so zfactor is left alone (read scale).
 #if defined(__AVX512VL__)
 template <typename S>
 inline void strip_scales(const S* s, const S* z, bool min, int64_t G, const int64_t* n, float* scale, float* zfactor) {
@@ -266,25 +266,13 @@ inline void strip_scales(const S* s, const S* z, bool min, int64_t G, const int6
     if constexpr (std::is_same_v<S, float>) return _mm512_maskz_loadu_ps(in, p);
     else return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p));
   };
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const __mmask16 in = lanes16(G - g0);
-    __m512i sv[16], zv[16];
-    for (int r = 0; r < 16; ++r) {
-      const __m512 sr = load(s + n[r] * G + g0, in);
-      sv[r] = _mm512_castps_si512(sr);
-      if (!z) continue;  // signed codes: the factor is s (the term scaled by 8 after the sum)
-      const __m512 zr = load(z + n[r] * G + g0, in);
-      zv[r] = _mm512_castps_si512(
-          min ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(zr), _mm512_set1_epi32(INT32_MIN)))  // -m
-              : _mm512_mul_ps(sr, zr));
-    }
-    transpose16(sv);
-    if (z) transpose16(zv);
-    for (int64_t g = g0; g < std::min(G, g0 + 16); ++g) {
-      _mm512_storeu_si512(scale + g * 16, sv[g - g0]);
-      _mm512_storeu_si512(zfactor + g * 16, z ? zv[g - g0] : sv[g - g0]);
-    }
-  }
+  strip_columns(G, [&](int r, int64_t g0, __mmask16 in) { return load(s + n[r] * G + g0, in); }, scale);
+  if (!z) return;
+  strip_columns(G, [&](int r, int64_t g0, __mmask16 in) {
+    const __m512 zr = load(z + n[r] * G + g0, in);
+    return min ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(zr), _mm512_set1_epi32(INT32_MIN)))  // -m
+               : _mm512_mul_ps(load(s + n[r] * G + g0, in), zr);
+  }, zfactor);
 }
 #endif
 #endif

@@ -135,7 +135,8 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t K, int64_t 
       }
     }
     __m512 zt = _mm512_setzero_ps();
-    for (int64_t i = 0; i < G; ++i) zt = _mm512_fmadd_ps(_mm512_loadu_ps(zfactor + i * ROWS), _mm512_set1_ps(xp.xs[i]), zt);
+    const float* zf = wt.z ? zfactor : scale;  // signed codes: the factor is s (strip_scales)
+    for (int64_t i = 0; i < G; ++i) zt = _mm512_fmadd_ps(_mm512_loadu_ps(zf + i * ROWS), _mm512_set1_ps(xp.xs[i]), zt);
     if (SIGNED) zt = _mm512_mul_ps(zt, _mm512_set1_ps(8.f));
     int8_epilogue::store<Y>(y + n, lanes16(rows), _mm512_sub_ps(acc, zt));
   }

@@ -177,23 +177,13 @@ inline void convert(const uint8_t* const* row, int64_t t, uint16_t (*a)[TILE * 3
 // (row n[r] in lane r): 16 x 16 transposes of the rows' [G] values.
 template <bool SIGNED>
 void strip_scales(const float* s, const float* z, int64_t G, const int64_t* n, float* scale, float* offset) {
-  for (int64_t g0 = 0; g0 < G; g0 += TILE) {
-    const __mmask16 in = lanes16(G - g0);
-    __m512i sv[TILE], ov[TILE];
-    for (int r = 0; r < TILE; ++r) {
-      const __m512 sr = _mm512_maskz_loadu_ps(in, s + n[r] * G + g0);
-      sv[r] = _mm512_castps_si512(sr);
-      if (!SIGNED)
-        ov[r] = _mm512_castps_si512(
-            _mm512_mul_ps(sr, _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + n[r] * G + g0), _mm512_set1_ps(128.f))));
-    }
-    transpose16(sv);
-    if (!SIGNED) transpose16(ov);
-    for (int64_t g = g0; g < std::min(G, g0 + TILE); ++g) {
-      _mm512_storeu_ps(scale + g * TILE, _mm512_castsi512_ps(sv[g - g0]));
-      if (!SIGNED) _mm512_storeu_ps(offset + g * TILE, _mm512_castsi512_ps(ov[g - g0]));
-    }
-  }
+  strip_columns(G, [&](int r, int64_t g0, __mmask16 in) { return _mm512_maskz_loadu_ps(in, s + n[r] * G + g0); },
+                scale);
+  if (!SIGNED)
+    strip_columns(G, [&](int r, int64_t g0, __mmask16 in) {
+      return _mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + n[r] * G + g0),
+                           _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + n[r] * G + g0), _mm512_set1_ps(128.f)));
+    }, offset);
 }
 
 // Weight rows n0 .. n1 - 1 of wt times the prepared x: y[m * N + n], strips of 16 weight rows

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "balance.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -157,6 +158,20 @@ inline void transpose16(__m512i r[16]) {
     r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
     r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
     r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// One value per group of 16 rows laid out as [G][16] (row r in lane r), for kernels whose
+// lanes are weight rows: row(r, g0, in) gives row r's values g0 .. g0 + 15 (the lanes of
+// `in`, the rest zero), 16 x 16 transposes of them into out[g * 16 + r].
+template <typename Row>
+inline void strip_columns(int64_t G, Row row, float* out) {
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const __mmask16 in = lanes16(G - g0);
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) v[r] = _mm512_castps_si512(row(r, g0, in));
+    transpose16(v);
+    for (int64_t g = g0; g < std::min(G, g0 + 16); ++g) _mm512_storeu_si512(out + g * 16, v[g - g0]);
   }
 }
 #endif

@@ -474,7 +474,7 @@ def _a8_amx_row(bits: int, group: int, symmetric: bool) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int, symmetric: bool = True) -> Plan:
+def _a8_blocks_plan(bits: int, group: int, block: int, m: int, k: int, symmetric: bool) -> Plan:
     if bits not in (4, 8) or block != 32 or group % 32 or not _has_a8_blocks():
         return Plan("reference", "no CPU kernel for these activation blocks, weight or machine (AVX2 needed)")
     if m == 1 and _a8_amx_row(bits, group, symmetric):
