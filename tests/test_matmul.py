@@ -98,7 +98,8 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
 
 
 @pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512),
-                                       ("int4-asym-g128", 1536), ("int4-sym-g32", 1088)])
+                                       ("int4-asym-g128", 1536), ("int4-sym-g32", 1088),
+                                       ("int4-asym-g32-zpmin-f16", 576), ("int4-asym-g64-zpmin", 1536)])
 @pytest.mark.parametrize("kernel", ["gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx"])
 def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k, kernel):
     # gemv_bf16.cpp: below 4 rows of x the weight rows go 4 at a time (rows<1, 4>) where a
@@ -110,41 +111,45 @@ def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k,
     if cpu._C is None:
         pytest.skip("no cpu kernels")
     supported = cpu._C.gemv_bf16_amx_supported if kernel == "gemv_bf16_amx" else cpu._C.gemv_bf16_supported
-    if not supported(k, int(scheme.split("-g")[1])):
+    if not supported(k, int(scheme.split("-g")[1].split("-")[0])):
         pytest.skip(f"no {kernel} kernel here")
     from lowbit.ops.matmul import weight_parts
     g = torch.Generator().manual_seed(k)
-    codes, s, z, bits, group = weight_parts(lowbit.quantize(torch.randn(39, k, generator=g), scheme))
+    qt = lowbit.quantize(torch.randn(39, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
     s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    zmin = qt.scheme.zero_point_domain == "min"  # q * s + m: 128 s - m per group
     x = torch.randn(6, k, generator=g)
     if kernel != "gemv_bf16_split":
         x = x.bfloat16().float()
     index = cpu.weight_only_kernel_index(kernel)
-    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
+    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, zmin)
     for m in (1, 2, 3, 4, 5):
-        assert torch.equal(cpu._C.weight_only_matmul(x[:m], codes, s, z, bits, group, index, False), full[:m])
+        assert torch.equal(cpu._C.weight_only_matmul(x[:m], codes, s, z, bits, group, index, zmin), full[:m])
     for n in (1, 4, 7, 33):  # other splits of the weight rows
         z_n = None if z is None else z[:n]
-        assert torch.equal(cpu._C.weight_only_matmul(x[:1], codes[:n], s[:n], z_n, bits, group, index, False),
+        assert torch.equal(cpu._C.weight_only_matmul(x[:1], codes[:n], s[:n], z_n, bits, group, index, zmin),
                            full[:1, :n])
 
 
-@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-sym-g128", 512)])
+@pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-sym-g128", 512),
+                                       ("int4-asym-g32-zpmin-f16", 576)])
 def test_cpu_amx_decode_kernel_takes_16_rows_of_x_a_pass(scheme, k):
     # gemv_amx.cpp: beyond 16 rows of x, one pass over the weights per 16 rows, each the
     # computation of those rows alone
-    if cpu._C is None or not cpu._C.gemv_bf16_amx_supported(k, int(scheme.split("-g")[1])):
+    if cpu._C is None or not cpu._C.gemv_bf16_amx_supported(k, int(scheme.split("-g")[1].split("-")[0])):
         pytest.skip("no AMX bf16 tiles here")
     from lowbit.ops.matmul import weight_parts
     g = torch.Generator().manual_seed(k)
     qt = lowbit.quantize(torch.randn(40, k, generator=g), scheme)
     codes, s, z, bits, group = weight_parts(qt)
     s, z = s.float().contiguous(), None if z is None else z.float().contiguous()
+    zmin = qt.scheme.zero_point_domain == "min"
     x = torch.randn(35, k, generator=g).bfloat16().float()
     index = cpu.weight_only_kernel_index("gemv_bf16_amx")
-    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
+    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, zmin)
     for rows in (slice(0, 16), slice(16, 32), slice(32, 35), slice(20, 21)):
-        assert torch.equal(cpu._C.weight_only_matmul(x[rows], codes, s, z, bits, group, index, False), full[rows])
+        assert torch.equal(cpu._C.weight_only_matmul(x[rows], codes, s, z, bits, group, index, zmin), full[rows])
     y = x.double() @ lowbit.dequantize(qt, torch.float64).T  # the values (the bound: test above)
     assert (full.double() - y).abs().max() < 1e-4 * y.abs().max()
 
@@ -947,7 +952,8 @@ def test_cpu_weight_only_gemm_bf16_gives_bf16_x_the_float32_sums_rounded_once(sc
     assert y.dtype == torch.bfloat16 and y32.dtype == torch.float32 and torch.equal(y, y32.bfloat16())
 
 
-@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "q4_1",
+                                    "int8-asym-g64-zpmin"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (5, 33, 576), (17, 70, 128), (40, 32, 1536), (140, 33, 576),
                                      (300, 70, 128)])
 def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
@@ -960,19 +966,22 @@ def test_cpu_weight_only_gemm_bf16_amx_is_the_float32_sum_with_the_bf16_weight(s
     # float32 subnormals, at most 2^-126 per addition)
     g = torch.Generator().manual_seed(m * n + k)
     codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
+    zmin = QuantScheme.parse(scheme).zero_point_domain == "min"  # q * s + m
     x = torch.randn(m, k, generator=g).bfloat16()
-    y = cpu._C.weight_only_gemm_bf16_amx(x.float(), codes, s, z, bits, group)
-    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16).double()
+    y = cpu._C.weight_only_gemm_bf16_amx(x.float(), codes, s, z, bits, group, zmin)
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16, zero_point_min=zmin).double()
     want = x.double() @ w.T
     tol = gamma(k) * (x.double().abs() @ w.abs().T) + k * 2.0**-126
     assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= tol).all())
     for rows in (1, m):  # each row's bits whatever the number of rows
-        assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x[:rows].float(), codes, s, z, bits, group), y[:rows])
+        assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x[:rows].float(), codes, s, z, bits, group, zmin),
+                           y[:rows])
     # bf16 x: the same sums rounded once to bf16, without a float32 y
-    assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x, codes, s, z, bits, group), y.bfloat16())
+    assert torch.equal(cpu._C.weight_only_gemm_bf16_amx(x, codes, s, z, bits, group, zmin), y.bfloat16())
 
 
-@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g128", "int8-sym", "int8-asym-g64"])
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int4-asym-g128", "int8-sym", "int8-asym-g64",
+                                    "q4_1", "int8-asym-g64-zpmin"])
 @pytest.mark.parametrize("zero_point", ["integer", "fractional"])
 def test_cpu_weight_only_gemm_bf16_amx_dequantizes_to_the_reference_bf16_weight_bit_for_bit(scheme, zero_point):
     # amx_linear.cpp's dequant_block (4-bit codes through a per-group table of their 16
@@ -983,12 +992,15 @@ def test_cpu_weight_only_gemm_bf16_amx_dequantizes_to_the_reference_bf16_weight_
     g = torch.Generator().manual_seed(7)
     n, k = 70, 640
     codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
+    zmin = QuantScheme.parse(scheme).zero_point_domain == "min"  # q * s + m: the mins are floats anyway
+    if zmin and zero_point == "fractional":
+        pytest.skip("the min domain's zero points are the float mins")
     if z is not None and zero_point == "fractional":  # float zero points: (q - z) s rounded once
         z = (z + torch.rand(z.shape, generator=g) - 0.5).contiguous()
     elif z is None and zero_point == "fractional":
         pytest.skip("symmetric codes have no zero point")
-    want = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16)
-    y = cpu._C.weight_only_gemm_bf16_amx(torch.eye(k, dtype=torch.bfloat16), codes, s, z, bits, group)
+    want = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16, zero_point_min=zmin)
+    y = cpu._C.weight_only_gemm_bf16_amx(torch.eye(k, dtype=torch.bfloat16), codes, s, z, bits, group, zmin)
     assert torch.equal(y.T.contiguous().view(torch.int16), want.view(torch.int16))
 
 
@@ -1063,7 +1075,11 @@ def test_cpu_plan_runs_amx_bf16_tiles_where_amx_runs():
     assert plan(w, None, 20, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
     assert plan(QuantScheme.parse("int8-sym"), None, 129, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
     assert plan(w, None, cpu.AMX_BF16_GEMM_MAX_M + 1, 576, torch.bfloat16).kernel == "tiles_bf16"
-    assert plan(QuantScheme.parse("int4-asym-g32-zpmin-f16"), None, 20, 576, torch.bfloat16).kernel != "gemm_bf16_amx"
+    # q * s + m weights too: the tiles dequantize q * s + m, the decode kernels take 128 s - m
+    q4_1 = QuantScheme.parse("int4-asym-g32-zpmin-f16")
+    assert plan(q4_1, None, 20, 576, torch.bfloat16).kernel == "gemm_bf16_amx"
+    assert plan(q4_1, None, 8, 576, torch.bfloat16).kernel == "gemv_bf16_amx"
+    assert plan(q4_1, None, 1, 576, torch.bfloat16).kernel == "gemv_bf16"
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 1, 64), (5, 40, 128), (16, 32, 576), (17, 33, 576), (40, 70, 1536),

@@ -60,9 +60,9 @@ def test_every_backend_dequantizes_q_times_s_plus_m(scheme, backend):
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
     """The reference is the matmul of the dequantized weight; the fast backends run the codes
-    as they are (q * s + m: never the bf16 decode or AMX kernels, which compute (q - z) * s;
-    gemm_bf16's panels and bf16 tiles of the dequantized weight may run), within
-    tests/test_matmul.py's derived bound."""
+    as they are (q * s + m: the float32 rows, the bf16 decode kernels with 128 s - m as the
+    group's factor of sum x, the bf16 panels and tiles of q * s + m; on triton the
+    reference), within tests/test_matmul.py's derived bound."""
     qt = lowbit.quantize(torch.randn(48, 128), "int4-asym-g32-zpmin-f16")
     x = torch.randn(m, 128)
     if backend == "reference":
@@ -70,7 +70,7 @@ def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
         return
     for dtype in (torch.float32, torch.bfloat16):
         kernel = get_backend(backend).plan(qt.scheme, None, m, 128, dtype).kernel
-        assert kernel not in ("gemv_bf16", "gemv_bf16_split", "gemm_bf16_amx"), kernel
+        assert kernel != "gemm_f32_amx", kernel  # exact products for integer zero points only
         assert backend != "triton" or kernel == "reference", kernel
         assert_weight_only_close(qt, x.to(dtype), backend)
 
@@ -151,14 +151,17 @@ def test_a_model_saves_loads_and_generates(tmp_path):
 
 
 @pytest.mark.skipif(not cpu.available(), reason="needs lowbit._C")
-def test_the_cpu_kernels_that_compute_q_minus_z_refuse_the_min_form():
-    """_C.weight_only_matmul runs zero_point_min on gemv_f32 and gemm_bf16 only; the bf16
-    decode kernel would compute (q - z) * s from the mins, so it is refused by name."""
+def test_the_cpu_kernels_refuse_the_min_form_where_they_cannot_take_it():
+    """_C.weight_only_matmul refuses zero_point_min on gemm_f32_amx (whose products are exact
+    for integer zero points only) by name, and on every kernel without the mins."""
     qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32-zpmin")
     x, s, z = torch.randn(2, 64), qt.scale.reshape(16, 2).float(), qt.zero_point.reshape(16, 2).float()
-    if "gemv_bf16" in cpu._WEIGHT_ONLY_KERNELS:
-        with pytest.raises(RuntimeError, match="run the gemv_f32 and gemm_bf16 kernels only"):
-            cpu._C.weight_only_matmul(x, qt.codes, s, z, 4, 32, cpu.weight_only_kernel_index("gemv_bf16"), True)
-    if cpu._C.gemm_bf16_supported(64, 32):
+    with pytest.raises(RuntimeError, match="do not run gemm_f32_amx"):
+        cpu._C.weight_only_matmul(x, qt.codes, s, z, 4, 32, cpu.weight_only_kernel_index("gemm_f32_amx"), True)
+    for kernel in ("gemv_f32", "gemv_bf16", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx"):
+        supported = {"gemv_bf16": cpu._C.gemv_bf16_supported, "gemv_bf16_amx": cpu._C.gemv_bf16_amx_supported,
+                     "gemm_bf16": cpu._C.gemm_bf16_supported}.get(kernel)
+        if (supported and not supported(64, 32)) or (kernel == "gemm_bf16_amx" and not cpu._C.has_amx_bf16()):
+            continue
         with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
-            cpu._C.weight_only_matmul(x, qt.codes, s, None, 4, 32, cpu.weight_only_kernel_index("gemm_bf16"), True)
+            cpu._C.weight_only_matmul(x, qt.codes, s, None, 4, 32, cpu.weight_only_kernel_index(kernel), True)

@@ -291,9 +291,10 @@ void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, cons
 
 // Weight rows [n0, n0 + 32) of a 4- or 8-bit weight (codes: packed u32x8 words, or one byte
 // each) dequantized to bf16 into out [32][K], the A tiles' rows as stored: (q - z) * s (or
-// q * s for signed codes) in float32, rounded to nearest even, as gemm_bf16.cpp's panels and
-// the reference compute it (s, z float32 [N, G]); rows past N zero.  With s null, q - z (or q)
-// unscaled: exact in bf16 for integer z (|q - z| <= 255, 8 significant bits).
+// q * s for signed codes; with `min`, q * s + z: the "min" domain, the product rounded, then
+// the sum) in float32, rounded to nearest even, as gemm_bf16.cpp's panels and the reference
+// compute it (s, z float32 [N, G]); rows past N zero.  With s null, q - z (or q) unscaled:
+// exact in bf16 for integer z (|q - z| <= 255, 8 significant bits).
 //
 // A group of 4-bit codes has 16 values: they are computed once per group, those very float32
 // operations and rounding, into a table of 16 bf16 (twice over: 32 words), and each 32 codes
@@ -311,7 +312,7 @@ void dense_out(const __m512i* r, int64_t m, int rows, int64_t n0, int cols, cons
 // the prefetch alone (medians of a noisy run) 1.10x / 1.05x / level.
 template <int BITS, bool SIGNED>
 void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, int64_t K, int64_t G,
-                   int64_t group, int64_t n0, uint16_t* out) {
+                   int64_t group, int64_t n0, uint16_t* out, bool min = false) {
   // the value of each 4-bit pattern: u, or the signed q = (u ^ 8) - 8
   const __m512 codes = SIGNED ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
                               : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -329,9 +330,9 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
     for (int64_t k = 0, g = n * G; k < K; ++g) {
       const __m512 sv = _mm512_set1_ps(s ? s[g] : 1.f);  // s null: q - z unscaled (exact in bf16)
       if constexpr (BITS == 4) {
-        __m512 v = codes;
-        if constexpr (!SIGNED) v = _mm512_sub_ps(v, _mm512_set1_ps(z[g]));
-        const __m256i half = bf16_bits16(_mm512_mul_ps(v, sv));
+        const __m256i half =
+            bf16_bits16(min ? mul_add_unfused(codes, sv, _mm512_set1_ps(z[g]))
+                            : _mm512_mul_ps(SIGNED ? codes : _mm512_sub_ps(codes, _mm512_set1_ps(z[g])), sv));
         const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
         for (const int64_t end = k + group; k < end; k += 32) {
           const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
@@ -344,11 +345,16 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
                             : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p)));
           __m512 b = SIGNED ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)))
                             : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1)));
-          if constexpr (!SIGNED) {
-            const __m512 zv = _mm512_set1_ps(z[g]);
-            a = _mm512_sub_ps(a, zv), b = _mm512_sub_ps(b, zv);
+          if (min) {
+            const __m512 mv = _mm512_set1_ps(z[g]);
+            a = mul_add_unfused(a, sv, mv), b = mul_add_unfused(b, sv, mv);
+          } else {
+            if constexpr (!SIGNED) {
+              const __m512 zv = _mm512_set1_ps(z[g]);
+              a = _mm512_sub_ps(a, zv), b = _mm512_sub_ps(b, zv);
+            }
+            a = _mm512_mul_ps(a, sv), b = _mm512_mul_ps(b, sv);
           }
-          a = _mm512_mul_ps(a, sv), b = _mm512_mul_ps(b, sv);
           // a in the low half; vcvtne2ps2bf16 flushes subnormals to zero, as tdpbf16ps reads them
           _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
@@ -367,7 +373,7 @@ struct DequantizedRows {
     uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     const Bf16Out& w = ws[j];
     dequant_block<BITS, SIGNED>(static_cast<const uint8_t*>(w.w), w.scale, w.zero_point, w.N, K, K / group, group,
-                                n0, wb);
+                                n0, wb, w.min);
     return {reinterpret_cast<const uint8_t*>(wb), nullptr};
   }
 };
@@ -800,11 +806,15 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 
 // weight_only_gemm_bf16's contract (gemm_bf16.cpp) on AMX tiles (run's two layouts): x float32,
 // bf16 or float16 [M, K] (rounded to bf16), codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K],
-// scale and zero_point float32 [N, K/group] (zero_point none: signed codes); y float32 [M, N],
+// scale and zero_point float32 [N, K/group] (zero_point none: signed codes; zero_point_min: the
+// "min" domain's m, q * s + m); y float32 [M, N],
 // or for bf16 x the float32 sums rounded once to bf16 (as y.to(bf16), without the float32 y).
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                     bool zero_point_min) {
   check_weight_only_amx("lowbit._C.weight_only_gemm_bf16_amx", x, codes, scale, zero_point, bits, group);
+  TORCH_CHECK(!zero_point_min || zero_point.has_value(),
+              "lowbit._C.weight_only_gemm_bf16_amx: zero_point_min needs the mins (zero_point)");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
@@ -814,7 +824,7 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
   const uint8_t* px = reinterpret_cast<const uint8_t*>(xb.data_ptr());
   const std::vector<Bf16Out> ws{Bf16Out{codes.data_ptr(), scale.data_ptr<float>(),
                                          zero_point ? zero_point->data_ptr<float>() : nullptr, N, nullptr,
-                                         y.data_ptr()}};
+                                         y.data_ptr(), zero_point_min}};
   (bf16 ? weight_only_bits<c10::BFloat16> : weight_only_bits<float>)(px, M, K, group, bits, ws);
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");

@@ -1062,7 +1062,8 @@ bool share_gemv_bf16(const std::vector<const Proj*>& ps) {
     return false;
   for (const Proj* p : ps)
     if (!p->codes.defined() || p->act != 0 || p->kernel != kernel || p->bits != 4 || p->group != ps[0]->group ||
-        p->zero_point_min || p->zero_point.has_value() != ps[0]->zero_point.has_value())
+        p->zero_point_min != ps[0]->zero_point_min || p->zero_point.has_value() != ps[0]->zero_point.has_value() ||
+        (p->zero_point_min && !p->zero_point.has_value()))
       return false;
   return true;
 }
@@ -1117,7 +1118,7 @@ class Group {
         const Proj& p = ps_[i];
         if (p.codes.defined())  // the bias added after the rounding (add_bias)
           amx_.push_back(Bf16Out{p.codes.data_ptr(), floats(p.scale), p.zero_point ? floats(*p.zero_point) : nullptr,
-                                 out_features(i), nullptr, nullptr});
+                                 out_features(i), nullptr, nullptr, p.zero_point_min});
         else  // bf16 weights: the bias in the float32 sums, as dense_amx
           amx_.push_back(Bf16Out{p.weight.data_ptr(), nullptr, nullptr, out_features(i),
                                  p.bias ? floats(*p.bias) : nullptr, nullptr});
@@ -1311,7 +1312,8 @@ class Group {
       const bool zp = p->zero_point.has_value();
       if (p->act != 0 || p->kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmBf16Amx) || p->bits != p0.bits ||
           (p->bits != 4 && p->bits != 8) || p->group != p0.group || p->group <= 0 || p->group % 32 != 0 ||
-          K % p->group != 0 || p->zero_point_min || zp != p0.zero_point.has_value() || !p->codes.is_contiguous() ||
+          K % p->group != 0 || p->zero_point_min != p0.zero_point_min || zp != p0.zero_point.has_value() ||
+          (p->zero_point_min && !zp) || !p->codes.is_contiguous() ||
           p->codes.dim() != 2 ||
           p->codes.scalar_type() != (p->bits == 4 ? at::kInt : zp ? at::kByte : at::kChar) ||
           p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||

@@ -76,11 +76,12 @@ inline __m512i dequant_bf16(__m512i lo, __m512i hi, __m512 sv, __m512 zv) {
     a = _mm512_sub_ps(a, zv);
     b = _mm512_sub_ps(b, zv);
   }
-  a = _mm512_mul_ps(a, sv);
-  b = _mm512_mul_ps(b, sv);
   if constexpr (MIN) {
-    a = _mm512_add_ps(a, zv);
-    b = _mm512_add_ps(b, zv);
+    a = mul_add_unfused(a, sv, zv);
+    b = mul_add_unfused(b, sv, zv);
+  } else {
+    a = _mm512_mul_ps(a, sv);
+    b = _mm512_mul_ps(b, sv);
   }
   return (__m512i)_mm512_cvtne2ps_pbh(b, a);
 }

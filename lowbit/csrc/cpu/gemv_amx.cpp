@@ -14,7 +14,8 @@
 // tile sums a group's exact float32 products (the low nibbles' tile, then the high ones'),
 // and per group
 //   y = fnmadd(s (128 + z), sum_k x_k, fma(s, C, y))     (signed codes: 136 for 128 + z)
-// in float32, x's group sums taken over the bf16 values the tiles multiply.  The same
+// in float32, x's group sums taken over the bf16 values the tiles multiply; in the "min"
+// domain (q * s + m) the factor of sum_k x_k is 128 s - m (gemv_bf16.cpp's).  The same
 // quantities as gemv_bf16 in another order: tdpbf16ps adds each product to the float32 sum
 // in turn and treats subnormal bf16 inputs as zero (so x is rounded to bf16 with its
 // subnormals flushed, as gemv_bf16's prepare does).
@@ -77,7 +78,7 @@ struct TileConfig {
 struct Buffers {
   alignas(64) uint16_t a[kRing][2][TILE * 32];  // A tiles (rows past a weight's end: its last row)
   alignas(64) float c[2][TILE * TILE];          // C as stored, by the parity of its group
-  std::vector<float> scale, offset;             // one row of x: a strip's s and s (128 + z), [G][16]
+  std::vector<float> scale, offset;             // one row of x: a strip's s and offset(s, z), [G][16]
 };
 Buffers& buffers() {
   thread_local Buffers b;
@@ -173,17 +174,25 @@ inline void convert(const uint8_t* const* row, int64_t t, uint16_t (*a)[TILE * 3
   }
 }
 
-// One row of x: a strip's scales, and for unsigned codes s * (128 + z), as [G][16 weight rows]
+// A group's factor of x's group sum for unsigned codes: s (128 + z), or 128 s - m in the "min"
+// domain (z holding m); one lane each, or one scalar, the same operations.
+inline __m512 offset(__m512 s, __m512 z, bool min) {
+  return min ? _mm512_sub_ps(_mm512_mul_ps(s, _mm512_set1_ps(128.f)), z)
+             : _mm512_mul_ps(s, _mm512_add_ps(z, _mm512_set1_ps(128.f)));
+}
+inline float offset(float s, float z, bool min) { return min ? s * 128.f - z : s * (z + 128.f); }
+
+// One row of x: a strip's scales, and for unsigned codes offset(s, z), as [G][16 weight rows]
 // (row n[r] in lane r): 16 x 16 transposes of the rows' [G] values.
 template <bool SIGNED>
-void strip_scales(const float* s, const float* z, int64_t G, const int64_t* n, float* scale, float* offset) {
+void strip_scales(const float* s, const float* z, bool min, int64_t G, const int64_t* n, float* scale,
+                  float* offsets) {
   strip_columns(G, [&](int r, int64_t g0, __mmask16 in) { return _mm512_maskz_loadu_ps(in, s + n[r] * G + g0); },
                 scale);
   if (!SIGNED)
     strip_columns(G, [&](int r, int64_t g0, __mmask16 in) {
-      return _mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + n[r] * G + g0),
-                           _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + n[r] * G + g0), _mm512_set1_ps(128.f)));
-    }, offset);
+      return offset(_mm512_maskz_loadu_ps(in, s + n[r] * G + g0), _mm512_maskz_loadu_ps(in, z + n[r] * G + g0), min);
+    }, offsets);
 }
 
 // Weight rows n0 .. n1 - 1 of wt times the prepared x: y[m * N + n], strips of 16 weight rows
@@ -197,7 +206,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   const int64_t strips = (n1 - n0 + TILE - 1) / TILE, steps = strips * S;
   if (strips <= 0) return;
   float* scale = grown(bf.scale, G * TILE);
-  float* offset = grown(bf.offset, G * TILE);  // (unsigned codes)
+  float* offsets = grown(bf.offset, G * TILE);  // (unsigned codes)
   uint16_t(*ring)[2][TILE * 32] = bf.a;  // (TLS addresses taken once: not per step)
   float(*cbuf)[TILE * TILE] = bf.c;
   const auto rows_of = [&](int64_t strip) { return std::min<int64_t>(TILE, n1 - n0 - strip * TILE); };
@@ -230,12 +239,12 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   __m512 total[TILE];  // one row: lanes are the strip's weight rows (total[0]); else [weight row][column]
   const auto begin_strip = [&](int64_t strip) {
     for (int r = 0; r < TILE; ++r) n[r] = row_index(strip, r);
-    if (M == 1) strip_scales<SIGNED>(s, z, G, n, scale, offset);
+    if (M == 1) strip_scales<SIGNED>(s, z, wt.min, G, n, scale, offsets);
     for (int r = 0; r < TILE; ++r) total[r] = _mm512_setzero_ps();
   };
   // Group g of a strip ended, its sums in cbuf[parity]: scaled into the totals (per weight row
   // and row of x, the same operations for one row or more: fma(s, C, total), then
-  // fnmadd(s (128 + z), xsum, total)), and after its last group its outputs stored.
+  // fnmadd(offset, xsum, total)), and after its last group its outputs stored.
   struct Ended {
     int64_t strip, g, parity;
   };
@@ -244,13 +253,13 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
     const int64_t g = e.g;
     if (M == 1) {
       const __m512 sv = _mm512_loadu_ps(scale + g * TILE);
-      const __m512 ov = SIGNED ? _mm512_mul_ps(sv, _mm512_set1_ps(136.f)) : _mm512_loadu_ps(offset + g * TILE);
+      const __m512 ov = SIGNED ? _mm512_mul_ps(sv, _mm512_set1_ps(136.f)) : _mm512_loadu_ps(offsets + g * TILE);
       total[0] = _mm512_fmadd_ps(sv, _mm512_load_ps(c), total[0]);
       total[0] = _mm512_fnmadd_ps(ov, _mm512_set1_ps(xp.xsum[g * TILE]), total[0]);
     } else {
       const __m512 xs = _mm512_loadu_ps(xp.xsum + g * TILE);
       for (int r = 0; r < TILE; ++r) {
-        const float sr = s[n[r] * G + g], o = sr * (SIGNED ? 136.f : z[n[r] * G + g] + 128.f);
+        const float sr = s[n[r] * G + g], o = SIGNED ? sr * 136.f : offset(sr, z[n[r] * G + g], wt.min);
         total[r] = _mm512_fmadd_ps(_mm512_set1_ps(sr), _mm512_load_ps(c + r * TILE), total[r]);
         total[r] = _mm512_fnmadd_ps(_mm512_set1_ps(o), xs, total[r]);
       }
@@ -317,9 +326,9 @@ void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, con
   TORCH_CHECK(gemv_bf16_amx_supported(K, group), "lowbit._C.weight_only_gemv_bf16_amx: needs AMX bf16 tiles and groups "
                                                  "of 32 or of a multiple of 64 that divide K");
   for (const PackedWeight& wt : weights)
-    TORCH_CHECK(!wt.half && !wt.min && (wt.z != nullptr) == (weights[0].z != nullptr),
-                "lowbit._C.weight_only_gemv_bf16_amx: float32 scales and zero points on all weights or none expected "
-                "(not float16, not the \"min\" domain)");
+    TORCH_CHECK(!wt.half && wt.min == weights[0].min && (wt.z != nullptr) == (weights[0].z != nullptr),
+                "lowbit._C.weight_only_gemv_bf16_amx: float32 scales expected, and zero points (or the \"min\" "
+                "domain's mins) on all weights or none");
 #ifdef LOWBIT_GEMV_AMX
   const int64_t width = group % 64 == 0 ? 64 : 32;
   const bool is_signed = weights[0].z == nullptr;
@@ -344,14 +353,16 @@ void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, con
 }
 
 // x float32 [M, K] (rounded to bf16: exact for bf16 activations); codes int32 [N, K/8];
-// scale, zero_point float32 [N, G].
+// scale, zero_point float32 [N, G] (zero_point_min: the "min" domain's m, q * s + m).
 at::Tensor weight_only_gemv_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                     const c10::optional<at::Tensor>& zero_point, int64_t group) {
+                                     const c10::optional<at::Tensor>& zero_point, int64_t group,
+                                     bool zero_point_min) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
               "lowbit._C.weight_only_gemv_bf16_amx: contiguous float32 x [M, K] expected");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights("lowbit._C.weight_only_gemv_bf16_amx", x, {codes}, {scale}, {zero_point}, 4, group, ys);
+      packed_weights("lowbit._C.weight_only_gemv_bf16_amx", x, {codes}, {scale}, {zero_point}, 4, group, ys,
+                     zero_point_min);
   gemv_bf16_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), group, weights);
   return ys[0];
 }

@@ -5,7 +5,9 @@
 // u < 128, so one vpternlogd ((w >> 4j) & 0xF) | 0x4300 turns four nibbles of every
 // 16-bit lane into bf16 numbers.  The offset comes back out per group:
 //   sum_k (u_k - z) x_k = sum_k (128 + u_k) x_k - (128 + z) sum_k x_k
-// Signed codes are read as u = nibble ^ 8 = q + 8 with z = 8.  Products of bf16 numbers
+// Signed codes are read as u = nibble ^ 8 = q + 8 with z = 8.  In the "min" domain (q * s + m,
+// GGUF's Q4_1) the group's term is s sum_k (128 + u_k) x_k - (128 s - m) sum_k x_k, 128 s - m
+// rounded once (128 s is exact).  Products of bf16 numbers
 // are exact in float32; sums are float32.  float32 activations are split x = hi + lo
 // into two bf16 parts (|x - hi - lo| <= 2^-16 |x|) and both are multiplied.
 //
@@ -126,13 +128,18 @@ inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int6
 // taken from the lanes before their one reduction (a scalar loop over the groups and two
 // reductions per row were a third of a row's work at K = 576).  xs: x's group sums, s and z
 // the weight row's.
-template <bool SIGNED, bool HAS_ZP>
+template <bool SIGNED, bool HAS_ZP, bool MIN>
 inline float finish(__m512 t, const float* xs, const float* s, const float* z, int64_t G) {
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 in = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
-    const __m512 offset = HAS_ZP ? _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + g), _mm512_set1_ps(128.f))
-                                 : _mm512_set1_ps(SIGNED ? 136.f : 128.f);
-    t = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + g), offset), _mm512_maskz_loadu_ps(in, xs + g), t);
+    const __m512 sv = _mm512_maskz_loadu_ps(in, s + g);
+    __m512 c;  // the group's factor of sum x: s (128 + z), s 136 for signed codes, 128 s - m
+    if constexpr (MIN)
+      c = _mm512_sub_ps(_mm512_mul_ps(sv, _mm512_set1_ps(128.f)), _mm512_maskz_loadu_ps(in, z + g));
+    else
+      c = _mm512_mul_ps(sv, HAS_ZP ? _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + g), _mm512_set1_ps(128.f))
+                                   : _mm512_set1_ps(SIGNED ? 136.f : 128.f));
+    t = _mm512_fnmadd_ps(c, _mm512_maskz_loadu_ps(in, xs + g), t);
   }
   return _mm512_reduce_add_ps(t);
 }
@@ -145,7 +152,7 @@ inline float finish(__m512 t, const float* xs, const float* s, const float* z, i
 // there (~10 cycles each) was more than a block's vector work.  ahead > 0: each block's
 // codes `ahead` bytes on are prefetched as the block is read (the rows kRowsAhead on, one
 // line per line read: spread over the row, not a burst at its start).
-template <int R, int W, bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
+template <int R, int W, bool SIGNED, bool HAS_ZP, bool MIN, bool SPLIT, int GROUP>
 void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
           int64_t group, const float* s, const float* z, float* y, int64_t ldy, int64_t ahead = 0) {
   const auto fetch = [&](const uint8_t* at) {
@@ -178,7 +185,7 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
   }
   for (int j = 0; j < W; ++j)
     for (int r = 0; r < R; ++r)
-      y[r * ldy + j] = finish<SIGNED, HAS_ZP>(_mm512_add_ps(tz[j][r], _mm512_zextps256_ps512(ty[j][r])),
+      y[r * ldy + j] = finish<SIGNED, HAS_ZP, MIN>(_mm512_add_ps(tz[j][r], _mm512_zextps256_ps512(ty[j][r])),
                                               xsum + r * G, s + j * G, HAS_ZP ? z + j * G : nullptr, G);
 }
 
@@ -222,7 +229,7 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
   }
 }
 
-template <bool SIGNED, bool HAS_ZP, bool SPLIT, int GROUP>
+template <bool SIGNED, bool HAS_ZP, bool MIN, bool SPLIT, int GROUP>
 void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t M,
                  int64_t K, int64_t G, int64_t group, int64_t n0, int64_t n1) {
   const int64_t N = wt.N;
@@ -241,7 +248,7 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
       for (int64_t r = 0; r < kWeightGroup; ++r)
         if (n + kRowsAhead + r < N) prefetch_row(wn + (kRowsAhead + r) * (K / 2), K / 2);
       for (int64_t m = 0; m < M; ++m)
-        rows<1, kWeightGroup, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G,
+        rows<1, kWeightGroup, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G,
                                                             K, G, group, s + n * G, HAS_ZP ? z + n * G : nullptr,
                                                             wt.y + m * N + n, N);
     }
@@ -252,10 +259,10 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
-      rows<MB, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+      rows<MB, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
                                              sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
     for (; m < M; ++m)
-      rows<1, 1, SIGNED, HAS_ZP, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
+      rows<1, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
                                             sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
   }
 }
@@ -277,9 +284,10 @@ bool gemv_bf16_supported(int64_t K, int64_t group) {
 void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool split,
                     const std::vector<PackedWeight>& weights) {
   TORCH_CHECK(gemv_bf16_supported(K, group), "lowbit._C.weight_only_gemv_bf16: unsupported K/group");
-  for (const PackedWeight& wt : weights)  // weight_rows reads s and z as float32, (q - z) * s
-    TORCH_CHECK(!wt.half && !wt.min, "lowbit._C.weight_only_gemv_bf16: float32 scales and zero points expected "
-                                     "(not float16, not the \"min\" domain)");
+  for (const PackedWeight& wt : weights)  // weight_rows reads s and z as float32, of one kind
+    TORCH_CHECK(!wt.half && wt.min == weights[0].min && (wt.z != nullptr) == (weights[0].z != nullptr),
+                "lowbit._C.weight_only_gemv_bf16: float32 scales expected, and zero points (or the \"min\" "
+                "domain's mins) on all weights or none");
 #ifdef LOWBIT_HAVE_BF16_DOT
   const int64_t G = K / group;
   thread_local std::vector<uint16_t> xh_keep, xl_keep;
@@ -288,35 +296,40 @@ void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool sp
   uint16_t* xl = split ? grown(xl_keep, M * K) : nullptr;
   float* xsum = grown(xsum_keep, M * G);
   prepare(x, xh, xl, xsum, M, K, group);
-  const auto all = [&](auto signed_, auto has_zp, auto split_) {
+  const auto all = [&](auto signed_, auto has_zp, auto min_, auto split_) {
     parallel_weight_rows(weights, 32, [&](const PackedWeight& wt, int64_t n0, int64_t n1) {
-      constexpr bool S = decltype(signed_)::value, H = decltype(has_zp)::value, P = decltype(split_)::value;
-      if (group == 32) weight_rows<S, H, P, 32>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
-      else if (group == 64) weight_rows<S, H, P, 64>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
-      else weight_rows<S, H, P, 0>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+      constexpr bool S = decltype(signed_)::value, H = decltype(has_zp)::value, N = decltype(min_)::value,
+                     P = decltype(split_)::value;
+      if (group == 32) weight_rows<S, H, N, P, 32>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+      else if (group == 64) weight_rows<S, H, N, P, 64>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
+      else weight_rows<S, H, N, P, 0>(wt, xh, xl, xsum, M, K, G, group, n0, n1);
     });
   };
   using T = std::true_type;
   using F = std::false_type;
-  if (weights[0].z) {
-    if (split) all(F{}, T{}, T{}); else all(F{}, T{}, F{});
-  } else {
-    if (split) all(T{}, F{}, T{}); else all(T{}, F{}, F{});
-  }
+  const auto split_or_not = [&](auto signed_, auto has_zp, auto min_) {
+    if (split) all(signed_, has_zp, min_, T{}); else all(signed_, has_zp, min_, F{});
+  };
+  if (weights[0].min) split_or_not(F{}, T{}, T{});
+  else if (weights[0].z) split_or_not(F{}, T{}, F{});
+  else split_or_not(T{}, F{}, F{});
 #else
   (void)x, (void)M, (void)split, (void)weights;
 #endif
 }
 
 // x float32 [M, K] (split into two bf16 parts when `split`, else rounded to bf16: exact for
-// bf16 activations); codes int32 [N, K/8]; scale, zero_point float32 [N, G].
+// bf16 activations); codes int32 [N, K/8]; scale, zero_point float32 [N, G] (zero_point_min:
+// the "min" domain's m, q * s + m).
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split) {
+                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split,
+                                 bool zero_point_min) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
               "lowbit._C.weight_only_gemv_bf16: contiguous float32 x [M, K] expected");
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights("lowbit._C.weight_only_gemv_bf16", x, {codes}, {scale}, {zero_point}, 4, group, ys);
+      packed_weights("lowbit._C.weight_only_gemv_bf16", x, {codes}, {scale}, {zero_point}, 4, group, ys,
+                     zero_point_min);
   gemv_bf16_into(x.data_ptr<float>(), x.size(0), x.size(1), group, split, weights);
   return ys[0];
 }

@@ -265,7 +265,8 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 // rows dequantized once (the same bf16 weight values, the same bits);
 // y bf16 for bf16 x (the float32 sums rounded once), float32 otherwise.
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+                                     const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                     bool zero_point_min);
 // float32 x @ W.T for a 4/8-bit weight with integer zero points, every product exact (x in
 // three bf16 parts on AMX bf16 tiles), y float32.
 at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -282,18 +283,20 @@ at::Tensor dense_rows(const at::Tensor& x, const at::Tensor& weight, const c10::
 // gemv_bf16.cpp
 bool gemv_bf16_supported(int64_t K, int64_t group);
 // weight_only_gemv_bf16 over several weights of one kind (4-bit, float32 scales and zero
-// points on all or none, not the "min" domain), y set by the caller: one preparation of x
-// [M, K] float32 and one parallel region.
+// points on all or none, the "min" domain on all or none), y set by the caller: one
+// preparation of x [M, K] float32 and one parallel region.
 void gemv_bf16_into(const float* x, int64_t M, int64_t K, int64_t group, bool split,
                     const std::vector<PackedWeight>& weights);
 at::Tensor weight_only_gemv_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split);
+                                 const c10::optional<at::Tensor>& zero_point, int64_t group, bool split,
+                                 bool zero_point_min);
 // gemv_amx.cpp: gemv_bf16's arithmetic on AMX bf16 tiles for bf16 x (float32 x rounded to
 // bf16), 16 rows of x per pass over the weights; gemv_bf16_amx_into as gemv_bf16_into.
 bool gemv_bf16_amx_supported(int64_t K, int64_t group);
 void gemv_bf16_amx_into(const float* x, int64_t M, int64_t K, int64_t group, const std::vector<PackedWeight>& weights);
 at::Tensor weight_only_gemv_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                     const c10::optional<at::Tensor>& zero_point, int64_t group);
+                                     const c10::optional<at::Tensor>& zero_point, int64_t group,
+                                     bool zero_point_min);
 // gemm_bf16.cpp
 bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -335,7 +338,9 @@ void int8_linear_amx_into(const int8_t* a, int64_t M, int64_t K, const float* ro
 // One weight of a bf16_linear_amx_into call: bf16 rows [N, K] (bits 0), or 4-bit codes
 // (int32 [N, K/8]) or 8-bit ones ([N, K]) with float32 scale and zero_point [N, K/group]
 // (zero_point null: signed codes); bias float32 [N] or null (bf16 weights only: added to
-// the float32 sums before their rounding, as dense_amx); y [M, N] of the call's dtype.
+// the float32 sums before their rounding, as dense_amx); y [M, N] of the call's dtype; min:
+// zero_point holds the "min" domain's m (q * s + m, unsigned codes), the same on all weights
+// of a call.
 struct Bf16Out {
   const void* w;
   const float* scale;
@@ -343,6 +348,7 @@ struct Bf16Out {
   int64_t N;
   const float* bias;
   void* y;
+  bool min = false;
 };
 // dense_amx (bits 0) or weight_only_gemm_bf16_amx (bits 4 or 8, `group`) for several weights of
 // one bf16 input x [M, K] (q/k/v, gate/up) in one parallel region, the same bits as one call

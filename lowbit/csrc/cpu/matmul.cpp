@@ -873,10 +873,9 @@ namespace {
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {
-  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32 ||
-                  static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemmBf16,
-              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) run the gemv_f32 and gemm_bf16 "
-              "kernels only");
+  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmF32Amx,
+              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) do not run gemm_f32_amx, whose "
+              "products are exact only for integer zero points");
   const at::Tensor c = codes.contiguous();
   if (static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32) {
     const auto [s, z] = packed_scales(scale, zero_point);
@@ -891,17 +890,18 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
     case WeightOnlyKernel::kGemvBf16Split:
       TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
       y = weight_only_gemv_bf16(as_float(x2), c, s, z, group,
-                                static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split);
+                                static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvBf16Split,
+                                zero_point_min);
       break;
     case WeightOnlyKernel::kGemvBf16Amx:
       TORCH_CHECK(bits == 4, "lowbit._C.weight_only_matmul: the bf16 decode kernel is 4-bit only");
-      y = weight_only_gemv_bf16_amx(as_float(x2), c, s, z, group);
+      y = weight_only_gemv_bf16_amx(as_float(x2), c, s, z, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemmBf16:
       y = weight_only_gemm_bf16(x2, c, s, z, bits, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemmBf16Amx:
-      y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group);
+      y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemmF32Amx:
       y = weight_only_gemm_f32_amx(as_float(x2), c, s, z, bits, group);

@@ -72,6 +72,12 @@ inline __m256i bf16_bits16(__m512 v) {
   b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(b);
 }
+// a * s + m rounded twice, as the reference's two steps ("min" domain weights): the explicit
+// rounding mode keeps GCC from contracting the pair into one FMA (-ffp-contract=fast treats
+// _mm512_mul_ps and _mm512_add_ps as plain vector arithmetic).
+inline __m512 mul_add_unfused(__m512 a, __m512 s, __m512 m) {
+  return _mm512_add_round_ps(_mm512_mul_ps(a, s), m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 // 16 bf16 values (bits) widened to float32: exact.
 inline __m512 bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(

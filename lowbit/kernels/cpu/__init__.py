@@ -402,15 +402,15 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
         return Plan("reference", "float64 activations")
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
-    # q * s + m weights (the "min" domain): the bf16 decode and AMX kernels compute (q - z) * s;
-    # gemm_bf16 dequantizes either form into its panels
-    bf16 = zero_point_domain != "min"
-    amx_rows = (bf16 and bits == 4 and dtype == torch.bfloat16 and _C is not None
+    # q * s + m weights (the "min" domain) run every kernel here but gemm_f32_amx (exact
+    # products for integer zero points only): the bf16 decode kernels take 128 s - m for the
+    # group's factor of sum x, the bf16 panels and tiles dequantize q * s + m
+    amx_rows = (bits == 4 and dtype == torch.bfloat16 and _C is not None
                 and _C.gemv_bf16_amx_supported(k, group))
     rows = AMX_GEMV_BF16_MAX_M if amx_rows else _gemv_max_m(bits, dtype, exact)
     if fused and m <= rows:
         split = dtype != torch.bfloat16
-        if (bf16 and bits == 4 and _C.gemv_bf16_supported(k, group)
+        if (bits == 4 and _C.gemv_bf16_supported(k, group)
                 and (not split or m <= (0 if exact else SPLIT_MAX_M))):
             if split:
                 return Plan("gemv_bf16_split", f"up to {SPLIT_MAX_M} rows: packed weight, x in two bf16 parts")
@@ -434,7 +434,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
             return Plan("tiles_f32", f"panels of 16 weight rows dequantized to float32 as they are reached, "
                                      f"gemm_f32.cpp's 6 x 16 FMA register tiles ({why})")
         return Plan("tiles_f32", f"L2-sized weight tiles dequantized to float32, torch.mm ({why})")
-    if (bf16 and m <= AMX_BF16_GEMM_MAX_M and _C is not None and _C.has_amx_bf16()
+    if (m <= AMX_BF16_GEMM_MAX_M and _C is not None and _C.has_amx_bf16()
             and _C.gemm_bf16_supported(k, group)):
         return Plan("gemm_bf16_amx", f"up to {AMX_BF16_GEMM_MAX_M} rows where AMX runs: each block of 32 weight "
                                      "rows dequantized into bf16 A tiles (packed as B tiles from 128 rows), AMX "
@@ -619,11 +619,13 @@ class CpuBackend(Backend):
         the tiles per group, times the group's scale, within gamma_(3 group + G) of
         sum |x| |q - z| |s| (tests/test_matmul.py), the tiles' bound being gamma_(K + 1).
 
-        A weight in the "min" domain (``zero_point_min``: W = q * s + m) runs the float32
-        kernels: ``gemv_f32`` takes its codes as unsigned without a zero point and adds
-        m times the group sums of x per group, sum_g (s_g sum q x + m_g sum x), within
-        the same gamma bound of sum (|q s| + |m|) |x| (tests/test_matmul.py); the tiles
-        dequantize q * s + m, the reference's weight."""
+        A weight in the "min" domain (``zero_point_min``: W = q * s + m, GGUF's Q4_1)
+        runs the same kernels but ``gemm_f32_amx``: ``gemv_f32`` takes its codes as
+        unsigned without a zero point and adds m times the group sums of x per group,
+        sum_g (s_g sum q x + m_g sum x); the bf16 decode kernels sum s (128 + u) x and
+        subtract (128 s - m) sum x per group; all within the same gamma bound of
+        sum (|q s| + |m|) |x| (offset by 136 for the bf16 ones, tests/test_matmul.py); the
+        panels and tiles dequantize q * s + m, the reference's weight."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         kernel = _weight_only_plan(bits, group_size, m, k, x.dtype,
