@@ -78,7 +78,7 @@ struct TileConfig {
 struct Buffers {
   alignas(64) uint16_t a[kRing][2][TILE * 32];  // A tiles (rows past a weight's end: its last row)
   alignas(64) float c[2][TILE * TILE];          // C as stored, by the parity of its group
-  std::vector<float> scale, offset;             // one row of x: a strip's s and offset(s, z), [G][16]
+  std::vector<float> scale, offset;             // one row of x: a strip's s and offset_factor, [G][16]
 };
 Buffers& buffers() {
   thread_local Buffers b;
@@ -174,15 +174,7 @@ inline void convert(const uint8_t* const* row, int64_t t, uint16_t (*a)[TILE * 3
   }
 }
 
-// A group's factor of x's group sum for unsigned codes: s (128 + z), or 128 s - m in the "min"
-// domain (z holding m); one lane each, or one scalar, the same operations.
-inline __m512 offset(__m512 s, __m512 z, bool min) {
-  return min ? _mm512_sub_ps(_mm512_mul_ps(s, _mm512_set1_ps(128.f)), z)
-             : _mm512_mul_ps(s, _mm512_add_ps(z, _mm512_set1_ps(128.f)));
-}
-inline float offset(float s, float z, bool min) { return min ? s * 128.f - z : s * (z + 128.f); }
-
-// One row of x: a strip's scales, and for unsigned codes offset(s, z), as [G][16 weight rows]
+// One row of x: a strip's scales, and for unsigned codes offset_factor(s, z), as [G][16 weight rows]
 // (row n[r] in lane r): 16 x 16 transposes of the rows' [G] values.
 template <bool SIGNED>
 void strip_scales(const float* s, const float* z, bool min, int64_t G, const int64_t* n, float* scale,
@@ -191,7 +183,8 @@ void strip_scales(const float* s, const float* z, bool min, int64_t G, const int
                 scale);
   if (!SIGNED)
     strip_columns(G, [&](int r, int64_t g0, __mmask16 in) {
-      return offset(_mm512_maskz_loadu_ps(in, s + n[r] * G + g0), _mm512_maskz_loadu_ps(in, z + n[r] * G + g0), min);
+      return offset_factor(_mm512_maskz_loadu_ps(in, s + n[r] * G + g0), _mm512_maskz_loadu_ps(in, z + n[r] * G + g0),
+                           min);
     }, offsets);
 }
 
@@ -244,7 +237,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   };
   // Group g of a strip ended, its sums in cbuf[parity]: scaled into the totals (per weight row
   // and row of x, the same operations for one row or more: fma(s, C, total), then
-  // fnmadd(offset, xsum, total)), and after its last group its outputs stored.
+  // fnmadd(offset_factor, xsum, total)), and after its last group its outputs stored.
   struct Ended {
     int64_t strip, g, parity;
   };
@@ -259,7 +252,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
     } else {
       const __m512 xs = _mm512_loadu_ps(xp.xsum + g * TILE);
       for (int r = 0; r < TILE; ++r) {
-        const float sr = s[n[r] * G + g], o = SIGNED ? sr * 136.f : offset(sr, z[n[r] * G + g], wt.min);
+        const float sr = s[n[r] * G + g], o = SIGNED ? sr * 136.f : offset_factor(sr, z[n[r] * G + g], wt.min);
         total[r] = _mm512_fmadd_ps(_mm512_set1_ps(sr), _mm512_load_ps(c + r * TILE), total[r]);
         total[r] = _mm512_fnmadd_ps(_mm512_set1_ps(o), xs, total[r]);
       }

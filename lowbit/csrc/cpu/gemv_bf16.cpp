@@ -133,12 +133,8 @@ inline float finish(__m512 t, const float* xs, const float* s, const float* z, i
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 in = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
     const __m512 sv = _mm512_maskz_loadu_ps(in, s + g);
-    __m512 c;  // the group's factor of sum x: s (128 + z), s 136 for signed codes, 128 s - m
-    if constexpr (MIN)
-      c = _mm512_sub_ps(_mm512_mul_ps(sv, _mm512_set1_ps(128.f)), _mm512_maskz_loadu_ps(in, z + g));
-    else
-      c = _mm512_mul_ps(sv, HAS_ZP ? _mm512_add_ps(_mm512_maskz_loadu_ps(in, z + g), _mm512_set1_ps(128.f))
-                                   : _mm512_set1_ps(SIGNED ? 136.f : 128.f));
+    const __m512 c = HAS_ZP ? offset_factor(sv, _mm512_maskz_loadu_ps(in, z + g), MIN)
+                            : _mm512_mul_ps(sv, _mm512_set1_ps(SIGNED ? 136.f : 128.f));
     t = _mm512_fnmadd_ps(c, _mm512_maskz_loadu_ps(in, xs + g), t);
   }
   return _mm512_reduce_add_ps(t);

@@ -78,6 +78,14 @@ inline __m256i bf16_bits16(__m512 v) {
 inline __m512 mul_add_unfused(__m512 a, __m512 s, __m512 m) {
   return _mm512_add_round_ps(_mm512_mul_ps(a, s), m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+// The factor of x's group sum in the bf16 decode kernels (gemv_bf16.cpp, gemv_amx.cpp: codes
+// read as the bf16 numbers 128 + u): s (128 + z), or 128 s - m in the "min" domain (z holding
+// m; 128 s exact, one rounding).  16 groups at once, or one: the same operations.
+inline __m512 offset_factor(__m512 s, __m512 z, bool min) {
+  return min ? _mm512_sub_ps(_mm512_mul_ps(s, _mm512_set1_ps(128.f)), z)
+             : _mm512_mul_ps(s, _mm512_add_ps(z, _mm512_set1_ps(128.f)));
+}
+inline float offset_factor(float s, float z, bool min) { return min ? s * 128.f - z : s * (z + 128.f); }
 // 16 bf16 values (bits) widened to float32: exact.
 inline __m512 bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(
