@@ -78,7 +78,7 @@ struct TileConfig {
 struct Buffers {
   alignas(64) uint16_t a[kRing][2][TILE * 32];  // A tiles (rows past a weight's end: its last row)
   alignas(64) float c[2][TILE * TILE];          // C as stored, by the parity of its group
-  std::vector<float> scale, offset;             // one row of x: a strip's s and offset_factor, [G][16]
+  std::vector<float> scale, offsets;            // one row of x: a strip's s and offset_factor, [G][16]
 };
 Buffers& buffers() {
   thread_local Buffers b;
@@ -199,7 +199,7 @@ void weight_rows(const PackedWeight& wt, const Prepared& xp, int64_t M, int64_t 
   const int64_t strips = (n1 - n0 + TILE - 1) / TILE, steps = strips * S;
   if (strips <= 0) return;
   float* scale = grown(bf.scale, G * TILE);
-  float* offsets = grown(bf.offset, G * TILE);  // (unsigned codes)
+  float* offsets = grown(bf.offsets, G * TILE);  // (unsigned codes)
   uint16_t(*ring)[2][TILE * 32] = bf.a;  // (TLS addresses taken once: not per step)
   float(*cbuf)[TILE * TILE] = bf.c;
   const auto rows_of = [&](int64_t strip) { return std::min<int64_t>(TILE, n1 - n0 - strip * TILE); };

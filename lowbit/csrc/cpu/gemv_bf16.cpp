@@ -182,7 +182,7 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
   for (int j = 0; j < W; ++j)
     for (int r = 0; r < R; ++r)
       y[r * ldy + j] = finish<SIGNED, HAS_ZP, MIN>(_mm512_add_ps(tz[j][r], _mm512_zextps256_ps512(ty[j][r])),
-                                              xsum + r * G, s + j * G, HAS_ZP ? z + j * G : nullptr, G);
+                                                   xsum + r * G, s + j * G, HAS_ZP ? z + j * G : nullptr, G);
 }
 
 // Lay out x [M, K] for the lane bookkeeping above: within each block of W values, vector j
@@ -244,9 +244,9 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
       for (int64_t r = 0; r < kWeightGroup; ++r)
         if (n + kRowsAhead + r < N) prefetch_row(wn + (kRowsAhead + r) * (K / 2), K / 2);
       for (int64_t m = 0; m < M; ++m)
-        rows<1, kWeightGroup, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G,
-                                                            K, G, group, s + n * G, HAS_ZP ? z + n * G : nullptr,
-                                                            wt.y + m * N + n, N);
+        rows<1, kWeightGroup, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(
+            wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, s + n * G,
+            HAS_ZP ? z + n * G : nullptr, wt.y + m * N + n, N);
     }
   for (; n < n1; ++n) {  // one weight row at a time, the row kRowsAhead on fetched with the first row of x
     const uint8_t* wn = wt.w + n * (K / 2);
@@ -255,11 +255,11 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
-      rows<MB, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
-                                             sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
+      rows<MB, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G,
+                                                  group, sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
     for (; m < M; ++m)
-      rows<1, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group,
-                                            sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
+      rows<1, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G,
+                                                 group, sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
   }
 }
 #endif
