@@ -413,6 +413,11 @@ def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme,
     y, ok = gemm(x, codes.contiguous(), s, zp, bits, group, min_form)
     assert ok_avx2 and ok
     assert torch.equal(y, y_avx2)
+    if kernel == "amx":  # bf16 x in, bf16 y out: the float32 call on the same values, rounded once
+        xb = x.bfloat16()
+        yb, ok = gemm(xb, codes.contiguous(), s, zp, bits, group, min_form)
+        y32, _ = gemm(xb.float(), codes.contiguous(), s, zp, bits, group, min_form)
+        assert ok and yb.dtype == torch.bfloat16 and torch.equal(yb, y32.bfloat16())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -430,6 +435,10 @@ def test_amx_gemm_reports_non_finite_x_and_checks_its_arguments(bad, m):
         cpu._C.gemm_a8_blocks_amx(x, codes.contiguous(), scale.float(), None, 2, group, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu._C.gemm_a8_blocks_amx(torch.randn(4, 48), codes.contiguous(), scale.float(), None, 4, 48, False)
+    _, ok = cpu._C.gemm_a8_blocks_amx(x.bfloat16(), codes.contiguous(), scale.float(), None, 4, group, False)
+    assert not ok  # bf16 x: the same check
+    with pytest.raises(RuntimeError, match="contiguous float32 or bf16 x"):
+        cpu._C.gemm_a8_blocks_amx(x.half(), codes.contiguous(), scale.float(), None, 4, group, False)
 
 
 def test_vnni_gemm_takes_the_extreme_codes_exactly():

@@ -138,9 +138,10 @@ inline bool quantize_row(const X* x, int64_t K, int64_t group, bool split, Q* xq
 
 // The checks every kernel taking float32 x [M, K] into blocks makes (`who` names it):
 // x contiguous float32 2-D, the weight's group whole blocks that tile K.
-inline void check_x(const char* who, const at::Tensor& x, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), who,
-              ": contiguous float32 x [M, K] expected");
+inline void check_x(const char* who, const at::Tensor& x, int64_t group, bool bf16_too = false) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16_too && x.scalar_type() == at::kBFloat16)) &&
+                  x.is_contiguous(),
+              who, bf16_too ? ": contiguous float32 or bf16 x [M, K] expected" : ": contiguous float32 x [M, K] expected");
   TORCH_CHECK(group > 0 && group % BLOCK == 0 && x.size(1) % group == 0, who,
               ": the weight group must be a multiple of 32 that divides K");
 }

@@ -433,24 +433,29 @@ bool has_amx_bf16() {
 #endif
 }
 
-// x float32 [M, K]; codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K] (8-bit), scale float32
-// or float16 [N, G] (packed_scales), zero_point of scale's dtype or none (signed codes).
-// Returns float32 [M, N] and whether x was finite (if not, nothing is written: the caller
-// raises).  The bits of gemm_a8_blocks (4-bit) and gemm_a8_blocks8 (8-bit).
+// x float32 or bf16 [M, K]; codes int32 [N, K/8] (4-bit) or int8/uint8 [N, K] (8-bit), scale
+// float32 or float16 [N, G] (packed_scales), zero_point of scale's dtype or none (signed
+// codes).  Returns y [M, N] in x's dtype (bf16: the float32 outputs rounded once to nearest
+// even, as .to(bfloat16) would, without a float32 copy of x or y) and whether x was finite
+// (if not, nothing is written: the caller raises).  The bits of gemm_a8_blocks (4-bit) and
+// gemm_a8_blocks8 (8-bit).
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                                 int64_t group, bool zero_point_min) {
-  TORCH_CHECK(has_amx_int8(), "lowbit._C.gemm_a8_blocks_amx needs AMX (amx-tile, amx-int8) and the kernel's "
-                              "permission to use its tiles");
-  TORCH_CHECK(bits == 4 || bits == 8, "lowbit._C.gemm_a8_blocks_amx: bits must be 4 or 8");
-  a8::check_x("lowbit._C.gemm_a8_blocks_amx", x, group);
+  const char* who = "lowbit._C.gemm_a8_blocks_amx";
+  TORCH_CHECK(has_amx_int8(), who, " needs AMX (amx-tile, amx-int8) and the kernel's permission to use its tiles");
+  TORCH_CHECK(bits == 4 || bits == 8, who, ": bits must be 4 or 8");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  a8::check_x(who, x, group, /*bf16_too=*/true);
   std::vector<at::Tensor> ys;
-  const std::vector<PackedWeight> weights = packed_weights("lowbit._C.gemm_a8_blocks_amx", x, {codes}, {scale},
-                                                           {zero_point}, bits, group, ys, zero_point_min);
-  bool finite = true;
-  if (x.size(0) > 0 && weights[0].N > 0)
-    finite = a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights);
-  return {ys[0], finite};
+  const std::vector<PackedWeight> weights =
+      packed_weights(who, x, {codes}, {scale}, {zero_point}, bits, group, ys, zero_point_min);
+  if (x.size(0) == 0 || weights[0].N == 0) return {bf16 ? ys[0].to(at::kBFloat16) : ys[0], true};
+  if (!bf16) return {ys[0], a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights)};
+  at::Tensor y = at::empty({x.size(0), weights[0].N}, x.options());
+  c10::BFloat16* py = y.data_ptr<c10::BFloat16>();
+  const bool finite = a8_blocks_amx_into(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), bits, group, weights, &py);
+  return {y, finite};
 }
 
 bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,

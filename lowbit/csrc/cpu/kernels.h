@@ -234,6 +234,7 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_vnni(const at::Tensor& x, const at::
 bool has_amx_int8();
 // Whether AMX bf16 tiles run here (amx_linear.cpp: dense_amx, weight_only_gemm_bf16_amx).
 bool has_amx_bf16();
+// x float32 or bf16; y in x's dtype (bf16: rounded once from the float32 outputs).
 std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero_point, int64_t bits,
                                                 int64_t group, bool zero_point_min);
