@@ -447,15 +447,16 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks_amx(const at::Tensor& x, const at::T
   TORCH_CHECK(bits == 4 || bits == 8, who, ": bits must be 4 or 8");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   a8::check_x(who, x, group, /*bf16_too=*/true);
+  // bf16 x writes its own bf16 y: packed_weights then checks the weight against K only, its
+  // float32 outputs having no rows
   std::vector<at::Tensor> ys;
   const std::vector<PackedWeight> weights =
-      packed_weights(who, x, {codes}, {scale}, {zero_point}, bits, group, ys, zero_point_min);
-  if (x.size(0) == 0 || weights[0].N == 0) return {bf16 ? ys[0].to(at::kBFloat16) : ys[0], true};
-  if (!bf16) return {ys[0], a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights)};
-  at::Tensor y = at::empty({x.size(0), weights[0].N}, x.options());
+      packed_weights(who, bf16 ? x.narrow(0, 0, 0) : x, {codes}, {scale}, {zero_point}, bits, group, ys, zero_point_min);
+  at::Tensor y = bf16 ? at::empty({x.size(0), weights[0].N}, x.options()) : ys[0];
+  if (y.numel() == 0) return {y, true};
+  if (!bf16) return {y, a8_blocks_amx_into(x.data_ptr<float>(), x.size(0), x.size(1), bits, group, weights)};
   c10::BFloat16* py = y.data_ptr<c10::BFloat16>();
-  const bool finite = a8_blocks_amx_into(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), bits, group, weights, &py);
-  return {y, finite};
+  return {y, a8_blocks_amx_into(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), bits, group, weights, &py)};
 }
 
 bool a8_blocks_amx_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group,

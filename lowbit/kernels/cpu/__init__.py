@@ -683,11 +683,9 @@ class CpuBackend(Backend):
         if kernel == "reference":
             return super().linear_a8_blocks(x, codes, scale, zero_point, bits, group_size, act_block, zero_point_min)
         s, zp = _C.packed_scales(scale, zero_point)
-        if kernel == "a8_amx" and x.dtype == torch.bfloat16:  # bf16 in and out: no float32 copy of x or y
-            y, ok = _C.gemm_a8_blocks_amx(x.reshape(m, k).contiguous(), codes.contiguous(), s, zp, bits, group_size,
-                                          zero_point_min)
-            return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)), ok
-        x2 = _float32(x.reshape(m, k))
+        # the AMX tiles take bf16 x as it is and give bf16 y: no float32 copy of either
+        x2 = (x.reshape(m, k).contiguous() if kernel == "a8_amx" and x.dtype == torch.bfloat16
+              else _float32(x.reshape(m, k)))
         if kernel == "a8_gemm":
             gemm = _C.gemm_a8_blocks if bits == 4 else _C.gemm_a8_blocks8
             y, ok = gemm(x2, codes.contiguous(), s, zp, group_size, zero_point_min)
