@@ -627,6 +627,43 @@ def test_cpu_w4a8_amx_gives_the_bits_of_the_vnni_panels(m, n, k, group, zp):
     assert torch.equal(cpu._C.w4a8_gemm_amx(x_q, x_zp, codes, scale, w_zp, group), expected)
 
 
+@pytest.mark.parametrize("group", [8192, 16384])
+def test_cpu_w4a8_amx_groups_at_the_float32_limit(group):
+    # w4a8_gemm_amx takes int_g = c - xz w_g by one float32 fnmadd where |c| <= 128 * 15 * group
+    # stays below 2^24 (groups up to 8192), in int32 beyond: both give float(int_g) as the
+    # panels do.  Extreme codes: x_q = -128 (7 of them -127) against u - z = -15 and 15, with
+    # zero points xz = 0 and -1000.  At 16384 float(c) would round before the fnmadd and round
+    # again: 214302816 for the weight rows with u - z = 15 and xz = -1000, where the exact
+    # integer 214302825 rounds to 214302832.
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    n, k = 16, group
+    x_q = torch.full((2, k), -128, dtype=torch.int8)
+    x_q[:, :7] = -127
+    x_zp = torch.tensor([0, -1000], dtype=torch.int32)
+    w_q = torch.zeros(n, k, dtype=torch.uint8)
+    w_q[n // 2:] = 15
+    w_zp = torch.full((n, 1), 15, dtype=torch.int32)
+    w_zp[n // 2:] = 0
+    codes = reference.pack(w_q, 4, "u32")
+    scale = torch.ones(n, 1)
+    exact = (x_q.long() - x_zp.long()[:, None]) @ (w_q.long() - w_zp.long()).T
+    y = cpu._C.w4a8_gemm_amx(x_q, x_zp, codes, scale, w_zp, group)
+    assert torch.equal(y, exact.double().float())  # one rounding of the exact integer
+    assert torch.equal(y, cpu._C.w4a8_gemm_panels(x_q, x_zp, codes, scale, w_zp, group))
+
+
+def test_cpu_w4a8_amx_refuses_zero_points_outside_the_code_range():
+    if not cpu.available() or not cpu._C.has_amx_int8():
+        pytest.skip("no AMX int8 tiles on this machine (or not compiled in)")
+    codes = torch.zeros(16, 8, dtype=torch.int32)
+    x_q, x_zp = torch.zeros(2, 64, dtype=torch.int8), torch.zeros(2, dtype=torch.int32)
+    for bad in (-1, 16):
+        w_zp = torch.full((16, 2), bad, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="w_zp must lie in the 4-bit code range 0..15"):
+            cpu._C.w4a8_gemm_amx(x_q, x_zp, codes, torch.ones(16, 2), w_zp, 32)
+
+
 def test_w4a8_qta8o_is_the_written_reference():
     args = _qta8o_case(5, 16, 128, 32, "random", "random", seed=1)
     x_q, x_scale, x_zp, w_packed, w_scales, w_zp, group, out_scale, out_zp, bias = args

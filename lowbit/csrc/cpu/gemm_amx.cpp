@@ -297,19 +297,35 @@ bool run(const X* x, int64_t M, int64_t K, int64_t group, int bits, const std::v
 
 // ---- W4A8: per-token int8 activations with zero points, 4-bit codes in groups ----------
 // w4a8_gemm_panels' integers, exact per group (gemm_int8.cpp), on tiles:
-//   int_g = sum_{k in g} x u - z (sum_{k in g} x - |g| xz) - xz sum_{k in g} u
+//   int_g = sum_{k in g} (x - xz) (u - z)
 //   y = sum_g fma(float(int_g), s)  in group order, from zero
-// Groups are whole tile products of kstep (64, or 32 for groups of an odd number of 32s),
-// summed in the C tile, so the floats enter once per group, not once per 32 values.
+// The panels hold the codes less their group's zero point, u - z in [-15, 15] as int8
+// (signed codes: q itself, z = 8), so one tdpbssd per step gives c = sum_{k in g} x (u - z)
+// and int_g = c - xz w_g with w_g = sum_{k in g} (u - z), a number per column and group.
+// In float32 that is one fnmadd: c (|c| <= 128 * 15 * |g| < 2^24 for groups up to 8192),
+// xz and w_g (check_w4a8_zero_points) are exact floats, and fnmadd rounds c - xz w_g once:
+// float(int_g), the value the other kernels convert.  Per group and row that is a
+// conversion, the fnmadd and the FMA (the int32 form, two vpmulld and two subtractions more,
+// left the vector work twice the tile work: 0.6-1.0x torch's bf16 GEMM at 512 rows).
+// Larger groups take the int32 form (c - xz w_g exact in int32 there, as check_w4a8_zero_points
+// bounds it).  Groups are whole tile products of kstep (64, or 32 for groups of an odd
+// number of 32s), summed in the C tile, so the floats enter once per group, not once per 32
+// values.
+constexpr int64_t kFloatGroupMax = 8192;  // 128 * 15 * 8192 < 2^24
 
-// Column sums of the codes u per group, usum[g][c] for one half panel's 16 columns.
-void code_sums(const uint8_t* half_panel, int64_t K, int64_t group, int32_t* usum) {
-  const __m512i ones = _mm512_set1_epi8(1);
+// A half panel's codes less their zero points (z [G][COLS] from the half's first column,
+// each in 0..15) and its column sums w[g][c] = sum_{k in g} (u - z), int32.
+void zero_point_panel(uint8_t* half_panel, int64_t K, int64_t group, const int32_t* z, int32_t* w) {
+  const __m512i ones = _mm512_set1_epi8(1), bytes = _mm512_set1_epi32(0x01010101);
   for (int64_t g = 0; g < K / group; ++g) {
+    const __m512i zb = _mm512_mullo_epi32(_mm512_loadu_si512(z + g * COLS), bytes);  // z in each byte of its column
     __m512i sum = _mm512_setzero_si512();
-    for (int64_t q = g * group / 4; q < (g + 1) * group / 4; ++q)
-      sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512(half_panel + q * 64), ones);
-    _mm512_storeu_si512(usum + g * TILE, sum);
+    for (int64_t q = g * group / 4; q < (g + 1) * group / 4; ++q) {
+      const __m512i v = _mm512_sub_epi8(_mm512_loadu_si512(half_panel + q * 64), zb);
+      _mm512_storeu_si512(half_panel + q * 64, v);
+      sum = _mm512_dpbusd_epi32(sum, ones, v);
+    }
+    _mm512_storeu_si512(w + g * TILE, sum);
   }
 }
 
@@ -320,33 +336,36 @@ void code_sums(const uint8_t* half_panel, int64_t K, int64_t group, int32_t* usu
     for (int64_t k = (g) * group; k < ((g) + 1) * group; k += kstep) {                  \
       _tile_loadd(A, xq + k, K);                                                        \
       _tile_loadd(B, half_panel + k * TILE, TILE * 4);                                  \
-      _tile_dpbsud(C, A, B);                                                            \
+      _tile_dpbssd(C, A, B);                                                            \
     }                                                                                   \
   } while (0)
 
-// The floats of group g for 16 rows: acc[r] = fma(float(int_g), s, acc[r]).
-inline void group_floats(__m512 (&acc)[TILE], const int32_t* c, const int32_t* xg, const int32_t* xz, int64_t G,
-                         int64_t g, __m512 s, __m512i z, __m512i us) {
+// The floats of group g for 16 rows: acc[r] = fma(float(int_g), s, acc[r]) (FLOAT: int_g
+// by fnmadd from the float32 xz and w, else in int32).
+template <bool FLOAT>
+inline void group_floats(__m512 (&acc)[TILE], const int32_t* c, const int32_t* xz, const float* xzf, __m512 s,
+                         __m512i w) {
+  const __m512 wf = _mm512_cvtepi32_ps(w);
 #pragma GCC unroll 16
   for (int r = 0; r < TILE; ++r) {
-    __m512i i = _mm512_load_si512(c + r * TILE);
-    i = _mm512_sub_epi32(i, _mm512_mullo_epi32(z, _mm512_set1_epi32(xg[r * G + g])));
-    i = _mm512_sub_epi32(i, _mm512_mullo_epi32(us, _mm512_set1_epi32(xz[r])));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), s, acc[r]);
+    const __m512i i = _mm512_load_si512(c + r * TILE);
+    const __m512 v = FLOAT ? _mm512_fnmadd_ps(_mm512_set1_ps(xzf[r]), wf, _mm512_cvtepi32_ps(i))
+                           : _mm512_cvtepi32_ps(_mm512_sub_epi32(i, _mm512_mullo_epi32(w, _mm512_set1_epi32(xz[r]))));
+    acc[r] = _mm512_fmadd_ps(v, s, acc[r]);
   }
 }
 
 // 16 rows of x_q (padded with zeros past M) x one half panel (16 weight rows): the groups in
 // order, group g + 1's tile products issued before group g's floats.
-void w4a8_tile16(const int8_t* xq, const int32_t* xg, const int32_t* xz, int64_t K, int64_t G, int64_t group,
-                 int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* zp, const int32_t* usum,
-                 float* y, int64_t ldy, int rows, int cols, int32_t* c) {
+template <bool FLOAT>
+void w4a8_tile16(const int8_t* xq, const int32_t* xz, const float* xzf, int64_t K, int64_t G, int64_t group,
+                 int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* wsum, float* y, int64_t ldy,
+                 int rows, int cols, int32_t* c) {
   __m512 acc[TILE];
 #pragma GCC unroll 16
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
   const auto floats = [&](const int32_t* cg, int64_t g) {
-    group_floats(acc, cg, xg, xz, G, g, _mm512_loadu_ps(sp + g * COLS),
-                 _mm512_loadu_si512(zp + g * COLS), _mm512_loadu_si512(usum + g * TILE));
+    group_floats<FLOAT>(acc, cg, xz, xzf, _mm512_loadu_ps(sp + g * COLS), _mm512_loadu_si512(wsum + g * TILE));
   };
   LOWBIT_GROUP_DOTS(0, 4, 6, 0);
   for (int64_t g = 0; g < G; g += 2) {  // group g in tiles 0/4/6, group g + 1 in 1/5/7
@@ -368,10 +387,11 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   const int64_t G = K / group, Mp = (M + TILE - 1) / TILE * TILE;
   const int64_t kstep = group % 64 == 0 ? 64 : 32;
   std::vector<int8_t> xq(Mp * K, 0);
-  std::vector<int32_t> xz(Mp, 0), xg(Mp * G, 0);
+  std::vector<int32_t> xz(Mp, 0);
+  std::vector<float> xzf(Mp, 0.f);
   std::copy(x_q, x_q + M * K, xq.begin());
   std::copy(x_zp, x_zp + M, xz.begin());
-  for (int64_t m = 0; m < M; ++m) w4a8_group_sums(xq.data() + m * K, xz[m], K, group, xg.data() + m * G);
+  std::copy(x_zp, x_zp + M, xzf.begin());  // exact: |x_zp| < 2^30 / (15 * 32) < 2^24
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
   const auto pack = [&](const PackedWeight& wt, int64_t n0, uint8_t* panel) {
     a8::pack_half_panels(wt, K, 4, n0, 2, panel);
@@ -379,18 +399,21 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
   each_panel_part({PackedWeight{w, s, z, N, y}}, M, setup, pack,
                   [&](TileState& st, const PackedWeight&, int64_t n0, int cols, int64_t m0, int64_t m_end) {
     auto& sp = st.sp;
-    auto &zp = st.zp, &usum = st.usum;
+    auto &zp = st.zp, &wsum = st.usum;
     int32_t* c = st.c;
-    const uint8_t* pb = reinterpret_cast<const uint8_t*>(st.panel.data);
+    uint8_t* pb = reinterpret_cast<uint8_t*>(st.panel.data);
     pack_groups<COLS>(N, G, n0, sp.data(), [&](int64_t n, int64_t g) { return s[n * G + g]; });
     pack_groups<COLS>(N, G, n0, zp.data(), [&](int64_t n, int64_t g) { return z ? z[n * G + g] : 8; });
-    for (int h = 0; h < 2; ++h) code_sums(pb + h * K * TILE, K, group, usum.data() + h * G * TILE);
+    for (int h = 0; h < 2; ++h)
+      zero_point_panel(pb + h * K * TILE, K, group, zp.data() + TILE * h, wsum.data() + h * G * TILE);
     for (int64_t m = m0; m < m_end; m += TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
-      for (int h = 0; h < 2 && TILE * h < cols; ++h)
-        w4a8_tile16(xq.data() + m * K, xg.data() + m * G, xz.data() + m, K, G, group, kstep, pb + h * K * TILE,
-                    sp.data() + TILE * h, zp.data() + TILE * h, usum.data() + h * G * TILE, y + m * N + n0 + TILE * h,
-                    N, rows, std::min(TILE, cols - TILE * h), c);
+      for (int h = 0; h < 2 && TILE * h < cols; ++h) {
+        const auto tile = group <= kFloatGroupMax ? w4a8_tile16<true> : w4a8_tile16<false>;
+        tile(xq.data() + m * K, xz.data() + m, xzf.data() + m, K, G, group, kstep, pb + h * K * TILE,
+             sp.data() + TILE * h, wsum.data() + h * G * TILE, y + m * N + n0 + TILE * h, N, rows,
+             std::min(TILE, cols - TILE * h), c);
+      }
     }
   });
 }
@@ -499,6 +522,11 @@ at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at
                   (!w_zp || (w_zp->scalar_type() == at::kInt && w_zp->is_contiguous() && w_zp->sizes() == w_scale.sizes())),
               "lowbit._C.w4a8_gemm_amx: contiguous codes int32 [N, K/8], float32 scales and int32 zero points "
               "[N, K/group] expected");
+  if (w_zp) {  // the panels hold u - z as int8
+    const int32_t* pz = w_zp->data_ptr<int32_t>();
+    TORCH_CHECK(std::all_of(pz, pz + w_zp->numel(), [](int32_t v) { return v >= 0 && v <= 15; }),
+                "lowbit._C.w4a8_gemm_amx: w_zp must lie in the 4-bit code range 0..15");
+  }
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_AMX
   if (M > 0 && N > 0)
