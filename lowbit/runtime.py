@@ -241,8 +241,8 @@ class Runner:
         shared = self._rows_decoder(t) if t > 1 else None
         h = self.embed(ids)
         for i, L in enumerate(self.layers):
-            qkv, gate_up = _fused_calls(shared, i, t)
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin, step=t == 1, qkv=qkv)
+            fused = _fused_calls(shared, i, t)
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin, step=t == 1, qkv=fused[0])
             kc, vc = cache.keys[i], cache.values[i]
             kc[:, pos:pos + t] = k.transpose(0, 1)
             vc[:, pos:pos + t] = v.transpose(0, 1)
@@ -255,7 +255,7 @@ class Runner:
                     q.transpose(0, 1)[None], kc[None, :, :pos + t], vc[None, :, :pos + t], attn_mask=mask,
                     is_causal=t > 1 and pos == 0, scale=self.scaling, enable_gqa=H != KV)
                 o = o[0].transpose(0, 1).reshape(t, H * hd)
-            h = self._finish_layer(L, h, o, step=t == 1, gate_up=gate_up)
+            h = self._finish_layer(L, h, o, step=t == 1, fused=fused)
         cache.length = pos + t
         h = self._rms(h if all_logits else h[-1:], self.norm)
         return self._proj(self.lm_head, h, step=t == 1)
@@ -407,14 +407,16 @@ class Runner:
 
         return (rope(q.view(n, self.heads, hd)), rope(k.view(n, self.kv_heads, hd)), v.view(n, self.kv_heads, hd))
 
-    def _finish_layer(self, L, h, o, step: bool = False, gate_up=None):
+    def _finish_layer(self, L, h, o, step: bool = False, fused=(None, None, None, None)):
         """The layer's output projection, residual, MLP and residual after attention o
-        (``step``: a decode step's rows, each normalized as one row alone; ``gate_up``: the
-        gate and up projections of one input in one call, as _attention_inputs' qkv)."""
-        h = h + self._proj(L.o, o, step)
+        (``step``: a decode step's rows, each normalized as one row alone; ``fused``:
+        _fused_calls' o, gate/up and down calls where the C++ step runs them, the same bits)."""
+        _, o_proj, gate_up, down = fused
+        h = h + (o_proj(o)[0] if o_proj is not None else self._proj(L.o, o, step))
         x = self._rms(h, L.ln2, step)
         gate, up = gate_up(x) if gate_up is not None else (self._proj(L.gate, x, step), self._proj(L.up, x, step))
-        return h + self._proj(L.down, L.act(gate) * up, step)
+        a = L.act(gate) * up
+        return h + (down(a)[0] if down is not None else self._proj(L.down, a, step))
 
     def _prefill_batch(self, prompts: list[torch.Tensor], cache: "_BatchCache") -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last position; fills the cache.  The prompts'
@@ -437,8 +439,8 @@ class Runner:
         h = self.embed(torch.cat(prompts))
         shared = self._rows_decoder(h.shape[0])
         for i, L in enumerate(self.layers):
-            qkv, gate_up = _fused_calls(shared, i, h.shape[0])
-            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin, qkv=qkv)
+            fused = _fused_calls(shared, i, h.shape[0])
+            q, k, v = self._attention_inputs(L, self._rms(h, L.ln1), cos, sin, qkv=fused[0])
             kc, vc = cache.keys[i], cache.values[i]
             o = torch.empty(h.shape[0], H * hd, dtype=h.dtype, device=h.device)
             for n, seqs, rows in groups:
@@ -452,7 +454,7 @@ class Runner:
                         q[rows].view(g, n, H, hd).transpose(1, 2), kg, vg,
                         is_causal=n > 1, scale=self.scaling, enable_gqa=H != KV).transpose(1, 2)
                 o[rows] = a.reshape(g * n, H * hd)
-            h = self._finish_layer(L, h, o, gate_up=gate_up)
+            h = self._finish_layer(L, h, o, fused=fused)
         cache.lengths[:] = torch.tensor(lengths)
         return self.lm_head(self._rms(h[[e - 1 for e in ends]], self.norm))
 
@@ -617,16 +619,18 @@ def _act_overrides(r: Runner, act_compute: str | None) -> dict:
 
 
 def _fused_calls(decoder, layer: int, rows: int) -> tuple:
-    """(q/k/v, gate/up) of a layer's ``rows`` rows: ``decoder.project`` where the C++ step
-    (planned for that many rows) runs the group as one call (W8A8, int8 blocks of x on the
-    row kernel or AMX tiles, weight-only on AMX bf16 tiles: x prepared once, the weights'
-    panels or tiles in one parallel region; a prefill of 512 tokens 1.035-1.05x on
-    gemm_int8's panels), each the
-    same bits as the projections alone; else None (the group's projections one by one)."""
+    """(q/k/v, o, gate/up, down) of a layer's ``rows`` rows, each a call that returns the
+    group's outputs: ``decoder.project`` where the C++ step (planned for that many rows)
+    runs the group as one call (W8A8, W4A8 or int8 blocks of x on the row kernel or AMX
+    tiles, weight-only on AMX bf16 tiles: x prepared once, the weights' panels or tiles in
+    one parallel region; a prefill of 512 tokens 1.035-1.05x on gemm_int8's panels; W4A8 on
+    AMX: the quantization of x, the row scales and the rounding to the model's dtype in C++
+    instead of ~7 ATen ops a projection), each the same bits as the projections alone; else
+    None (the group's projections one by one through lowbit.linear)."""
     if decoder is None:
-        return None, None
+        return None, None, None, None
     return tuple(partial(decoder.project, layer, which) if decoder.fuses(layer, which, rows) else None
-                 for which in (0, 2))
+                 for which in range(4))
 
 
 def _step_kernels(r: Runner, rows: int) -> tuple:

@@ -201,10 +201,11 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
                                     "q8_0-a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype):
-    # Runner.forward's prefill takes q/k/v and gate/up through the C++ step planned for its
-    # rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX tiles;
-    # int8 blocks of x on the row kernel or AMX tiles; weight-only on AMX bf16 tiles), else
-    # one by one; a float model's projections stay on torch's linear (transformers' bits)
+    # Runner.forward's prefill takes q/k/v, o, gate/up and down through the C++ step planned
+    # for its rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX
+    # tiles; int8 blocks of x on the row kernel or AMX tiles; W4A8 on AMX tiles; weight-only
+    # on AMX bf16 tiles), else one by one; a float model's projections stay on torch's linear
+    # (transformers' bits)
     m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
     if recipe is not None:
@@ -212,7 +213,7 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
     r = Runner(m)
     ids = torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(0))
     d = r._rows_decoder(60)  # None where a projection has no C++ step kernel at 60 rows
-    fused = set() if d is None else {d.fuses(i, which, 60) for i in range(len(r.layers)) for which in (0, 2)}
+    fused = set() if d is None else {d.fuses(i, which, 60) for i in range(len(r.layers)) for which in range(4)}
     lin = m.model.layers[0].self_attn.q_proj
     if recipe == "w8a8" or isinstance(recipe, lowbit.Recipe):
         assert fused == {True}
@@ -220,7 +221,7 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
         act = None if lin.act_scheme is None else lowbit.QuantScheme.parse(lin.act_scheme)
         kernel = cpu.BACKEND.plan(lin.qweight.scheme, act, 60, lin.in_features, dtype).kernel
         # the int8-block and weight-only kernels that take several weights at once
-        assert fused == ({kernel in ("a8_blocks", "a8_amx", "gemm_bf16_amx")} if d is not None else set())
+        assert fused == ({kernel in ("a8_blocks", "a8_amx", "w4a8_amx", "gemm_bf16_amx")} if d is not None else set())
     else:
         assert True not in fused
     with torch.inference_mode():

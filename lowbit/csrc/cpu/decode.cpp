@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -911,6 +912,17 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return shape;
 }
 
+// n unsigned 8-bit codes u in place as the int8 u - 128 (u ^ 0x80), as lowbit.linear shifts
+// them (a byte loop was a sixth of a 512-row W4A8 projection).
+void shift_to_int8(int8_t* q, int64_t n) {
+  int64_t k = 0;
+#ifdef __AVX512BW__
+  for (; k + 64 <= n; k += 64)
+    _mm512_storeu_si512(q + k, _mm512_xor_si512(_mm512_loadu_si512(q + k), _mm512_set1_epi8(static_cast<char>(0x80))));
+#endif
+  for (; k < n; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(q[k]) ^ 0x80);
+}
+
 // A projection: a float nn.Linear (weight, bias; kernel 1: dense_rows, 2: gemm_f32 then the
 // bias, 3: dense_amx, 4: dense_dots, else at::linear, as lowbit.kernels.cpu.step_linear decides for the
 // step's rows), a weight-only quantized one (lowbit.linear's parts: codes, scales [N, G] and
@@ -991,9 +1003,8 @@ struct Proj {
     auto [q, s, z, finite] = quantize_per_token(x2, 8, act == 1);
     TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
     if (q.scalar_type() == at::kByte) {
-      uint8_t* pq = q.data_ptr<uint8_t>();
-      for (int64_t i = 0; i < q.numel(); ++i) pq[i] ^= 0x80;
       q = q.view(at::kChar);
+      shift_to_int8(q.data_ptr<int8_t>(), q.numel());
       int32_t* pz = z.data_ptr<int32_t>();
       for (int64_t m = 0; m < q.size(0); ++m) pz[m] -= 128;
     }
@@ -1157,7 +1168,7 @@ class Group {
 
   // Whether run() takes M rows (float32 or narrower) through all the projections in one
   // kernel call, x prepared once, rather than each projection's tensor path.
-  bool one_call(int64_t M) const { return kind_ != kTensors && !(kind_ == kTokens && M != 1); }
+  bool one_call(int64_t M) const { return kind_ != kTensors && !(kind_ == kTokens && M != 1 && !w4a8_tiles()); }
 
   int64_t out_features(size_t i) const {
     return ps_[i].codes.defined() ? ps_[i].codes.size(0) : ps_[i].weight.size(0);
@@ -1174,7 +1185,11 @@ class Group {
     if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value) ||
         (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))))
       return run_tensors(x, ys, M);
-    if (kind_ == kTokens) return run_tokens(x, ys);
+    if (kind_ == kTokens) {
+      if (!w4a8_tiles()) return run_tokens(x, ys);
+      if constexpr (std::is_same<T, float>::value || bf16) return run_w4a8_tiles(x, ys, M);
+      return run_tensors(x, ys, M);  // Proj's path, the same kernel
+    }
     if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
     if (kind_ == kAmxBf16) return run_amx_bf16(x, ys, M);
     if constexpr (std::is_same<T, c10::BFloat16>::value)
@@ -1361,9 +1376,11 @@ class Group {
         if (p->kernel != 1 || !has_int8_rows() || p->codes.scalar_type() != at::kChar || p->codes.dim() != 2 ||
             p->scale.numel() != p->codes.size(0) || K >= (int64_t(1) << 17))
           return false;
-      } else {  // W4A8: u32x8 codes [N, K / 8], scales and int32 zero points [N, K / group]
+      } else {  // W4A8: u32x8 codes [N, K / 8], scales and int32 zero points [N, K / group]; w4a8_rows
+        // (kernel 0) for one row, or AMX tiles (kernel 2) for any number
         const bool zp = p->zero_point.has_value();
-        if (p0.bits != 4 || p->kernel != 0 || !has_w4a8_rows() || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
+        const bool kernel_runs = p->kernel == 0 ? has_w4a8_rows() : p->kernel == 2 && has_amx_int8();
+        if (p0.bits != 4 || p->kernel != p0.kernel || !kernel_runs || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
             p->group % 32 != 0 || K % p->group != 0 || 128 * 15 * p->group >= (int64_t(1) << 30) ||
             p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
             zp != p0.zero_point.has_value() ||
@@ -1373,6 +1390,43 @@ class Group {
       }
     }
     return true;
+  }
+
+  // W4A8 on AMX tiles (kernel 2), which a prefill's rows take in one call.
+  bool w4a8_tiles() const { return kind_ == kTokens && bits_ == 4 && ps_[0].kernel == 2; }
+
+  // M rows of x through W4A8 projections on AMX tiles: each row quantized as run_tokens
+  // quantizes one (on the threads, a row each), every weight's panels in one parallel region,
+  // the row scales and the rounding to T in the tiles' store (w4a8_amx_into), then the bias.
+  template <typename T>
+  void run_w4a8_tiles(const T* x, T* const* ys, int64_t M) const {
+    const bool symmetric = ps_[0].act == 1;
+    std::vector<int8_t> q(M * K_);
+    std::vector<float> s(M);
+    std::vector<int32_t> z(M);
+    std::atomic<bool> finite{true};
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int8_t* qm = q.data() + m * K_;
+        if (!quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, qm, &s[m], &z[m])) {
+          finite = false;
+          return;
+        }
+        if (!symmetric) {  // unsigned codes shifted by 128 to int8, as run_tokens
+          shift_to_int8(qm, K_);
+          z[m] -= 128;
+        }
+      }
+    });
+    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+    std::vector<PackedWeight> ws;
+    for (size_t i = 0; i < ps_.size(); ++i) {
+      const Proj& p = ps_[i];
+      ws.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(p.codes.data_ptr()), p.scale.data_ptr<float>(),
+                                p.zero_point ? p.zero_point->data_ptr<int32_t>() : nullptr, out_features(i), nullptr});
+    }
+    w4a8_amx_into(q.data(), z.data(), s.data(), M, K_, group_, ws, ys);
+    for (size_t i = 0; i < ps_.size(); ++i) add_bias(i, ys[i], M);
   }
 
   template <typename T>
@@ -1386,8 +1440,8 @@ class Group {
     int32_t z;
     TORCH_CHECK(quantize_token_into(x, dtype<T>(), K_, 8, symmetric, q, &s, &z),
                 "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
-    if (!symmetric) {  // unsigned codes shifted by 128 to int8: u - 128 is u ^ 0x80 as int8
-      for (int64_t k = 0; k < K_; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(q[k]) ^ 0x80);
+    if (!symmetric) {  // unsigned codes shifted by 128 to int8
+      shift_to_int8(q, K_);
       z -= 128;
     }
     if (bits_ == 4) {  // W4A8: every projection in one call (one parallel region), float32 outputs

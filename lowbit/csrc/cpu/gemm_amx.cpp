@@ -356,11 +356,13 @@ inline void group_floats(__m512 (&acc)[TILE], const int32_t* c, const int32_t* x
 }
 
 // 16 rows of x_q (padded with zeros past M) x one half panel (16 weight rows): the groups in
-// order, group g + 1's tile products issued before group g's floats.
-template <bool FLOAT>
-void w4a8_tile16(const int8_t* xq, const int32_t* xz, const float* xzf, int64_t K, int64_t G, int64_t group,
-                 int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* wsum, float* y, int64_t ldy,
-                 int rows, int cols, int32_t* c) {
+// order, group g + 1's tile products issued before group g's floats; each row's sums then
+// times its scale xs[r] where xs is given, and stored as Y (bf16: rounded to nearest even,
+// as .to() rounds).
+template <bool FLOAT, typename Y>
+void w4a8_tile16(const int8_t* xq, const int32_t* xz, const float* xzf, const float* xs, int64_t K, int64_t G,
+                 int64_t group, int64_t kstep, const uint8_t* half_panel, const float* sp, const int32_t* wsum, Y* y,
+                 int64_t ldy, int rows, int cols, int32_t* c) {
   __m512 acc[TILE];
 #pragma GCC unroll 16
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
@@ -378,26 +380,36 @@ void w4a8_tile16(const int8_t* xq, const int32_t* xz, const float* xzf, int64_t 
     floats(c + TILE * TILE, g + 1);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+  for (int r = 0; r < rows; ++r)
+    int8_epilogue::store<Y>(y + r * ldy, keep, xs ? _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[r])) : acc[r]);
 }
 #undef LOWBIT_GROUP_DOTS
 
-void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-              const float* s, const int32_t* z, int64_t group, float* y) {
+// x_q [M, K] times every weight of ws (u32x8 codes, float32 scales, int32 zero points or
+// none, all of one kind) into ys[j] [M, N_j]: their panels in one parallel region (a
+// prefill's q/k/v or gate/up).  x_scale [M] or null: the rows' scales, applied last.
+template <typename Y>
+void w4a8_run(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K, int64_t group,
+              const std::vector<PackedWeight>& ws, Y* const* ys) {
   const int64_t G = K / group, Mp = (M + TILE - 1) / TILE * TILE;
   const int64_t kstep = group % 64 == 0 ? 64 : 32;
   std::vector<int8_t> xq(Mp * K, 0);
   std::vector<int32_t> xz(Mp, 0);
-  std::vector<float> xzf(Mp, 0.f);
+  std::vector<float> xzf(Mp, 0.f), xs(x_scale ? Mp : 0, 0.f);
   std::copy(x_q, x_q + M * K, xq.begin());
   std::copy(x_zp, x_zp + M, xz.begin());
   std::copy(x_zp, x_zp + M, xzf.begin());  // exact: |x_zp| < 2^30 / (15 * 32) < 2^24
+  if (x_scale) std::copy(x_scale, x_scale + M, xs.begin());
   const auto setup = [&] { return TileState(static_cast<int>(kstep), K * COLS / 4, G * COLS, G * COLS, 2 * G * TILE); };
   const auto pack = [&](const PackedWeight& wt, int64_t n0, uint8_t* panel) {
     a8::pack_half_panels(wt, K, 4, n0, 2, panel);
   };
-  each_panel_part({PackedWeight{w, s, z, N, y}}, M, setup, pack,
-                  [&](TileState& st, const PackedWeight&, int64_t n0, int cols, int64_t m0, int64_t m_end) {
+  each_panel_part(ws, M, setup, pack,
+                  [&](TileState& st, const PackedWeight& wt, int64_t n0, int cols, int64_t m0, int64_t m_end) {
+    const int64_t N = wt.N;
+    const float* s = static_cast<const float*>(wt.s);
+    const int32_t* z = static_cast<const int32_t*>(wt.z);
+    Y* y = ys[&wt - ws.data()];
     auto& sp = st.sp;
     auto &zp = st.zp, &wsum = st.usum;
     int32_t* c = st.c;
@@ -409,9 +421,9 @@ void w4a8_run(const int8_t* x_q, const int32_t* x_zp, int64_t M, int64_t K, cons
     for (int64_t m = m0; m < m_end; m += TILE) {
       const int rows = static_cast<int>(std::min<int64_t>(TILE, m_end - m));
       for (int h = 0; h < 2 && TILE * h < cols; ++h) {
-        const auto tile = group <= kFloatGroupMax ? w4a8_tile16<true> : w4a8_tile16<false>;
-        tile(xq.data() + m * K, xz.data() + m, xzf.data() + m, K, G, group, kstep, pb + h * K * TILE,
-             sp.data() + TILE * h, wsum.data() + h * G * TILE, y + m * N + n0 + TILE * h, N, rows,
+        const auto tile = group <= kFloatGroupMax ? w4a8_tile16<true, Y> : w4a8_tile16<false, Y>;
+        tile(xq.data() + m * K, xz.data() + m, xzf.data() + m, x_scale ? xs.data() + m : nullptr, K, G, group, kstep,
+             pb + h * K * TILE, sp.data() + TILE * h, wsum.data() + h * G * TILE, y + m * N + n0 + TILE * h, N, rows,
              std::min(TILE, cols - TILE * h), c);
       }
     }
@@ -529,9 +541,27 @@ at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at
   }
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
 #ifdef LOWBIT_AMX
-  if (M > 0 && N > 0)
-    w4a8_run(x_q.data_ptr<int8_t>(), x_zp.data_ptr<int32_t>(), M, K, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
-             N, w_scale.data_ptr<float>(), w_zp ? w_zp->data_ptr<int32_t>() : nullptr, group, y.data_ptr<float>());
+  if (M > 0 && N > 0) {
+    float* py = y.data_ptr<float>();
+    w4a8_run<float>(x_q.data_ptr<int8_t>(), x_zp.data_ptr<int32_t>(), nullptr, M, K, group,
+                    {PackedWeight{reinterpret_cast<const uint8_t*>(codes.data_ptr()), w_scale.data_ptr<float>(),
+                                  w_zp ? w_zp->data_ptr<int32_t>() : nullptr, N, nullptr}},
+                    &py);
+  }
 #endif
   return y;
 }
+
+template <typename Y>
+void w4a8_amx_into(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K, int64_t group,
+                   const std::vector<PackedWeight>& weights, Y* const* ys) {
+#ifdef LOWBIT_AMX
+  if (M > 0) w4a8_run<Y>(x_q, x_zp, x_scale, M, K, group, weights, ys);
+#else
+  TORCH_CHECK(false, "lowbit._C was built without the AMX tile kernels");
+#endif
+}
+template void w4a8_amx_into<float>(const int8_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
+                                   const std::vector<PackedWeight>&, float* const*);
+template void w4a8_amx_into<c10::BFloat16>(const int8_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
+                                           const std::vector<PackedWeight>&, c10::BFloat16* const*);

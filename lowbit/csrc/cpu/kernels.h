@@ -254,6 +254,13 @@ bool a8_vnni_row_supported();
 // 4-bit codes.  False (nothing written) if x held NaN or Inf.
 template <typename X, typename Y>
 bool a8_blocks_vnni_row(const X* x, int64_t K, int64_t group, const std::vector<PackedWeight>& weights, Y* const* ys);
+// w4a8_gemm_amx for several weights of one x (their panels in one parallel region), checked
+// by the caller (zero points in 0..15, as w4a8_gemm_amx checks them): ys[j] [M, N_j] of
+// weight j, each row times x_scale[m] (null: not scaled), rounded to Y (float or
+// c10::BFloat16) as y * x_scale then .to() would.  Needs has_amx_int8().
+template <typename Y>
+void w4a8_amx_into(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K, int64_t group,
+                   const std::vector<PackedWeight>& weights, Y* const* ys);
 at::Tensor w4a8_gemm_amx(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
 // amx_linear.cpp
