@@ -1387,6 +1387,9 @@ class Group {
             (zp && (p->zero_point->scalar_type() != at::kInt || !p->zero_point->is_contiguous() ||
                     p->zero_point->sizes() != p->scale.sizes())))
           return false;
+        if (zp && p->kernel == 2 && p->zero_point->numel() &&  // the tiles hold u - z as int8 (else Proj's
+            (p->zero_point->min().item<int32_t>() < 0 || p->zero_point->max().item<int32_t>() > 15))  // path refuses)
+          return false;
       }
     }
     return true;

@@ -124,8 +124,13 @@ W4A8_ROWS_MAX_M = 4
 # Xeon with AMX, 2 threads (ms):
 #   1536x576 g64:  M=32 0.37 / 0.16 / 0.16, M=128 0.83 / 0.34 / 0.29, M=512 3.0 / 1.5 / 1.1
 #   576x1536 g128: M=32 0.39 / 0.12 / 0.17, M=128 1.17 / 0.30 / 0.41, M=512 4.1 / 1.1 / 1.2
+# and since its panels hold u - z and each group's integer takes one fnmadd (the same bits),
+# the same VM kind, medians of alternating runs:
+#   1536x576 g64:  M=32 0.29 / 0.17 / 0.19, M=128 0.91 / 0.36 / 0.53, M=512 2.44 / 0.92 / 1.27
+#   576x1536 g128: M=32 0.31 / 0.16 / 0.23, M=128 0.65 / 0.35 / 0.53, M=512 2.19 / 1.21 / 1.27
 # and the rows kernel against it (us): 1536x576 M=4 59 / 79, M=6 123 / 82; 576x1536 M=4 42 / 75,
-# M=6 75 / 75, M=8 73 / 76: the same threshold.
+# M=6 75 / 75, M=8 73 / 76: the same threshold (since: M=4 73 / 105-118, M=5 97-113 / 116-120,
+# M=6 129-135 / 122-129, still).
 # Without AVX-512 VNNI (AVX2: vpmaddubsw + vpmaddwd for the same exact integers), the rows
 # kernel against float32 weight tiles through torch.mm (x - x_zp exact in float32), Zen 2,
 # 2 threads (ms): 1536x576 g64 M=16 0.34 vs 0.54, M=64 1.26 vs 1.44, M=128 2.46 vs 2.16,
@@ -524,7 +529,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
     if _has_avx512() and group % 32 == 0:
         if m > W4A8_ROWS_MAX_M and _has_amx_int8():
             return Plan("w4a8_amx", f"over {W4A8_ROWS_MAX_M} rows where AMX runs: u4 codes unpacked once into "
-                                    "AMX int8 tiles, a group per tile sum: 2-3.7x the vpdpbusd panels")
+                                    "AMX int8 tiles, a group per tile sum: 1.8-2.7x the vpdpbusd panels")
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
             return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
         return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
