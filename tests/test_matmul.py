@@ -1041,60 +1041,74 @@ def test_cpu_weight_only_gemm_bf16_amx_dequantizes_to_the_reference_bf16_weight_
     assert torch.equal(y.T.contiguous().view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel"])
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel",
+                                    "q4_1", "int8-asym-g64-zpmin"])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (7, 33, 576), (17, 70, 128), (40, 32, 1536), (300, 70, 128)])
 def test_cpu_weight_only_gemm_f32_amx_sums_exact_products_of_float32_x(scheme, m, n, k):
     # amx_linear.cpp's exact_run: x = x1 + x2 + x3 (three bf16 parts, exactly), q - z exact in
     # bf16, so every product is exact; each group's 3 * group products are float32 sums on the
     # tiles, then times s added over the G groups in float32: within gamma_(3 group + G) of
-    # sum |x| |q - z| |s| (the tiles flush float32 subnormals, 2^-126 per addition).  m = 1, 7,
-    # 17: a single tile of rows (the second skipped), 40: one block of 32 rows and a tail (both
-    # in exact_few_rows' layout), 300: nine blocks and a tail in the other layout, its first row
-    # also alone in the first; n = 1, 33, 70: blocks of 32 weight rows cut short
+    # sum |x| |q - z| |s| (the tiles flush float32 subnormals, 2^-126 per addition).  The "min"
+    # domain (q * s + m): the tiles take q, and each group adds m times x's float32 sum over it
+    # (group / 16 + 4 roundings, inside the 3 group) with one more FMA: gamma_(3 group + 2 G) of
+    # sum |x| (|q s| + |m|).  m = 1, 7, 17: a single tile of rows (the second skipped), 40: one
+    # block of 32 rows and a tail (both in exact_few_rows' layout), 300: nine blocks and a tail
+    # in the other layout, its first row also alone in the first; n = 1, 33, 70: blocks of 32
+    # weight rows cut short
     g = torch.Generator().manual_seed(m * n + k)
     codes, s, z, bits, group = _amx_weight(scheme, n, k, g)
+    zmin = QuantScheme.parse(scheme).zero_point_domain == "min"
     # magnitudes over 2^-20 .. 2^20, so every part of x matters
     x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-20, 21, (m, k), generator=g)
-    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group)
-    q = reference.dequantize_weight(codes, torch.ones_like(s), z, bits, group, k, torch.float64)  # q - z
-    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float64)
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group, zmin)
+    q = reference.dequantize_weight(codes, torch.ones_like(s), None if zmin else z, bits, group, k,
+                                    torch.float64)  # q - z, or the min domain's q
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float64, zero_point_min=zmin)
     want = x.double() @ w.T
-    terms = x.double().abs() @ w.abs().T
-    tol = gamma(3 * group + k // group) * terms + k * 2.0**-126 * s.abs().max().item()
+    if zmin:
+        s_k, m_k = (t.double().repeat_interleave(group, 1) for t in (s, z))
+        terms = x.double().abs() @ (q.abs() * s_k.abs() + m_k.abs()).T
+        tol = gamma(3 * group + 2 * (k // group)) * terms + 2 * k * 2.0**-126 * (s.abs().max() + z.abs().max()).item()
+    else:
+        terms = x.double().abs() @ w.abs().T
+        tol = gamma(3 * group + k // group) * terms + k * 2.0**-126 * s.abs().max().item()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert bool(((y.double() - want).abs() <= tol).all()), float(((y.double() - want).abs() / terms).max())
     assert bool((q.abs() <= 255).all())  # the integers the tiles take exactly
     for rows in (1, m):  # each row's bits whatever the number of rows
-        assert torch.equal(cpu._C.weight_only_gemm_f32_amx(x[:rows], codes, s, z, bits, group), y[:rows])
+        assert torch.equal(cpu._C.weight_only_gemm_f32_amx(x[:rows], codes, s, z, bits, group, zmin), y[:rows])
 
 
 def test_cpu_weight_only_gemm_f32_amx_keeps_infinities_and_checks_its_zero_points():
     codes, s, z, bits, group = _amx_weight("int4-asym-g64", 40, 128, torch.Generator().manual_seed(0))
     x = torch.randn(3, 128)
     x[1, 5], x[2, 7] = float("inf"), float("nan")
-    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group)
+    y = cpu._C.weight_only_gemm_f32_amx(x, codes, s, z, bits, group, False)
     want = x @ reference.dequantize_weight(codes, s, z, bits, group, 128, torch.float32).T
     # an infinite x is its first part (x - x1 would be inf - inf): the reference's inf * w
     assert torch.equal(torch.isinf(y), torch.isinf(want)) and torch.equal(torch.isnan(y), torch.isnan(want))
     assert torch.equal(y[1][torch.isinf(y[1])], want[1][torch.isinf(want[1])]) and bool(torch.isnan(y[2]).all())
     with pytest.raises(RuntimeError, match="integer zero points expected"):
-        cpu._C.weight_only_gemm_f32_amx(x, codes, s, z + 0.5, bits, group)
+        cpu._C.weight_only_gemm_f32_amx(x, codes, s, z + 0.5, bits, group, False)
     with pytest.raises(RuntimeError, match="float32 x"):
-        cpu._C.weight_only_gemm_f32_amx(x.bfloat16(), codes, s, z, bits, group)
+        cpu._C.weight_only_gemm_f32_amx(x.bfloat16(), codes, s, z, bits, group, False)
+    with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
+        cpu._C.weight_only_gemm_f32_amx(x, codes, s, None, bits, group, True)
 
 
 def test_cpu_plan_runs_exact_amx_tiles_for_float32_at_highest_precision(monkeypatch):
     # float32 x at "highest" past the decode kernels: gemm_f32_amx for integer zero points (or
-    # none); float and "min" zero points keep the float32 tiles (q - z, q * s + m not exact in bf16)
+    # none) and the "min" domain (q exact, m times x's group sums); float zero points keep the
+    # float32 tiles (q - z not exact in bf16)
     if not cpu.available() or not cpu._C.has_amx_bf16() or not cpu._amx():
         pytest.skip("no AMX bf16 tiles on this machine (or not compiled in)")
     plan = get_backend("cpu").plan
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
     rows = cpu.GEMV_MAX_M + 1
-    for scheme in ("int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel"):
+    for scheme in ("int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "int4-asym-channel",
+                   "int4-asym-g32-zpmin-f16"):
         assert plan(QuantScheme.parse(scheme), None, rows, 576, torch.float32).kernel == "gemm_f32_amx", scheme
-    for scheme in ("int4-asym-g32-zpfloat-f16", "int4-asym-g32-zpmin-f16"):
-        assert plan(QuantScheme.parse(scheme), None, rows, 576, torch.float32).kernel == "tiles_f32", scheme
+    assert plan(QuantScheme.parse("int4-asym-g32-zpfloat-f16"), None, rows, 576, torch.float32).kernel == "tiles_f32"
     assert plan(QuantScheme.parse("int4-asym-g64"), None, rows - 1, 576, torch.float32).kernel == "gemv_f32"
     assert plan(QuantScheme.parse("int4-asym-g64"), None, rows, 80, torch.float32).kernel == "tiles_f32"  # K % 32
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")

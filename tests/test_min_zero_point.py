@@ -70,7 +70,6 @@ def test_linear_runs_the_packed_weight_within_the_weight_only_bound(backend, m):
         return
     for dtype in (torch.float32, torch.bfloat16):
         kernel = get_backend(backend).plan(qt.scheme, None, m, 128, dtype).kernel
-        assert kernel != "gemm_f32_amx", kernel  # exact products for integer zero points only
         assert backend != "triton" or kernel == "reference", kernel
         assert_weight_only_close(qt, x.to(dtype), backend)
 
@@ -152,16 +151,14 @@ def test_a_model_saves_loads_and_generates(tmp_path):
 
 @pytest.mark.skipif(not cpu.available(), reason="needs lowbit._C")
 def test_the_cpu_kernels_refuse_the_min_form_where_they_cannot_take_it():
-    """_C.weight_only_matmul refuses zero_point_min on gemm_f32_amx (whose products are exact
-    for integer zero points only) by name, and on every kernel without the mins."""
+    """_C.weight_only_matmul refuses zero_point_min on every kernel without the mins."""
     qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32-zpmin")
     x, s, z = torch.randn(2, 64), qt.scale.reshape(16, 2).float(), qt.zero_point.reshape(16, 2).float()
-    with pytest.raises(RuntimeError, match="do not run gemm_f32_amx"):
-        cpu._C.weight_only_matmul(x, qt.codes, s, z, 4, 32, cpu.weight_only_kernel_index("gemm_f32_amx"), True)
-    for kernel in ("gemv_f32", "gemv_bf16", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx"):
+    for kernel in ("gemv_f32", "gemv_bf16", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx", "gemm_f32_amx"):
         supported = {"gemv_bf16": cpu._C.gemv_bf16_supported, "gemv_bf16_amx": cpu._C.gemv_bf16_amx_supported,
                      "gemm_bf16": cpu._C.gemm_bf16_supported}.get(kernel)
-        if (supported and not supported(64, 32)) or (kernel == "gemm_bf16_amx" and not cpu._C.has_amx_bf16()):
+        if (supported and not supported(64, 32)) or (kernel in ("gemm_bf16_amx", "gemm_f32_amx")
+                                                        and not cpu._C.has_amx_bf16()):
             continue
         with pytest.raises(RuntimeError, match="zero_point_min needs the mins"):
             cpu._C.weight_only_matmul(x, qt.codes, s, None, 4, 32, cpu.weight_only_kernel_index(kernel), True)

@@ -328,11 +328,11 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
     if (n + kRowsAhead < N) prefetch_row(row + kRowsAhead * row_bytes, row_bytes);
     // group by group (no division per 32 values: a 64-bit idiv each was ~10 cycles)
     for (int64_t k = 0, g = n * G; k < K; ++g) {
-      const __m512 sv = _mm512_set1_ps(s ? s[g] : 1.f);  // s null: q - z unscaled (exact in bf16)
+      const __m512 sv = _mm512_set1_ps(s ? s[g] : 1.f);  // s null: q - z unscaled (exact in bf16); z null: q
       if constexpr (BITS == 4) {
         const __m256i half =
             bf16_bits16(min ? mul_add_unfused(codes, sv, _mm512_set1_ps(z[g]))
-                            : _mm512_mul_ps(SIGNED ? codes : _mm512_sub_ps(codes, _mm512_set1_ps(z[g])), sv));
+                            : _mm512_mul_ps(SIGNED || !z ? codes : _mm512_sub_ps(codes, _mm512_set1_ps(z[g])), sv));
         const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
         for (const int64_t end = k + group; k < end; k += 32) {
           const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
@@ -349,7 +349,7 @@ void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t N, 
             const __m512 mv = _mm512_set1_ps(z[g]);
             a = mul_add_unfused(a, sv, mv), b = mul_add_unfused(b, sv, mv);
           } else {
-            if constexpr (!SIGNED) {
+            if (!SIGNED && z) {
               const __m512 zv = _mm512_set1_ps(z[g]);
               a = _mm512_sub_ps(a, zv), b = _mm512_sub_ps(b, zv);
             }
@@ -482,6 +482,25 @@ inline void store_c_tiles(float (*c)[TILE * TILE], unsigned used) {
   if (used & 8) _tile_stored(3, c[3], 64);
 }
 
+// x's sums over each group, in float32, as [G][Mp] (rows M .. Mp - 1 zero), in the buffer v:
+// the "min" domain's term m * sum_k x_k per group.  16 lanes of partial sums in k order, then
+// their sum (a group is a multiple of 32): one order per row whatever M, within
+// gamma_(group / 16 + 4) of sum |x| (a scalar chain over 512 x 576 values was ~0.4 ms a call).
+float* group_sums(const float* x, int64_t M, int64_t K, int64_t group, int64_t Mp, std::vector<float>& v) {
+  const int64_t G = K / group;
+  float* out = grown(v, G * Mp);
+  std::fill(out, out + G * Mp, 0.f);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 t = _mm512_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) t = _mm512_add_ps(t, _mm512_loadu_ps(x + m * K + k));
+        out[g * Mp + m] = _mm512_reduce_add_ps(t);
+      }
+  });
+  return out;
+}
+
 // Below this many rows exact_run takes exact_few_rows' layout: against the other one (the same
 // bits), AMX Xeon, 2 threads, 4-bit weights, median ms: M=8 1536x576 0.17 / 0.24, 576x1536
 // 0.15 / 0.22, 192x576 0.037 / 0.043; M=32 0.35 / 0.41, 0.27 / 0.36, 0.068 / 0.077; M=64
@@ -497,7 +516,7 @@ constexpr int64_t kExactFewRowsM = 64;
 // The same products and order of sums per output as exact_run's other layout.
 template <int BITS, bool SIGNED>
 void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z,
-                    int64_t N, int64_t group, float* y) {
+                    int64_t N, int64_t group, float* y, const float* mins, const float* xsum, int64_t Mp) {
   const int64_t Kb = 2 * K, G = K / group, tiles = (M + TILE - 1) / TILE, part_dwords = tiles * Kb / 4 * TILE;
   thread_local std::vector<int32_t> xp_keep;
   int32_t* xp = aligned_grown(xp_keep, 3 * part_dwords);
@@ -511,7 +530,7 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
   each_item((N + BLOCK - 1) / BLOCK, [] { return State{}; }, [&](State& st, int64_t i) {
     const int64_t n0 = i * BLOCK;
     const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
-    const uint16_t* d = unscaled_block<BITS, SIGNED>(w, z, N, K, group, n0);
+    const uint16_t* d = unscaled_block<BITS, SIGNED>(w, mins ? nullptr : z, N, K, group, n0);
     for (int64_t m = 0; m < M; m += BLOCK) {
       const bool two = m + TILE < M;  // rows m + 16 .. exist
       const int64_t t = m / TILE;
@@ -539,7 +558,10 @@ void exact_few_rows(const uint16_t* parts, int64_t M, int64_t K, const uint8_t* 
             const int64_t row = std::min<int64_t>(n0 + TILE * h + r, N - 1);  // rows past N are zero
             float* a = st.acc[TILE * h + r] + TILE * j;
             const __m512 cv = _mm512_load_ps(st.c[c] + r * TILE), sv = _mm512_set1_ps(s[row * G + g]);
-            _mm512_store_ps(a, g ? _mm512_fmadd_ps(cv, sv, _mm512_load_ps(a)) : _mm512_mul_ps(cv, sv));
+            __m512 v = g ? _mm512_fmadd_ps(cv, sv, _mm512_load_ps(a)) : _mm512_mul_ps(cv, sv);
+            if (mins)  // + m times the group's sum of x
+              v = _mm512_fmadd_ps(_mm512_loadu_ps(xsum + g * Mp + m + TILE * j), _mm512_set1_ps(mins[row * G + g]), v);
+            _mm512_store_ps(a, v);
           }
         }
       }
@@ -571,7 +593,7 @@ constexpr int64_t kExactRangeBytes = int64_t(4) << 20;
 // step sharing its B tiles.
 template <int BITS, bool SIGNED>
 void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* z, int64_t N,
-               int64_t group, float* y) {
+               int64_t group, float* y, bool min) {
   const int64_t Kb = 2 * K, G = K / group, n = M * K;
   // the calling thread's buffers, kept between calls (no allocation, page faults or zeroing per call)
   thread_local std::vector<uint16_t> parts_keep, tail_keep;
@@ -579,7 +601,12 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
   thread_local std::vector<float> sb_keep;
   uint16_t* parts = aligned_grown(parts_keep, 3 * n);
   split3(x, M, K, parts);
-  if (M < kExactFewRowsM) return exact_few_rows<BITS, SIGNED>(parts, M, K, w, s, z, N, group, y);
+  // the "min" domain: the tiles take q, and each group adds m times x's sum over it
+  const float* mins = min ? z : nullptr;
+  const int64_t Mp = (M + BLOCK - 1) / BLOCK * BLOCK;
+  thread_local std::vector<float> xsum_keep;
+  float* xsum = min ? group_sums(x, M, K, group, Mp, xsum_keep) : nullptr;
+  if (M < kExactFewRowsM) return exact_few_rows<BITS, SIGNED>(parts, M, K, w, s, z, N, group, y, mins, xsum, Mp);
   // the last M % 32 rows of every part with zero rows after them (tile loads read 32 rows)
   const int64_t tail = M % BLOCK;
   uint16_t* tails = tail ? aligned_grown(tail_keep, 3 * BLOCK * K) : nullptr;
@@ -593,6 +620,8 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
   const int64_t chunks = (M + chunk - 1) / chunk;
   int32_t* wp_all = aligned_grown(wp_keep, range * block_dwords);
   float* sb_all = grown(sb_keep, range * G * BLOCK);
+  thread_local std::vector<float> mb_keep;
+  float* mb_all = mins ? grown(mb_keep, range * G * BLOCK) : nullptr;
   struct State {
     Tiles tiles;
     alignas(64) float c[4][TILE * TILE];
@@ -603,10 +632,12 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
     const int64_t nb = std::min(range, blocks - b0);
     const auto prepare = [&](int64_t i) {  // block b0 + i into slot i
       const int64_t n0 = (b0 + i) * BLOCK;
-      const uint16_t* d = unscaled_block<BITS, SIGNED>(w, z, N, K, group, n0);
+      const uint16_t* d = unscaled_block<BITS, SIGNED>(w, mins ? nullptr : z, N, K, group, n0);
       pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 0, wp_all + i * block_dwords);
       pack_tile(reinterpret_cast<const uint8_t*>(d), BLOCK, Kb, 1, wp_all + i * block_dwords);
       pack_groups<BLOCK>(N, G, n0, sb_all + i * G * BLOCK, [&](int64_t row, int64_t g) { return s[row * G + g]; });
+      if (mins)
+        pack_groups<BLOCK>(N, G, n0, mb_all + i * G * BLOCK, [&](int64_t row, int64_t g) { return mins[row * G + g]; });
     };
     // with one chunk of rows each block is read by one item, which lays it out itself (no
     // parallel region of its own, the block still in the thread's cache)
@@ -617,6 +648,7 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
       const int cols = static_cast<int>(std::min<int64_t>(BLOCK, N - n0));
       const int32_t* wp = wp_all + bi * block_dwords;
       const float* sb = sb_all + bi * G * BLOCK;
+      const float* mb = mins ? mb_all + bi * G * BLOCK : nullptr;
       for (int64_t m = c0; m < std::min(M, c0 + chunk); m += BLOCK) {
         const bool full = m + BLOCK <= M, two = m + TILE < M;  // two: rows m + 16 .. exist
         const uint16_t* xs[3];
@@ -643,11 +675,15 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
           store_c_tiles(st.c, two ? 0xF : 0x3);
           for (int j = 0; j < 2; ++j) {  // c[2h + j]: rows m + 16h .. x weight rows n0 + 16j ..
             const __m512 sv = _mm512_loadu_ps(sb + g * BLOCK + TILE * j);
+            const __m512 mv = mins ? _mm512_loadu_ps(mb + g * BLOCK + TILE * j) : sv;
             for (int h = 0; h < (two ? 2 : 1); ++h)
               for (int r = 0; r < TILE; ++r) {
                 float* a = st.acc[TILE * h + r] + TILE * j;
                 const __m512 cv = _mm512_load_ps(st.c[2 * h + j] + r * TILE);
-                _mm512_store_ps(a, g ? _mm512_fmadd_ps(cv, sv, _mm512_load_ps(a)) : _mm512_mul_ps(cv, sv));
+                __m512 v = g ? _mm512_fmadd_ps(cv, sv, _mm512_load_ps(a)) : _mm512_mul_ps(cv, sv);
+                if (mins)  // + m times the group's sum of x, as exact_few_rows adds it
+                  v = _mm512_fmadd_ps(_mm512_set1_ps(xsum[g * Mp + m + TILE * h + r]), mv, v);
+                _mm512_store_ps(a, v);
               }
           }
         }
@@ -837,13 +873,16 @@ at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& code
 // zero_point as weight_only_gemm_bf16_amx's (zero_point's values integers: float32 [N, K/group]);
 // y float32 [M, N].
 at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group) {
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                    bool zero_point_min) {
   const char* who = "lowbit._C.weight_only_gemm_f32_amx";
   TORCH_CHECK(x.scalar_type() == at::kFloat, who, ": float32 x expected, got ", x.scalar_type());
   check_weight_only_amx(who, x, codes, scale, zero_point, bits, group);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  if (zero_point)  // q - z exact in bf16 only for integers z (|q - z| <= 255)
-    TORCH_CHECK(at::equal(*zero_point, zero_point->round()), who, ": integer zero points expected");
+  TORCH_CHECK(!zero_point_min || zero_point, who, ": zero_point_min needs the mins (zero_point)");
+  if (zero_point && !zero_point_min)  // q - z exact in bf16 only for integers z (|q - z| <= 255)
+    TORCH_CHECK(at::equal(*zero_point, zero_point->round()), who,
+                ": integer zero points expected (or the \"min\" domain's mins, zero_point_min)");
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef LOWBIT_AMX_LINEAR
   if (M == 0 || N == 0) return y;
@@ -852,9 +891,11 @@ at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes
   const float* s = scale.data_ptr<float>();
   const float* z = zero_point ? zero_point->data_ptr<float>() : nullptr;
   if (bits == 4)
-    (z ? exact_run<4, false> : exact_run<4, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>());
+    (z ? exact_run<4, false> : exact_run<4, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>(),
+                                                   zero_point_min);
   else
-    (z ? exact_run<8, false> : exact_run<8, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>());
+    (z ? exact_run<8, false> : exact_run<8, true>)(xc.data_ptr<float>(), M, K, w, s, z, N, group, y.data_ptr<float>(),
+                                                   zero_point_min);
 #else
   TORCH_CHECK(false, "lowbit._C was built without the AMX linear kernels");
 #endif

@@ -79,7 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_gemm_bf16_amx", &weight_only_gemm_bf16_amx,
         "weight_only_gemm_bf16 on AMX bf16 tiles (tdpbf16ps), each block of 32 weight rows dequantized once");
   m.def("weight_only_gemm_f32_amx", &weight_only_gemm_f32_amx,
-        "float32 x @ W.T, a 4/8-bit weight with integer zero points, exact products (x in three bf16 parts, AMX)");
+        "float32 x @ W.T, a 4/8-bit weight with integer zero points or q * s + m (zero_point_min), exact products "
+        "(x in three bf16 parts, AMX)");
   m.def("w4a8_gemm_amx", &w4a8_gemm_amx, "w4a8_gemm_panels on AMX int8 tiles (tdpbssd on u - z, a group per C tile), the same bits");
   m.def("int8_mm_amx", &int8_mm_amx, "exact int32 a @ b.T of int8 matrices on AMX tiles (tdpbssd), K a multiple of 64");
   m.def("dense_amx", &dense_amx, "a bf16 nn.Linear on AMX bf16 tiles (tdpbf16ps), the weight read as stored");

@@ -275,10 +275,12 @@ at::Tensor dense_amx(const at::Tensor& x, const at::Tensor& weight, const c10::o
 at::Tensor weight_only_gemm_bf16_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                      bool zero_point_min);
-// float32 x @ W.T for a 4/8-bit weight with integer zero points, every product exact (x in
-// three bf16 parts on AMX bf16 tiles), y float32.
+// float32 x @ W.T for a 4/8-bit weight with integer zero points (or the "min" domain's q * s + m,
+// zero_point_min: the products of q exact, m times x's group sum added), every product exact
+// (x in three bf16 parts on AMX bf16 tiles), y float32.
 at::Tensor weight_only_gemm_f32_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group);
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                    bool zero_point_min);
 // int8_linear (gemm_int8.cpp) on AMX tiles: the same contract and bits, K a multiple of 64.
 at::Tensor int8_linear_amx(const at::Tensor& a, const c10::optional<at::Tensor>& a_zero_point, const at::Tensor& b,
                            const at::Tensor& row_scale, const at::Tensor& col_scale,

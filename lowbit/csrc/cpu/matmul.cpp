@@ -873,9 +873,6 @@ namespace {
 at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                             int64_t kernel, bool zero_point_min) {
-  TORCH_CHECK(!zero_point_min || static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmF32Amx,
-              "lowbit._C.weight_only_matmul: q * s + m weights (zero_point_min) do not run gemm_f32_amx, whose "
-              "products are exact only for integer zero points");
   const at::Tensor c = codes.contiguous();
   if (static_cast<WeightOnlyKernel>(kernel) == WeightOnlyKernel::kGemvF32) {
     const auto [s, z] = packed_scales(scale, zero_point);
@@ -904,7 +901,7 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
       y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group, zero_point_min);
       break;
     case WeightOnlyKernel::kGemmF32Amx:
-      y = weight_only_gemm_f32_amx(as_float(x2), c, s, z, bits, group);
+      y = weight_only_gemm_f32_amx(as_float(x2), c, s, z, bits, group, zero_point_min);
       break;
     default:
       TORCH_CHECK(false, "lowbit._C.weight_only_matmul: unknown kernel ", kernel);

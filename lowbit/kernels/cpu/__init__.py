@@ -407,9 +407,9 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
         return Plan("reference", "float64 activations")
     exact = dtype == torch.float32 and precision == "highest"  # float32_exact(dtype)
     fused = _has_gemv_f32() and group % (32 if bits == 4 else 16) == 0
-    # q * s + m weights (the "min" domain) run every kernel here but gemm_f32_amx (exact
-    # products for integer zero points only): the bf16 decode kernels take 128 s - m for the
-    # group's factor of sum x, the bf16 panels and tiles dequantize q * s + m
+    # q * s + m weights (the "min" domain) run every kernel here: the bf16 decode kernels take
+    # 128 s - m for the group's factor of sum x, the bf16 panels and tiles dequantize q * s + m,
+    # gemm_f32_amx multiplies q exactly and adds m times x's group sums
     amx_rows = (bits == 4 and dtype == torch.bfloat16 and _C is not None
                 and _C.gemv_bf16_amx_supported(k, group))
     rows = AMX_GEMV_BF16_MAX_M if amx_rows else _gemv_max_m(bits, dtype, exact)
@@ -427,7 +427,7 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
                                      "1.1-1.5x gemm_bf16_amx: figures at GEMV_BF16_AMX_MAX_M)")
     if not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
-    if (exact and zero_point_domain == "int" and k % 32 == 0 and group % 32 == 0 and k % group == 0
+    if (exact and zero_point_domain != "float" and k % 32 == 0 and group % 32 == 0 and k % group == 0
             and _has_amx_bf16()):
         return Plan("gemm_f32_amx", f"over {rows} rows, float32 x at matmul precision 'highest' where AMX runs: x in "
                                     "three bf16 parts (every product exact), q - z on bf16 tiles, float32 scaling "
@@ -625,9 +625,10 @@ class CpuBackend(Backend):
         sum |x| |q - z| |s| (tests/test_matmul.py), the tiles' bound being gamma_(K + 1).
 
         A weight in the "min" domain (``zero_point_min``: W = q * s + m, GGUF's Q4_1)
-        runs the same kernels but ``gemm_f32_amx``: ``gemv_f32`` takes its codes as
-        unsigned without a zero point and adds m times the group sums of x per group,
-        sum_g (s_g sum q x + m_g sum x); the bf16 decode kernels sum s (128 + u) x and
+        runs the same kernels: ``gemv_f32`` and ``gemm_f32_amx`` take its codes as
+        unsigned without a zero point and add m times the group sums of x per group,
+        sum_g (s_g sum q x + m_g sum x) (``gemm_f32_amx``: within gamma_(3 group + 2 G) of
+        sum |x| (|q s| + |m|)); the bf16 decode kernels sum s (128 + u) x and
         subtract (128 s - m) sum x per group; all within the same gamma bound of
         sum (|q s| + |m|) |x| (offset by 136 for the bf16 ones, tests/test_matmul.py); the
         panels and tiles dequantize q * s + m, the reference's weight."""
