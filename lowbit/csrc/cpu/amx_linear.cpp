@@ -13,7 +13,8 @@
 //   the exact products (tdpbf16ps), the bias added in float32, one rounding to bf16: what
 //   dense.cpp's dense_rows and oneDNN's bf16 GEMM compute, up to the order of the sums;
 // * W4A16 / W8A16 with float32 x at the matmul precision "highest" (weight_only_gemm_f32_amx):
-//   x in three bf16 parts and q - z on bf16 tiles, every product exact (exact_run).
+//   x in three bf16 parts and q - z (or the "min" domain's q) on bf16 tiles, every product
+//   exact (exact_run).
 //
 // 16 weight rows x 64 bytes of K are an A tile (tileloadd with the row stride; no packing,
 // so a decode step streams the weight once, straight into the tiles).  The rows of x are the
@@ -424,7 +425,10 @@ void dense_run(const uint8_t* x, int64_t M, int64_t K, const std::vector<Bf16Out
 // float32; a group's three parts are summed in the C tiles, times s[n, g] added to float32
 // sums per output.  Bound: |y - sum_k x w| <= gamma_(3 group + G) sum_k |x| |q - z| |s| (the
 // tiles path: gamma_(K + 1)), plus what tdpbf16ps flushes: bf16 parts below 2^-126 read as
-// zero (only where |x| < 2^-110) and partial sums below 2^-126 flushed to zero.
+// zero (only where |x| < 2^-110) and partial sums below 2^-126 flushed to zero.  A weight in
+// the "min" domain (q * s + m, GGUF's Q4_1): d = q, and after each group's fma(C, s, acc)
+// comes acc = fma(sum_g x, m, acc), x's group sums in float32 (group_sums): within
+// gamma_(3 group + 2 G) of sum_k |x| (|q s| + |m|).
 //
 // grown(v, n) 64-byte aligned (tile loads and aligned vector stores).
 template <typename T>
