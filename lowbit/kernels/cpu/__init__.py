@@ -75,7 +75,7 @@ AMX_BF16_GEMM_MAX_M = 1024
 #   8-bit, any x:      M=1 0.57 vs 0.88, M=2 1.10-1.20 vs 0.63-0.84
 # float32 x at the matmul precision "highest" has no bf16 GEMM: float32 FMAs up to
 # GEMV_MAX_M rows (M=4 0.62 vs 1.18 ms for float32 tiles through torch.mm, M=8 1.85 vs 1.49).
-# Beyond, where AMX runs and the zero points are integers, amx_linear.cpp's gemm_f32_amx (x in
+# Beyond, where AMX runs and the zero points are integers (or mins: q * s + m), amx_linear.cpp's gemm_f32_amx (x in
 # three bf16 parts, every product exact, three tile products per step where bf16 x takes one)
 # against the float32 tiles through torch.mm and F.linear on the float32 weight, AVX-512 Xeon
 # with AMX (whose tile products ran 30-70 ns in this VM), 2 threads, 4-bit, median ms:
