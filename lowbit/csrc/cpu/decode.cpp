@@ -11,7 +11,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -912,9 +911,11 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   return shape;
 }
 
-// n unsigned 8-bit codes u in place as the int8 u - 128 (u ^ 0x80), as lowbit.linear shifts
-// them (a byte loop was a sixth of a 512-row W4A8 projection).
-void shift_to_int8(int8_t* q, int64_t n) {
+// n 8-bit codes in place shifted by 128 (x ^ 0x80): unsigned u to the int8 u - 128, as
+// lowbit.linear shifts them, or int8 q to the unsigned q + 128 (a byte loop was a sixth of a
+// 512-row W4A8 projection).
+void shift_by_128(void* codes, int64_t n) {
+  int8_t* q = static_cast<int8_t*>(codes);
   int64_t k = 0;
 #ifdef __AVX512BW__
   for (; k + 64 <= n; k += 64)
@@ -1004,7 +1005,7 @@ struct Proj {
     TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
     if (q.scalar_type() == at::kByte) {
       q = q.view(at::kChar);
-      shift_to_int8(q.data_ptr<int8_t>(), q.numel());
+      shift_by_128(q.data_ptr<int8_t>(), q.numel());
       int32_t* pz = z.data_ptr<int32_t>();
       for (int64_t m = 0; m < q.size(0); ++m) pz[m] -= 128;
     }
@@ -1278,20 +1279,9 @@ class Group {
     uint8_t* au = grown(au_keep, M * K_);
     float* s = grown(s_keep, M);
     int32_t* z = grown(z_keep, M);
-    // rows spread over the threads from a prefill's many (a decode step's few stay on one:
-    // a parallel region costs more than they do)
-    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        uint8_t* q = au + m * K_;
-        TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, q, s + m, z + m),
-                    "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
-        // gemm_int8 takes a + 128 for int8 a: symmetric codes q + 128 (q ^ 0x80); the AMX tiles
-        // take int8 a: unsigned codes u are a = u - 128 (u ^ 0x80), whose zero point is z - 128
-        if (symmetric == !amx)
-          for (int64_t k = 0; k < K_; ++k) q[k] ^= 0x80;
-        if (!symmetric) z[m] -= 128;
-      }
-    });
+    // gemm_int8 takes a + 128 for int8 a: symmetric codes q + 128; the AMX tiles take int8 a:
+    // unsigned codes u are a = u - 128
+    token_rows(x, M, symmetric == !amx, au, s, z);
     std::vector<at::Tensor> biases;  // rounded to T, as float32 (int8_linear's bias)
     std::vector<Int8Out> ws;
     for (size_t i = 0; i < ps_.size(); ++i) {
@@ -1395,33 +1385,37 @@ class Group {
     return true;
   }
 
+  // M rows of x quantized per token to 8 bits as lowbit.linear quantizes them: codes q [M, K_]
+  // (shifted by 128 where `shift`), scales s and zero points z [M] (z - 128 for unsigned
+  // codes, the zero point of u - 128 or of gemm_int8's u).  Rows spread over the threads from
+  // a prefill's many (a decode step's few stay on one: a parallel region costs more than they do).
+  template <typename T>
+  void token_rows(const T* x, int64_t M, bool shift, void* q, float* s, int32_t* z) const {
+    const bool symmetric = ps_[0].act == 1;
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int8_t* qm = static_cast<int8_t*>(q) + m * K_;
+        TORCH_CHECK(quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, qm, s + m, z + m),
+                    "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+        if (shift) shift_by_128(qm, K_);
+        if (!symmetric) z[m] -= 128;
+      }
+    });
+  }
+
   // W4A8 on AMX tiles (kernel 2), which a prefill's rows take in one call.
   bool w4a8_tiles() const { return kind_ == kTokens && bits_ == 4 && ps_[0].kernel == 2; }
 
   // M rows of x through W4A8 projections on AMX tiles: each row quantized as run_tokens
-  // quantizes one (on the threads, a row each), every weight's panels in one parallel region,
-  // the row scales and the rounding to T in the tiles' store (w4a8_amx_into), then the bias.
+  // quantizes one (token_rows, unsigned codes shifted to int8), every weight's panels in one
+  // parallel region, the row scales and the rounding to T in the tiles' store
+  // (w4a8_amx_into), then the bias.
   template <typename T>
   void run_w4a8_tiles(const T* x, T* const* ys, int64_t M) const {
-    const bool symmetric = ps_[0].act == 1;
     std::vector<int8_t> q(M * K_);
     std::vector<float> s(M);
     std::vector<int32_t> z(M);
-    std::atomic<bool> finite{true};
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        int8_t* qm = q.data() + m * K_;
-        if (!quantize_token_into(x + m * K_, dtype<T>(), K_, 8, symmetric, qm, &s[m], &z[m])) {
-          finite = false;
-          return;
-        }
-        if (!symmetric) {  // unsigned codes shifted by 128 to int8, as run_tokens
-          shift_to_int8(qm, K_);
-          z[m] -= 128;
-        }
-      }
-    });
-    TORCH_CHECK(finite, "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
+    token_rows(x, M, ps_[0].act != 1, q.data(), s.data(), z.data());
     std::vector<PackedWeight> ws;
     for (size_t i = 0; i < ps_.size(); ++i) {
       const Proj& p = ps_[i];
@@ -1444,7 +1438,7 @@ class Group {
     TORCH_CHECK(quantize_token_into(x, dtype<T>(), K_, 8, symmetric, q, &s, &z),
                 "lowbit decode: the activations contain NaN or Inf, or a row's range overflows its scale");
     if (!symmetric) {  // unsigned codes shifted by 128 to int8
-      shift_to_int8(q, K_);
+      shift_by_128(q, K_);
       z -= 128;
     }
     if (bits_ == 4) {  // W4A8: every projection in one call (one parallel region), float32 outputs
