@@ -106,9 +106,10 @@ def test_cpu_bf16_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme, k,
     # row's codes are shorter than 512 bytes (K < 1024), the rest of a thread's range, long
     # rows and 4 rows of x or more one weight row at a time (rows<R>): the same operations
     # per output, so the same bits (K = 576's 64-value tails: two weight rows' in one 512-bit
-    # block in rows<1, 4>, one row's in a 256-bit block otherwise).  n = 39: groups and a remainder.  gemv_amx.cpp: one row
-    # of x in a C tile of one column, more in one of 16, weight rows in strips of 16 (the
-    # last one short here): the same tile products and float32 steps per output.
+    # block in rows<1, 4>, one row's in a 256-bit block otherwise).  n = 39: groups and a
+    # remainder.  gemv_amx.cpp: one row of x in a C tile of one column, more in one of 16,
+    # weight rows in strips of 16 (the last one short here): the same tile products and
+    # float32 steps per output.
     if cpu._C is None:
         pytest.skip("no cpu kernels")
     supported = cpu._C.gemv_bf16_amx_supported if kernel == "gemv_bf16_amx" else cpu._C.gemv_bf16_supported

@@ -99,13 +99,12 @@ struct Y {
   }
 };
 
-// One block of V::VALUES values at element p for R rows; xh/xl point at the block's
-// prepared activations of row 0 (4 vectors of V::VALUES / 4 bf16 each), rows xstride apart;
-// sv: the scale of each float lane's group.
+// One block of V::VALUES values for R rows from its codes wv (as V::load reads them);
+// xh/xl point at the block's prepared activations of row 0 (4 vectors of V::VALUES / 4 bf16
+// each), rows xstride apart; sv: the scale of each float lane's group.
 template <typename V, int R, bool SIGNED, bool SPLIT>
-inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int64_t xstride, typename V::F sv,
-                  int64_t p, typename V::F* total) {
-  typename V::I wv = V::load(w + p / 2);
+inline void products(typename V::I wv, const uint16_t* xh, const uint16_t* xl, int64_t xstride, typename V::F sv,
+                     typename V::F* total) {
   if constexpr (SIGNED) wv = V::flip(wv);
   const typename V::I n0 = V::nib(wv, 0), n1 = V::nib(wv, 4), n2 = V::nib(wv, 8), n3 = V::nib(wv, 12);
   constexpr int Q = V::VALUES / 4;  // bf16 per vector
@@ -124,38 +123,42 @@ inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int6
   }
 }
 
-// The 64-value tail blocks (Y) of two weight rows a and b as one 512-bit block: lanes 0-7
-// are a's, 8-15 b's, each row of x broadcast to both halves, so every lane takes Y's
-// operations on its own row (the same bits as two Y blocks) for half the instructions.  At
-// K = 576 (4 * 128 + 64, SmolLM2's hidden size) a Y block costs a Z block's instructions for
-// half its values; pairing the tails of rows<1, 4> took 1536 x 576 at one row of x from 43.3
-// to 39.2 us (a standalone copy of the loop, one thread, AMX Xeon), and decode steps of the
-// bf16 model's 4-bit recipes (128 tokens of context, alternating in one process) 1.04-1.06x
-// (w4a16-g128, q4_0, q4_1; w4a16-g128-head8 level).
+// The block of V::VALUES values at element p of the weight row w.
+template <typename V, int R, bool SIGNED, bool SPLIT>
+inline void block(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, int64_t xstride, typename V::F sv,
+                  int64_t p, typename V::F* total) {
+  products<V, R, SIGNED, SPLIT>(V::load(w + p / 2), xh, xl, xstride, sv, total);
+}
+
+// The 64-value tail blocks (Y) of two weight rows as one 512-bit block: lanes 0-7 are the
+// first row's, 8-15 the second's, each vector of x broadcast to both halves, so every lane
+// takes Y's operations on its own row (the same bits as two Y blocks) for half the
+// instructions.  At K = 576 (4 * 128 + 64, SmolLM2's hidden size) a Y block costs a Z
+// block's instructions for half its values; pairing the tails of rows<1, 4> took 1536 x 576
+// at one row of x from 43.3 to 39.2 us (a standalone copy of the loop, one thread, AMX
+// Xeon), and decode steps of the bf16 model's 4-bit recipes (128 tokens of context,
+// alternating in one process) 1.04-1.06x (w4a16-g128, q4_0, q4_1; w4a16-g128-head8 level).
+struct P : Z {
+  static constexpr int VALUES = Y::VALUES;
+  static F dot(F acc, I w, const uint16_t* x) {  // x's 16 values in both halves
+    return _mm512_dpbf16_ps(acc, (__m512bh)w,
+                            (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+  }
+  static F join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+};
+
+// products<P> for the tails at element p of weight rows wa and wb, their scales sa and sb
+// and sums ta and tb (one per row of x).
 template <int R, bool SIGNED, bool SPLIT>
 inline void tail_pair(const uint8_t* wa, const uint8_t* wb, const uint16_t* xh, const uint16_t* xl, int64_t xstride,
                       __m256 sa, __m256 sb, int64_t p, __m256* ta, __m256* tb) {
-  __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(Y::load(wa + p / 2)), Y::load(wb + p / 2), 1);
-  if constexpr (SIGNED) wv = Z::flip(wv);
-  const __m512i n0 = Z::nib(wv, 0), n1 = Z::nib(wv, 4), n2 = Z::nib(wv, 8), n3 = Z::nib(wv, 12);
-  const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(sa), sb, 1);
-  constexpr int Q = Y::VALUES / 4;  // bf16 per half vector
-  const auto dot = [](__m512 acc, __m512i w, const uint16_t* x) {  // x's 16 values in both halves
-    return _mm512_dpbf16_ps(acc, (__m512bh)w,
-                            (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
-  };
-  for (int r = 0; r < R; ++r) {  // block<Y>'s chains, lane for lane
-    const uint16_t* h = xh + r * xstride;
-    __m512 d = dot(dot(Z::zero(), n0, h), n1, h + Q);
-    __m512 e = dot(dot(Z::zero(), n2, h + 2 * Q), n3, h + 3 * Q);
-    if constexpr (SPLIT) {
-      const uint16_t* l = xl + r * xstride;
-      d = dot(dot(d, n0, l), n1, l + Q);
-      e = dot(dot(e, n2, l + 2 * Q), n3, l + 3 * Q);
-    }
-    const __m512 t = _mm512_fmadd_ps(_mm512_add_ps(d, e), sv, _mm512_insertf32x8(_mm512_castps256_ps512(ta[r]), tb[r], 1));
-    ta[r] = _mm512_castps512_ps256(t);
-    tb[r] = _mm512_extractf32x8_ps(t, 1);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = P::join(ta[r], tb[r]);
+  products<P, R, SIGNED, SPLIT>(_mm512_inserti64x4(_mm512_castsi256_si512(Y::load(wa + p / 2)), Y::load(wb + p / 2), 1),
+                                xh, xl, xstride, P::join(sa, sb), total);
+  for (int r = 0; r < R; ++r) {
+    ta[r] = _mm512_castps512_ps256(total[r]);
+    tb[r] = _mm512_extractf32x8_ps(total[r], 1);
   }
 }
 
