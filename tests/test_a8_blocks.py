@@ -394,7 +394,8 @@ def test_avx512_block_gemms_give_the_bits_of_the_avx2_panel_gemm(kernel, scheme,
     # lane for lane on the same exact block dot products (AMX: tdpbusd / tdpbssd tiles;
     # VNNI: vpdpbusd, signed 8-bit codes as q + 128 with the offset taken away in the
     # integers), so they agree with the AVX2 panels bit for bit: AMX tiles of 16 rows and
-    # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short, and
+    # VNNI tiles of 6, their tails, panels of 32 columns and a half panel cut short (AMX,
+    # 8-bit codes: full panels' A tiles loaded as stored, a panel cut short packed), and
     # the weights of PANEL_GEMM_WEIGHTS.  AMX at one row, 4-bit codes: gemv_a8_vnni.cpp
     # (strips of 16 weight rows, a strip cut short, K's last 64 code bytes cut short).
     _needs_amx() if kernel == "amx" else _needs_vnni()
