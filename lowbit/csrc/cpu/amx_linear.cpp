@@ -721,9 +721,11 @@ void exact_run(const float* x, int64_t M, int64_t K, const uint8_t* w, const flo
             }
           }
           store_c_tiles(st.c, two ? 0xF : 0x3);
-          // + m times the group's sum of x, as exact_few_rows adds it
-          if (mb) group_floats<true>(st.c, st.acc, sb + g * BLOCK, mb + g * BLOCK, xsum + g * Mp + m, two ? 2 : 1, g == 0);
-          else group_floats<false>(st.c, st.acc, sb + g * BLOCK, nullptr, nullptr, two ? 2 : 1, g == 0);
+          const int hs = two ? 2 : 1;
+          if (mb)  // + m times the group's sum of x, as exact_few_rows adds it
+            group_floats<true>(st.c, st.acc, sb + g * BLOCK, mb + g * BLOCK, xsum + g * Mp + m, hs, g == 0);
+          else
+            group_floats<false>(st.c, st.acc, sb + g * BLOCK, nullptr, nullptr, hs, g == 0);
         }
         const int64_t rows = std::min<int64_t>(BLOCK, M - m);
         for (int64_t r = 0; r < rows; ++r)

@@ -201,9 +201,9 @@ void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, f
 // rounds).  Lane m of acc[r] runs the AVX2 kernels' operations for y[m, n0 + r] (s * d is
 // d * s).
 template <bool SIGNED_A, typename Y>
-void rows16(const uint8_t* wa, int64_t wa_block, int64_t wa_stride, const int8_t* xb, const float* d, const float* xs, int64_t nb, int64_t G,
-            int64_t per_group, const float* sp, const float* sz, float zscale, Y* y, int64_t ldy, int rows,
-            int cols, int32_t* c) {
+void rows16(const uint8_t* wa, int64_t wa_block, int64_t wa_stride, const int8_t* xb, const float* d, const float* xs,
+            int64_t nb, int64_t G, int64_t per_group, const float* sp, const float* sz, float zscale, Y* y, int64_t ldy,
+            int rows, int cols, int32_t* c) {
   __m512 acc[TILE];
 #pragma GCC unroll 16
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
@@ -294,10 +294,11 @@ bool run(const X* x, int64_t M, int64_t K, int64_t group, int bits, const std::v
         const float* szp = has_term ? sz + TILE * h * G : nullptr;
         const uint8_t* wa = pb + h * K * TILE;  // both layouts: 16 rows of K bytes per half
         Y* ym = ys[&wt - ws.data()] + m * N + n0 + TILE * h;
+        const float* sph = sp + TILE * h * G;
         if (signed_a)
-          rows16<true>(wa, wa_block, wa_stride, xb, d, xs, nb, G, per_group, sp + TILE * h * G, szp, zscale, ym, N, rows, hc, st.c);
+          rows16<true>(wa, wa_block, wa_stride, xb, d, xs, nb, G, per_group, sph, szp, zscale, ym, N, rows, hc, st.c);
         else
-          rows16<false>(wa, wa_block, wa_stride, xb, d, xs, nb, G, per_group, sp + TILE * h * G, szp, zscale, ym, N, rows, hc, st.c);
+          rows16<false>(wa, wa_block, wa_stride, xb, d, xs, nb, G, per_group, sph, szp, zscale, ym, N, rows, hc, st.c);
       }
     }
   });
