@@ -97,6 +97,29 @@ def test_weight_only_linear_on_the_bundled_models_k576(backend, scheme, dtype, m
     assert_weight_only_close(lowbit.quantize(torch.randn(40, 576), scheme), torch.randn(m, 576).to(dtype), backend)
 
 
+@pytest.mark.parametrize("scheme", ["int8-sym-g32-f16", "int8-asym-g32"])
+def test_cpu_8bit_decode_kernel_gives_a_row_its_bits_whatever_m_and_n(scheme):
+    # matmul.cpp's w8_rows in groups of 32: one chain q0 x0 + q1 x1 per group whether x has
+    # one row (weight rows two at a time, or the last one alone) or four (rows of x in
+    # fours, the rest one at a time): the same operations per output for float32 x, whose
+    # products q x are rounded (bf16 x's are exact).  n = 39: pairs and a row alone.
+    if cpu._C is None or not cpu._C.has_gemv_f32():
+        pytest.skip("no float32-FMA decode kernels")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(5)
+    qt = lowbit.quantize(torch.randn(39, 576, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    x = torch.randn(6, 576, generator=g)
+    index = cpu.weight_only_kernel_index("gemv_f32")
+    full = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, index, False)
+    for m in (1, 2, 5):
+        assert torch.equal(cpu._C.weight_only_matmul(x[:m], codes, s, z, bits, group, index, False), full[:m])
+    for n in (1, 2, 7):
+        z_n = None if z is None else z[:n]
+        assert torch.equal(cpu._C.weight_only_matmul(x[4:5], codes[:n], s[:n], z_n, bits, group, index, False),
+                           full[4:5, :n])
+
+
 @pytest.mark.parametrize("scheme, k", [("int4-asym-g64", 576), ("int4-sym-g32", 256), ("int4-asym-g128", 512),
                                        ("int4-asym-g128", 1536), ("int4-sym-g32", 1088),
                                        ("int4-asym-g32-zpmin-f16", 576), ("int4-asym-g64-zpmin", 1536)])

@@ -87,6 +87,7 @@ struct Lanes {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -107,6 +108,7 @@ struct Lanes {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static float sum(F v) { return fsum8(v); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
@@ -183,42 +185,76 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
     for (int j = 0; j < W; ++j) y[r * ldy + j] = Lanes::sum(total[r][j]) - corr[r][j];
 }
 
-// Inlined into wo_rows: as a call per row (GCC kept it one) each row's horizontal sum and
-// the call ended before the next row's loads could start; inlined, 1536 x 576 int8 at one
-// row and thread, cache-resident, 63 -> 56 us (AVX2 EPYC).  (The prefetch of the rows
-// ahead costs ~7% there, but a decode step streaming its weights from DRAM is ~1.1x
-// slower without it.)  Blocks of L codes: group is a multiple of 16.
+// The n <= 8 scales at p as float32: p itself, or float16 bits converted into buf (one
+// conversion per 8 groups rather than a scalar one per group).
+inline const float* as_floats(const float* p, int64_t, float*) { return p; }
+inline const float* as_floats(const uint16_t* p, int64_t n, float* buf) {
+  if (n == 8) _mm256_storeu_ps(buf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  else for (int64_t i = 0; i < n; ++i) buf[i] = _cvtsh_ss(p[i]);
+  return buf;
+}
+
+// R activation rows x W weight rows (K bytes apart, their scales G apart, outputs 1 apart),
+// 8-bit codes.  Inlined into wo_rows: as a call per row (GCC kept it one) each row's
+// horizontal sum and the call ended before the next row's loads could start; inlined,
+// 1536 x 576 int8 at one row and thread, cache-resident, 63 -> 56 us (AVX2 EPYC).  (The
+// prefetch of the rows ahead costs ~7% there, but a decode step streaming its weights from
+// DRAM is ~1.1x slower without it.)  Blocks of L codes: group is a multiple of 16.
 // GROUP: the group size where it is a common one (with_group), else 0: a constant block
-// count, and no more chains than a group has blocks (a group of 32 at 16 lanes: 2 of the 4,
-// whose other two only ever added zeros: the same sums; 1536x576 int8-sym-g32-f16 at one row
-// 1.13-1.35x faster on the Zen 4).
-template <int R, bool SIGNED, bool HAS_ZP, int GROUP, typename S>
+// count, and no more chains than a group has blocks.  The first block of a chain is a
+// product, the others FMAs onto it: one row of x in groups of 32 at 16 lanes is one chain
+// q0 x0 + q1 x1, the order of the MB-row kernel, so a row's sums are the same alone or in
+// a batch (and the same as the two chains and an add this replaced wherever q x is exact:
+// bf16 x).  One row of x takes two weight rows at once (W = 2: two chains per group, the x
+// loads shared; each weight row summed as alone), and float16 scales are converted 8 at a
+// time (as_floats) rather than one per group: 1536 x 576 int8-sym-g32-f16 at one row
+// 1.12-1.14x faster in the L2 and 1.03-1.05x cycling through the L3 (Xeon, two threads).
+template <int R, int W, bool SIGNED, bool HAS_ZP, int GROUP, typename S>
 __attribute__((always_inline)) inline void w8_rows(const float* x, int64_t K, int64_t G, int64_t group,
                                                    const uint8_t* w, const S* s, const S* z, float* y, int64_t ldy) {
-  constexpr int A = GROUP && GROUP / L < kChains<R> ? GROUP / L : kChains<R>;
-  F total[R];
-  for (int r = 0; r < R; ++r) total[r] = Lanes::zero();
+  constexpr int A = GROUP == 32 && R == 1 ? 1 : GROUP && GROUP / L < kChains<R> ? GROUP / L : kChains<R>;
+  F total[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) total[r][j] = Lanes::zero();
   const int64_t blocks = (GROUP ? GROUP : group) / L;
-  for (int64_t g = 0; g < G; ++g) {
-    F dot[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) dot[r][a] = Lanes::zero();
-    const F zg = Lanes::set1(HAS_ZP ? scale1(z + g) : 0.f);
-    const auto block = [&](int64_t b, int a) {  // block b into chain a (a constant: the chains stay in registers)
-      const int64_t off = g * group + b * L;
-      F q = Lanes::cvt(Lanes::widen(Lanes::bytes(w + off), SIGNED));
-      if constexpr (HAS_ZP) q = Lanes::sub(q, zg);
-      for (int r = 0; r < R; ++r) dot[r][a] = Lanes::fma(q, Lanes::load(x + r * K + off), dot[r][a]);
-    };
-    int64_t b = 0;
-    for (; b + A <= blocks; b += A)  // whole rounds of the A chains, no exit test per block
-      for (int a = 0; a < A; ++a) block(b + a, a);
-    for (int a = 0; a < A; ++a)  // the last blocks (group / L not a multiple of A)
-      if (b + a < blocks) block(b + a, a);
-    const F sg = Lanes::set1(scale1(s + g));
-    for (int r = 0; r < R; ++r) total[r] = Lanes::fma(sum_of<A>(dot[r]), sg, total[r]);
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t g1 = std::min(G, g0 + 8);
+    float sf[W][8], zf[W][8];
+    const float* sg8[W];
+    const float* zg8[W];
+    for (int j = 0; j < W; ++j) {
+      sg8[j] = as_floats(s + j * G + g0, g1 - g0, sf[j]);
+      zg8[j] = HAS_ZP ? as_floats(z + j * G + g0, g1 - g0, zf[j]) : nullptr;
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      F dot[R][W][A];
+      const auto block = [&](int64_t b, int a, bool first) {  // block b into chain a (a constant: in registers)
+        const int64_t off = g * group + b * L;
+        for (int j = 0; j < W; ++j) {
+          F q = Lanes::cvt(Lanes::widen(Lanes::bytes(w + j * K + off), SIGNED));
+          if constexpr (HAS_ZP) q = Lanes::sub(q, Lanes::set1(zg8[j][g - g0]));
+          for (int r = 0; r < R; ++r)
+            dot[r][j][a] = first ? Lanes::mul(q, Lanes::load(x + r * K + off))
+                                 : Lanes::fma(q, Lanes::load(x + r * K + off), dot[r][j][a]);
+        }
+      };
+      for (int a = 0; a < A; ++a)  // the first block of each chain (a run-time group may have fewer)
+        if (a < blocks) block(a, a, true);
+        else for (int r = 0; r < R; ++r)
+          for (int j = 0; j < W; ++j) dot[r][j][a] = Lanes::zero();
+      int64_t b = A;
+      for (; b + A <= blocks; b += A)  // whole rounds of the A chains, no exit test per block
+        for (int a = 0; a < A; ++a) block(b + a, a, false);
+      for (int a = 0; a < A; ++a)  // the last blocks (group / L not a multiple of A)
+        if (b + a < blocks) block(b + a, a, false);
+      for (int j = 0; j < W; ++j) {
+        const F sg = Lanes::set1(sg8[j][g - g0]);
+        for (int r = 0; r < R; ++r) total[r][j] = Lanes::fma(sum_of<A>(dot[r][j]), sg, total[r][j]);
+      }
+    }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = Lanes::sum(total[r]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) y[r * ldy + j] = Lanes::sum(total[r][j]);
 }
 #endif
 
@@ -534,8 +570,8 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
   const int64_t row_bytes = bits == 4 ? K / 2 : K, N = wt.N, full = M - M % MB;
   float* y = wt.y;
   for (int64_t n = n0; n < n1;) {
-    // 4-bit codes: rows n and n + 1 in one call where both are in the range
-    const int64_t rows = bits == 4 && n + 1 < n1 ? 2 : 1;
+    // rows n and n + 1 in one call where both are in the range
+    const int64_t rows = n + 1 < n1 ? 2 : 1;
     const uint8_t* wn = wt.w + n * row_bytes;
     for (int64_t j = 0; j < rows; ++j)
       if (n + j + kRowsAhead < N) prefetch_row(wn + (j + kRowsAhead) * row_bytes, row_bytes);
@@ -553,10 +589,13 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
       for (int64_t m = full; m < M; ++m)
         rows == 2 ? w4(One{}, std::integral_constant<int, 2>{}, m, 0) : w4(One{}, One{}, m, 0);
     } else {
-      for (int64_t m = 0; m < full; m += MB)
-        w8_rows<MB, SIGNED, HAS_ZP, GROUP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t m = 0; m < full; m += MB)
+          w8_rows<MB, 1, SIGNED, HAS_ZP, GROUP>(xa + m * K, K, G, group, wn + j * K, sn + j * G,
+                                                HAS_ZP ? zn + j * G : nullptr, y + m * N + n + j, N);
       for (int64_t m = full; m < M; ++m)
-        w8_rows<1, SIGNED, HAS_ZP, GROUP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
+        if (rows == 2) w8_rows<1, 2, SIGNED, HAS_ZP, GROUP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
+        else w8_rows<1, 1, SIGNED, HAS_ZP, GROUP>(xa + m * K, K, G, group, wn, sn, zn, y + m * N + n, N);
     }
     if constexpr (MIN)
       for (int64_t j = 0; j < rows; ++j) add_mins(z + (n + j) * G, xs, M, G, y + n + j, N);
