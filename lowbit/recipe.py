@@ -355,12 +355,13 @@ RECIPE_PRESETS: dict[str, Recipe] = {
         # the bundled model's own storage form (GGUF Q4_1: g32, fp16 scale and min, d * q + m):
         # lands exactly back on its grid, so it measures the pipeline, not a second rounding
         _preset("q4_1", "int4-asym-g32-zpmin-f16"),
-        # exactly GGUF's Q4_0 and Q8_0 (groups of 32, float16 scales, symmetric codes):
-        # `lowbit export` stores them with their codes and scales unchanged
-        _preset("q4_0", "int4-sym-g32-f16"),
-        _preset("q8_0", "int8-sym-g32-f16"),
-        # llama.cpp's files keep the output projection at 8 bits (Q8_0) where these keep it
-        # float: at 49152 x 576 it is a third of the 135M model, and half a decode step's bytes
+        # exactly GGUF's Q4_0 and Q8_0 (groups of 32, float16 scales, symmetric codes), the
+        # output projection Q8_0 as in llama.cpp's own Q4_0 / Q8_0 files of the bundled model
+        # (at 49152 x 576 it is a third of the 135M model, and half a decode step's bytes
+        # when float): `lowbit export` stores them with their codes and scales unchanged
+        _preset("q4_0", "int4-sym-g32-f16", lm_head="int8-sym-g32-f16"),
+        _preset("q8_0", "int8-sym-g32-f16", lm_head="int8-sym-g32-f16"),
+        # the output projection at 8 bits beside weights of other schemes
         _preset("w4a16-g128-head8", "int4-asym-g128-f16", lm_head="int8-sym"),
         _preset("w8a16-head8", "int8-sym", lm_head="int8-sym"),
         _preset("w8a8-head8", "int8-sym", "int8-sym-token", lm_head="int8-sym", lm_head_activation="int8-sym-token"),

@@ -222,7 +222,8 @@ def test_export_writes_an_exact_gguf_and_refuses_what_it_must(capsys, tmp_path):
     assert main(["export", "--recipe", "q4_0", "-o", str(out), "--strict"]) == 0
     text = capsys.readouterr().out
     assert "int4-sym-g32-f16  Q4_0       210      codes kept  0 (exact)" in text
-    assert "272 tensors, 0 not exact" in text
+    assert "int8-sym-g32-f16  Q8_0       1        codes kept  0 (exact)" in text  # the output projection
+    assert "273 tensors, 0 not exact" in text
     assert out.read_bytes()[:4] == b"GGUF"
     assert out.stat().st_mode & 0o644 == 0o644  # not the temporary file's private mode
     before = out.stat().st_mtime_ns

@@ -111,7 +111,8 @@ def test_quantized_program_is_the_dequantized_eager_model(model, program, recipe
     eager = dequantized_copy(lowbit.quantize_model(model, recipe, inplace=False))
     assert torch.equal(logits(q.module(), ids(9)), logits(eager, ids(9)))
     assert not decoder_weights(q.state_dict)  # no float copy of a quantized weight is held
-    assert sum(k.endswith(".weight.codes") for k in q.state_dict) == 14
+    head = lowbit.Recipe.get(recipe).lm_head is not None  # q4_0, q8_0: Q8_0 as in llama.cpp's files
+    assert sum(k.endswith(".weight.codes") for k in q.state_dict) == 14 + head
     # the input program is untouched
     assert program.graph_module.code == export(model).graph_module.code
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in program.state_dict.items())
@@ -150,7 +151,8 @@ def test_fused_program_is_the_eager_quantized_model(model, program, recipe):
     # Both run lowbit.weight_only_matmul on the same parts: the same kernels, the same bits.
     f = fuse(quantize_weights(program, recipe))
     counts = op_counts(f)
-    assert counts["lowbit.weight_only_matmul"] == 14 and counts["aten.linear"] == 1  # lm_head stays float
+    head = lowbit.Recipe.get(recipe).lm_head is not None  # q4_0, q8_0: Q8_0; the others' stays float
+    assert counts["lowbit.weight_only_matmul"] == 14 + head and counts["aten.linear"] == 1 - head
     assert counts["aten.bitwise_and"] == 0 and counts["aten.mul"] == op_counts(program)["aten.mul"]
     eager = lowbit.quantize_model(model, recipe, inplace=False)
     for n in (1, 7):
