@@ -65,7 +65,7 @@ ROWS = [
     ("w4a8-g128-head8", torch.bfloat16, "w4a8-g128-head8", "Q4_0", None),
     # the bundled weights' own grid, GGUF Q4_1's form (q * s + m): the bundled file itself on llama.cpp
     ("q4_1", torch.bfloat16, "q4_1", "Q4_1", None),
-    # GGUF Q8_0 / Q4_0's weights exactly, float activations (the head stays float)
+    # GGUF Q8_0 / Q4_0's weights exactly (output projection Q8_0, as in llama.cpp's files), float activations
     ("q8_0", torch.bfloat16, "q8_0", "Q8_0", None),
     ("q4_0", torch.bfloat16, "q4_0", "Q4_0", None),
     # llama.cpp's own arithmetic: Q8_0 / Q4_0 weights (output projection Q8_0), int8 blocks of x
