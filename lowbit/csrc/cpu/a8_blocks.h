@@ -176,6 +176,13 @@ inline float zero_factor(float s, float z, bool has_z, bool min) { return !has_z
 inline float zero_factor(const PackedWeight& wt, int64_t i) {
   return zero_factor(wt.scale(i), wt.z ? wt.zero(i) : 0.f, wt.z != nullptr, wt.min);
 }
+#if defined(__AVX512F__)
+// zero_factor of 16 groups with zero points (z): s * z, or -m (an exact sign flip).
+inline __m512 zero_factors16(__m512 s, __m512 z, bool min) {
+  return min ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(z), _mm512_set1_epi32(INT32_MIN)))
+             : _mm512_mul_ps(s, z);
+}
+#endif
 
 // The loop of the many-row kernels (gemm_a8.cpp, gemm_i16.cpp): x [M, K] in blocks
 // (Rows<Q>), then every weight in panels of COLS of its rows (each_panel), each thread
@@ -263,16 +270,10 @@ inline void pack_half_panels(const PackedWeight& wt, int64_t K, int bits, int64_
 #if defined(__AVX512VL__)
 template <typename S>
 inline void strip_scales(const S* s, const S* z, bool min, int64_t G, const int64_t* n, float* scale, float* zfactor) {
-  const auto load = [&](const S* p, __mmask16 in) {
-    if constexpr (std::is_same_v<S, float>) return _mm512_maskz_loadu_ps(in, p);
-    else return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p));
-  };
-  strip_columns(G, [&](int r, int64_t g0, __mmask16 in) { return load(s + n[r] * G + g0, in); }, scale);
+  strip_columns(G, [&](int r, int64_t g0, __mmask16 in) { return scale16(s + n[r] * G + g0, in); }, scale);
   if (!z) return;
   strip_columns(G, [&](int r, int64_t g0, __mmask16 in) {
-    const __m512 zr = load(z + n[r] * G + g0, in);
-    return min ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(zr), _mm512_set1_epi32(INT32_MIN)))  // -m
-               : _mm512_mul_ps(load(s + n[r] * G + g0, in), zr);
+    return zero_factors16(scale16(s + n[r] * G + g0, in), scale16(z + n[r] * G + g0, in), min);
   }, zfactor);
 }
 #endif

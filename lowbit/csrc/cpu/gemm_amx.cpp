@@ -167,13 +167,9 @@ void pack_weight_rows(const PackedWeight& wt, int64_t K, int bits, int64_t n0, u
 }
 
 // Per-row scales sp and zero-point factors sz (a8::zero_factor), [COLS][G], of the panel
-// at weight row n0 (rows past N repeat row N - 1).
-// 16 groups at a time, float16 scales converted by vcvtph2ps: the values and products of
-// a8::zero_factor (s, -m or s * z), the same bits, without a scalar conversion per group
-// (calls with float16 scales at 8-32 rows 1.06-1.17x, in-process A/B on the Xeon).
-inline __m512 groups16(const float* p, __mmask16 in) { return _mm512_maskz_loadu_ps(in, p); }
-inline __m512 groups16(const uint16_t* p, __mmask16 in) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p)); }
-
+// at weight row n0 (rows past N repeat row N - 1).  16 groups at a time (scale16,
+// a8::zero_factors16: the same bits as a scalar conversion per group; calls with float16
+// scales at 8-32 rows 1.06-1.17x, in-process A/B on the Xeon).
 void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, float* sz) {
   with_scales(wt, [&](const auto* s, const auto* z) {
     for (int c = 0; c < COLS; ++c) {
@@ -181,9 +177,8 @@ void pack_row_groups(const PackedWeight& wt, int64_t G, int64_t n0, float* sp, f
       float *ps = sp + c * G, *pz = sz + c * G;
       for (int64_t g = 0; g < G; g += 16) {
         const __mmask16 in = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
-        const __m512 sv = groups16(s + i0 + g, in);
-        const __m512 zv = !z ? sv : wt.min ? _mm512_xor_ps(groups16(z + i0 + g, in), _mm512_set1_ps(-0.f))
-                                           : _mm512_mul_ps(sv, groups16(z + i0 + g, in));
+        const __m512 sv = scale16(s + i0 + g, in);
+        const __m512 zv = z ? a8::zero_factors16(sv, scale16(z + i0 + g, in), wt.min) : sv;
         _mm512_mask_storeu_ps(ps + g, in, sv);
         _mm512_mask_storeu_ps(pz + g, in, zv);
       }

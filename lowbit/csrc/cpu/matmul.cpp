@@ -189,8 +189,8 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
 // conversion per 8 groups rather than a scalar one per group).
 inline const float* as_floats(const float* p, int64_t, float*) { return p; }
 inline const float* as_floats(const uint16_t* p, int64_t n, float* buf) {
-  if (n == 8) _mm256_storeu_ps(buf, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  else for (int64_t i = 0; i < n; ++i) buf[i] = _cvtsh_ss(p[i]);
+  if (n == 8) _mm256_storeu_ps(buf, scale8(p));
+  else for (int64_t i = 0; i < n; ++i) buf[i] = scale1(p + i);
   return buf;
 }
 
@@ -227,12 +227,13 @@ __attribute__((always_inline)) inline void w8_rows(const float* x, int64_t K, in
       zg8[j] = HAS_ZP ? as_floats(z + j * G + g0, g1 - g0, zf[j]) : nullptr;
     }
     for (int64_t g = g0; g < g1; ++g) {
-      F dot[R][W][A];
+      F dot[R][W][A], zg[W];
+      for (int j = 0; j < W; ++j) zg[j] = Lanes::set1(HAS_ZP ? zg8[j][g - g0] : 0.f);
       const auto block = [&](int64_t b, int a, bool first) {  // block b into chain a (a constant: in registers)
         const int64_t off = g * group + b * L;
         for (int j = 0; j < W; ++j) {
           F q = Lanes::cvt(Lanes::widen(Lanes::bytes(w + j * K + off), SIGNED));
-          if constexpr (HAS_ZP) q = Lanes::sub(q, Lanes::set1(zg8[j][g - g0]));
+          if constexpr (HAS_ZP) q = Lanes::sub(q, zg[j]);
           for (int r = 0; r < R; ++r)
             dot[r][j][a] = first ? Lanes::mul(q, Lanes::load(x + r * K + off))
                                  : Lanes::fma(q, Lanes::load(x + r * K + off), dot[r][j][a]);

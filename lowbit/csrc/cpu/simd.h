@@ -109,6 +109,11 @@ inline __m256 scale8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 scale8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+#if defined(__AVX512F__)
+// Sixteen, the lanes beyond `in` zero.
+inline __m512 scale16(const float* p, __mmask16 in) { return _mm512_maskz_loadu_ps(in, p); }
+inline __m512 scale16(const uint16_t* p, __mmask16 in) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p)); }
+#endif
 #endif
 
 // Prefetch the bytes of a weight row that is read later, one cache line at a time: the
