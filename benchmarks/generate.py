@@ -137,6 +137,11 @@ def vllm_rows(python: str, folder: str, model, tok, batches: list[int], tokens: 
     return {names[r["model"]]: ({int(b): v for b, v in r["tok_s"].items()}, r["error"]) for r in table}
 
 
+def nanmax(a: float, b: float) -> float:
+    """The larger of a and b, ignoring a nan (nan only when both are)."""
+    return b if a != a else a if b != b else max(a, b)
+
+
 def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[str, tuple[float, float]]:
     """tokens/s (prefill, decode) per llama.cpp type from llama-bench, for the GGUF files
     named SmolLM2-135M-Instruct.<TYPE>.gguf in gguf_dir (plus the bundled Q4_1): prefill of
@@ -156,7 +161,8 @@ def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[s
             res = subprocess.run([binary, "-m", path, *extra, "-t", str(torch.get_num_threads()), "-r", "2",
                                   "-o", "json"], capture_output=True, text=True)
             if res.returncode:
-                print(f"llama-bench failed on {path}: {res.stderr.strip()[-300:]}")
+                why = f"killed by signal {-res.returncode}" if res.returncode < 0 else f"exit status {res.returncode}"
+                print(f"llama-bench failed on {path} ({why}): {res.stderr.strip()[-300:]}")
                 continue
             tps[what] = max(json.loads(res.stdout)[-1]["samples_ts"])
         out[kind] = (tps.get("prefill", float("nan")), tps.get("decode", float("nan")))
@@ -218,8 +224,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         if run_llama:
             for kind, (p, d) in llama_bench(args.llama_bench, args.gguf_dir, args.prefill, args.decode).items():
-                lp, ld = llama.get(kind, (0.0, 0.0))
-                llama[kind] = (max(lp, p), max(ld, d))
+                lp, ld = llama.get(kind, (float("nan"), float("nan")))
+                llama[kind] = (nanmax(lp, p), nanmax(ld, d))  # a failed run (nan) neither counts nor zeroes a row
         for name, r in runners.items():
             p, d = lowbit_round(r, prompt, args.decode)
             b = best.setdefault(name, [0.0, 0.0])
