@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import time
 
+import numpy as np
 import torch
 
 import lowbit
@@ -137,11 +138,6 @@ def vllm_rows(python: str, folder: str, model, tok, batches: list[int], tokens: 
     return {names[r["model"]]: ({int(b): v for b, v in r["tok_s"].items()}, r["error"]) for r in table}
 
 
-def nanmax(a: float, b: float) -> float:
-    """The larger of a and b, ignoring a nan (nan only when both are)."""
-    return b if a != a else a if b != b else max(a, b)
-
-
 def llama_bench(binary: str, gguf_dir: str, prefill: int, decode: int) -> dict[str, tuple[float, float]]:
     """tokens/s (prefill, decode) per llama.cpp type from llama-bench, for the GGUF files
     named SmolLM2-135M-Instruct.<TYPE>.gguf in gguf_dir (plus the bundled Q4_1): prefill of
@@ -225,7 +221,7 @@ def main() -> None:
         if run_llama:
             for kind, (p, d) in llama_bench(args.llama_bench, args.gguf_dir, args.prefill, args.decode).items():
                 lp, ld = llama.get(kind, (float("nan"), float("nan")))
-                llama[kind] = (nanmax(lp, p), nanmax(ld, d))  # a failed run (nan) neither counts nor zeroes a row
+                llama[kind] = (float(np.fmax(lp, p)), float(np.fmax(ld, d)))  # fmax skips a failed run's nan
         for name, r in runners.items():
             p, d = lowbit_round(r, prompt, args.decode)
             b = best.setdefault(name, [0.0, 0.0])
