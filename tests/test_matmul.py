@@ -47,7 +47,8 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     and x to bf16 (u_bf16 * A each) and sum float32 products of them (at the float32
     matmul precision "highest" float32 activations skip the bf16 roundings: a subset of
     this bound, checked tighter in tests/test_precision.py); up to gemv_max_m rows, 4-bit weights go
-    through bf16 dot products on 128 + u (offset 128, +8 for signed codes) and non-bf16
+    through bf16 dot products on 128 + u (offset 128, +8 for signed codes; gemv_f32's float32
+    FMAs on u = q + 8 for signed 4-bit codes: offset 8) and non-bf16
     x is split into two bf16 parts (|x - hi - lo| <= 2^-16 |x|); each output is rounded
     once to x's dtype (u_out * |y| each)."""
     k = x.shape[-1]
@@ -59,7 +60,10 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     bf16_tiles = backend == "cpu" and kernel in ("gemm_bf16", "gemm_bf16_amx", "tiles_bf16")
     bf16_dots = backend == "cpu" and kernel.startswith("gemv_bf16")  # or float32 FMAs: a tighter subset
     a = abs_products(x, qt)
-    a_sums = abs_products(x, qt, offset=136.0) if bf16_dots else a  # what the float32 sums add up
+    # what the float32 sums add up: gemv_f32 sums signed 4-bit codes as u = q + 8, less 8 sum x
+    signed4 = s.bits == 4 and s.symmetric
+    a_sums = (abs_products(x, qt, offset=136.0) if bf16_dots
+              else abs_products(x, qt, offset=8.0) if backend == "cpu" and kernel == "gemv_f32" and signed4 else a)
     u_in = 2 * UNIT[torch.bfloat16] if bf16_tiles else 2.0**-16 if bf16_dots else 0.0
     if backend == "triton" and x.dtype == torch.float32:
         u_in = 2.0**-21  # tf32x3 on the tensor cores: |x - hi - lo| <= 2^-21 |x| (exact when interpreted)

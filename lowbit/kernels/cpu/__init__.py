@@ -606,7 +606,8 @@ class CpuBackend(Backend):
         float32: 4-bit through bf16 dot products on the codes (gemv_bf16.cpp; non-bf16 x
         split into two bf16 parts; where AMX runs, beyond ``AMX_GEMV_BF16_MAX_M`` rows of
         bf16 x the same products and float32 sums on AMX bf16 tiles, gemv_amx.cpp), else float32
-        FMAs (matmul.cpp).  ``gemm_bf16``
+        FMAs (matmul.cpp; signed 4-bit codes as q + 8 less 8 sum x per group, within the
+        bound of sum (|q| + 8) |x| s).  ``gemm_bf16``
         (gemm_bf16.cpp) dequantizes panels of W to bf16 (rounded once, as
         W.to(bfloat16)) and multiplies them with x rounded to bf16 with float32
         accumulation: bf16 torch.matmul's arithmetic, 4-5x faster than float32 here, and
