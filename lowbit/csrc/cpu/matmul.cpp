@@ -73,9 +73,10 @@ void with_group(int64_t group, F&& f) {
 // the unsigned nibbles' and / shift, where sign-extending each nibble took two shifts; one
 // op fewer per 8 codes, against the vectorized 8 s sum(x) per row: 1536 x 576 and 576 x
 // 1536 int4-sym-g32-f16 at one row 1.05-1.09x faster, in the L2 or cycling through 70 MB,
-// AVX2 EPYC; xor before the widening measured 0.91x, one uop more); 8-bit codes have it subtracted from each code (q - z, exact in float32)
-// before its product.  The per-group term cancels against the sum of q x, within the same
-// bound (sum (|q| + |z|) |x|, tests/test_matmul.py): the bundled model's logits against the
+// AVX2 EPYC; xor before the widening measured 0.91x, one uop more); 8-bit codes have it
+// subtracted from each code (q - z, exact in float32) before its product.  The per-group
+// term cancels against the sum of q x, within the same bound (sum (|q| + |z|) |x|,
+// tests/test_matmul.py): the bundled model's logits against the
 // float model on its dequantized weights (int4 g64 with zero points, one row) are 5.9e-5
 // apart with it and 2.0e-5 with q - z, of logits up to 27; without the two subtractions per
 // 16 codes a w4a16-g128-head8 decode step is 1.11x faster (AVX2 EPYC).
@@ -97,8 +98,6 @@ struct Lanes {
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static I widen(__m128i b, bool is_signed) { return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
-  static I sll(I v, int n) { return _mm512_slli_epi32(v, n); }
-  static I sra(I v, int n) { return _mm512_srai_epi32(v, n); }
   static I srl(I v, int n) { return _mm512_srli_epi32(v, n); }
   static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xF)); }
   static I flip(I v) { return _mm512_xor_si512(v, _mm512_set1_epi32(0x88)); }  // signed nibbles q to q + 8
@@ -119,8 +118,6 @@ struct Lanes {
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static I widen(__m128i b, bool is_signed) { return is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
-  static I sll(I v, int n) { return _mm256_slli_epi32(v, n); }
-  static I sra(I v, int n) { return _mm256_srai_epi32(v, n); }
   static I srl(I v, int n) { return _mm256_srli_epi32(v, n); }
   static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xF)); }
   static I flip(I v) { return _mm256_xor_si256(v, _mm256_set1_epi32(0x88)); }  // signed nibbles q to q + 8
@@ -144,7 +141,7 @@ inline F sum_of(const F* d) {
 // sum_g s[g] z[g] xs[g] (z == nullptr: sum_g s[g] xs[g]) over one row's G groups, as eight
 // lanes to be summed: eight groups a vector, the last G % 8 in the window of the row's last
 // eight groups with the lanes already counted masked off (nothing read past the row), rows
-// of fewer than eight groups from a zero-padded copy.  The zero points' term of w4_rows and
+// of fewer than eight groups by scalar FMAs.  The zero points' term of w4_rows and
 // the "min" form's offsets (add_mins).  (Both were a scalar FMA per group after the group's
 // dot product, with its float16 conversions: int4-asym-g32-f16 at one row 1.09x faster
 // without it, the "min" form (Q4_1's) 1.16-1.23x, 64- and 128-groups the same (0.95-1.02x),
@@ -159,17 +156,16 @@ inline __m256 group_terms(const S* s, const S* z, const float* xs, int64_t G) {
   if (g == G) return c;
   if (G >= 8) {
     const int64_t start = G - 8;  // lanes i with start + i < g were counted above
-    const __m256 keep = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(g - start - 1))));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(g - start - 1))));
     return _mm256_add_ps(c, _mm256_and_ps(_mm256_mul_ps(factor(start), _mm256_loadu_ps(xs + start)), keep));
   }
-  S sb[8] = {}, zb[8] = {};
-  float xb[8] = {};
-  std::copy(s, s + G, sb);
-  if (z) std::copy(z, z + G, zb);
-  std::copy(xs, xs + G, xb);
-  const __m256 f = z ? _mm256_mul_ps(scale8(sb), scale8(zb)) : scale8(sb);
-  return _mm256_fmadd_ps(f, _mm256_loadu_ps(xb), c);
+  // fewer than eight groups: scalar FMAs after the row (a zero-padded copy measured 2.2x
+  // slower at K = 128; these, against the FMA per group inside the group loop they replaced,
+  // 0.82x for int4-g32 at K = 128, the same for the "min" form)
+  float t = 0.f;
+  for (int64_t i = 0; i < G; ++i) t = std::fma(z ? scale1(s + i) * scale1(z + i) : scale1(s + i), xs[i], t);
+  return _mm256_setr_ps(t, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
 }
 
 // R activation rows x W weight rows (row_bytes apart; their scales and zero points G apart,
@@ -197,8 +193,8 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
       for (int part = 0; part < 16 / L; ++part) {
         const int64_t off = (g * size + b * 32) / 2 + L * part;  // byte offset == index into xe/xo
         for (int j = 0; j < W; ++j) {
-          const Lanes::I v = SIGNED ? Lanes::flip(Lanes::widen(Lanes::bytes(w + j * row_bytes + off), false))
-                                    : Lanes::widen(Lanes::bytes(w + j * row_bytes + off), false);
+          Lanes::I v = Lanes::widen(Lanes::bytes(w + j * row_bytes + off), false);
+          if constexpr (SIGNED) v = Lanes::flip(v);
           const Lanes::I lo = Lanes::low4(v), hi = Lanes::srl(v, 4);
           const F flo = Lanes::cvt(lo), fhi = Lanes::cvt(hi);
           for (int r = 0; r < R; ++r) {
@@ -716,7 +712,9 @@ void gemv_f32_into(const float* px, int64_t M, int64_t K, int64_t bits, int64_t 
   const int64_t G = K / group;
   const bool has_zp = weights[0].z != nullptr, zero_point_min = weights[0].min;
   thread_local std::vector<float> xs_keep, xa_keep, xb_keep;
-  float* xs = grown(xs_keep, M * G);  // read by the kernels that take z * sum(x) per group, and by add_mins
+  // group sums of x: read by the 4-bit kernels (z * sum(x) per group, 8 * sum(x) for signed
+  // codes) and by add_mins
+  float* xs = grown(xs_keep, M * G);
   if (bits == 4 || zero_point_min)  // group sums of x
     for (int64_t i = 0; i < M * G; ++i) {
       __m256 sum = _mm256_setzero_ps();
