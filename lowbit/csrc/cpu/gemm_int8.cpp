@@ -577,14 +577,14 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
 namespace {
 #if defined(__AVX2__)
 template <int R>
-void int8_rows(const int16_t* a, int64_t K, const int8_t* b, const int8_t* next, int32_t* c, int64_t ldc) {
+void int8_rows(const int16_t* a, int64_t K, const int8_t* b, bool prefetch, int32_t* c, int64_t ldc) {
   __m256i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    // a later row of b (or none) as this one is read: spread over the row, 1.07x more than
-    // prefetch_row's burst at its start
-    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
+    // the codes kStreamAhead on into the L2 as this row is read (simd.h; it was row n + 8's
+    // into the L1: w8a8's decode step on the Zen 4 1.07-1.10x, medians of in-process rounds)
+    if (prefetch) prefetch_l2(b + k + kStreamAhead);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k + 16)));
     for (int r = 0; r < R; ++r) {  // two pairs' sums (each <= 2^15) added in int32
@@ -631,10 +631,10 @@ void int8_mm_rows_into(const int8_t* a, int64_t M, int64_t K, const int8_t* pb, 
   for (int64_t i = 0; i < M * K; ++i) pa[i] = a[i];
   parallel_chunks(0, N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* next = n + kRowsAhead < N ? pb + (n + kRowsAhead) * K : nullptr;  // prefetched
+      const bool prefetch = n + kRowsAhead < N;  // (not the last rows)
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int8_rows<4>(pa + m * K, K, pb + n * K, next, pc + m * N + n, N);
-      for (; m < M; ++m) int8_rows<1>(pa + m * K, K, pb + n * K, next, pc + m * N + n, N);
+      for (; m + 4 <= M; m += 4) int8_rows<4>(pa + m * K, K, pb + n * K, prefetch, pc + m * N + n, N);
+      for (; m < M; ++m) int8_rows<1>(pa + m * K, K, pb + n * K, prefetch, pc + m * N + n, N);
     }
   });
 #else

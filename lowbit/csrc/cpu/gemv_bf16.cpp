@@ -207,14 +207,13 @@ inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // unpacked weight vector serves the R rows, each block's x vectors the W weight rows.  Every
 // output takes the same operations whatever R and W, so the same bits.  GROUP: 32, 64, or 0
 // for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit idiv
-// there (~10 cycles each) was more than a block's vector work.  ahead > 0: each block's
-// codes `ahead` bytes on are prefetched as the block is read (the rows kRowsAhead on, one
-// line per line read: spread over the row, not a burst at its start).
+// there (~10 cycles each) was more than a block's vector work.  fetch: each block's line of
+// codes (64 bytes) prefetches the line kStreamAhead on into the L2 (simd.h) where `fetch`.
 template <int R, int W, bool SIGNED, bool HAS_ZP, bool MIN, bool SPLIT, int GROUP>
 void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
-          int64_t group, const float* s, const float* z, float* y, int64_t ldy, int64_t ahead = 0) {
+          int64_t group, const float* s, const float* z, float* y, int64_t ldy, bool prefetch) {
   const auto fetch = [&](const uint8_t* at) {
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
+    if (prefetch) prefetch_l2(at + kStreamAhead);
   };
   __m512 tz[W][R];
   __m256 ty[W][R];
@@ -309,35 +308,33 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
   const int64_t N = wt.N;
   const float* s = static_cast<const float*>(wt.s);
   const float* z = static_cast<const float*>(wt.z);
-  // Row n + kRowsAhead is fetched while row n is read (a burst as a group of short rows
-  // starts; spread over a long row, a line ahead per line read): a decode step's weights
-  // (SmolLM2's 53 MB of 4-bit codes) stream from beyond the L2, where the hardware
-  // prefetcher alone leaves this loop waiting (AMX Xeon, 2 threads, w4a16-g128-head8 step at
-  // 128 positions: 10.5-11.3 ms without, 8.8-9.6 with; 1536 x 576 cycling through 53 MB of
-  // weights, one thread: 96 -> 73 us a call, 63 us cache-resident).
+  // A decode step's weights (SmolLM2's 53 MB of 4-bit codes) stream from beyond the L2,
+  // where the hardware prefetcher alone leaves this loop waiting (AMX Xeon, 2 threads,
+  // w4a16-g128-head8 step at 128 positions: 10.5-11.3 ms without prefetches, 8.8-9.6 with
+  // row n + kRowsAhead's codes fetched into the L1 as row n was read).  Each block now
+  // prefetches the codes kStreamAhead on into the L2 (simd.h), with the first row of x:
+  // the same step on the Zen 4, 2 threads, 1.03-1.32x (decode tok/s of 7 process pairs, old
+  // and new builds alternating: 198 -> 217, 171 -> 223, 168 -> 214, 215 -> 207, ...).
   int64_t n = n0;
   if (M < MB && K / 2 < kLongRow)  // fewer rows of x than rows<MB, 1> takes: short weight rows kWeightGroup at a time
     for (; n + kWeightGroup <= n1; n += kWeightGroup) {
       const uint8_t* wn = wt.w + n * (K / 2);
-      for (int64_t r = 0; r < kWeightGroup; ++r)
-        if (n + kRowsAhead + r < N) prefetch_row(wn + (kRowsAhead + r) * (K / 2), K / 2);
       for (int64_t m = 0; m < M; ++m)
         rows<1, kWeightGroup, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(
             wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G, group, s + n * G,
-            HAS_ZP ? z + n * G : nullptr, wt.y + m * N + n, N);
+            HAS_ZP ? z + n * G : nullptr, wt.y + m * N + n, N, m == 0);
     }
-  for (; n < n1; ++n) {  // one weight row at a time, the row kRowsAhead on fetched with the first row of x
+  for (; n < n1; ++n) {  // one weight row at a time
     const uint8_t* wn = wt.w + n * (K / 2);
-    const int64_t ahead = n + kRowsAhead < N ? kRowsAhead * (K / 2) : 0;
     const float* sn = s + n * G;
     const float* zn = HAS_ZP ? z + n * G : nullptr;
     int64_t m = 0;
     for (; m + MB <= M; m += MB)
       rows<MB, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G,
-                                                  group, sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
+                                                  group, sn, zn, wt.y + m * N + n, N, m == 0);
     for (; m < M; ++m)
       rows<1, 1, SIGNED, HAS_ZP, MIN, SPLIT, GROUP>(wn, xh + m * K, xl ? xl + m * K : nullptr, xsum + m * G, K, G,
-                                                 group, sn, zn, wt.y + m * N + n, N, m == 0 ? ahead : 0);
+                                                 group, sn, zn, wt.y + m * N + n, N, m == 0);
   }
 }
 #endif

@@ -174,7 +174,9 @@ inline __m256 group_terms(const S* s, const S* z, const float* xs, int64_t G) {
 // the x loads shared): every weight row is summed in the same order whether it runs alone or
 // in a pair.  GROUP: the group size where it is a common one (32, 64, 128), so that the
 // block loop has a constant count and unrolls; 0: any multiple of 32.  A 32-block's 16 code
-// bytes are read L at a time (one step at 16 lanes, two at 8).
+// bytes are read L at a time (one step at 16 lanes, two at 8), each line of them prefetching
+// the line kStreamAhead on into the L2 (as w8_rows; float32 models' 4-bit decode steps on the
+// Zen 4 1.03-1.10x, q4_0 and q4_1, in-process A/B).
 template <int R, int W, bool SIGNED, bool HAS_ZP, int GROUP, typename S>
 void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64_t G, int64_t group, const uint8_t* w,
              int64_t row_bytes, const S* s, const S* z, float* y, int64_t ldy) {
@@ -193,6 +195,7 @@ void w4_rows(const float* xe, const float* xo, const float* xs, int64_t K, int64
       for (int part = 0; part < 16 / L; ++part) {
         const int64_t off = (g * size + b * 32) / 2 + L * part;  // byte offset == index into xe/xo
         for (int j = 0; j < W; ++j) {
+          if (off % 64 == 0) prefetch_l2(w + j * row_bytes + off + kStreamAhead);
           Lanes::I v = Lanes::widen(Lanes::bytes(w + j * row_bytes + off), false);
           if constexpr (SIGNED) v = Lanes::flip(v);
           const Lanes::I lo = Lanes::low4(v), hi = Lanes::srl(v, 4);
@@ -232,9 +235,11 @@ inline const float* as_floats(const uint16_t* p, int64_t n, float* buf) {
 // R activation rows x W weight rows (K bytes apart, their scales G apart, outputs 1 apart),
 // 8-bit codes.  Inlined into wo_rows: as a call per row (GCC kept it one) each row's
 // horizontal sum and the call ended before the next row's loads could start; inlined,
-// 1536 x 576 int8 at one row and thread, cache-resident, 63 -> 56 us (AVX2 EPYC).  (The
-// prefetch of the rows ahead costs ~7% there, but a decode step streaming its weights from
-// DRAM is ~1.1x slower without it.)  Blocks of L codes: group is a multiple of 16.
+// 1536 x 576 int8 at one row and thread, cache-resident, 63 -> 56 us (AVX2 EPYC).  Each
+// line of codes read prefetches the line kStreamAhead on into the L2 (simd.h; it was rows
+// n + 8 and n + 9 into the L1 as a pair started): a decode step of w8a16-head8 on the Zen 4,
+// all its linears here, 1.40x (in-process A/B, 6 rounds, 128 positions: 109.6 -> 144.6
+// tok/s median), q8_0 1.22x.  Blocks of L codes: group is a multiple of 16.
 // GROUP: the group size where it is a common one (with_group), else 0: a constant block
 // count, and no more chains than a group has blocks.  The first block of a chain is a
 // product, the others FMAs onto it: one row of x in groups of 32 at 16 lanes is one chain
@@ -267,6 +272,7 @@ __attribute__((always_inline)) inline void w8_rows(const float* x, int64_t K, in
       const auto block = [&](int64_t b, int a, bool first) {  // block b into chain a (a constant: in registers)
         const int64_t off = g * group + b * L;
         for (int j = 0; j < W; ++j) {
+          if (off % 64 == 0) prefetch_l2(w + j * K + off + kStreamAhead);
           F q = Lanes::cvt(Lanes::widen(Lanes::bytes(w + j * K + off), SIGNED));
           if constexpr (HAS_ZP) q = Lanes::sub(q, zg[j]);
           for (int r = 0; r < R; ++r)
@@ -605,8 +611,6 @@ void wo_rows(const float* xa, const float* xb, const float* xs, int64_t M, int64
     // rows n and n + 1 in one call where both are in the range
     const int64_t rows = n + 1 < n1 ? 2 : 1;
     const uint8_t* wn = wt.w + n * row_bytes;
-    for (int64_t j = 0; j < rows; ++j)
-      if (n + j + kRowsAhead < N) prefetch_row(wn + (j + kRowsAhead) * row_bytes, row_bytes);
     const S* sn = s + n * G;
     const S* zn = HAS_ZP ? z + n * G : nullptr;
     if (bits == 4) {
