@@ -262,6 +262,39 @@ void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float*
   }
 }
 
+// The W = 128 (or 64) bf16 values at v as the block's four vectors of W / 4 (lane bookkeeping
+// above): vector j's lane 2t + e is v[8t + 4e + j].  Two-source word permutes (vpermt2w), each
+// 32-lane output's halves from values 0-63 and 64-127, where a scalar loop stored each value
+// (prepare runs on one thread before each call's parallel region): the same bits; decode steps
+// on the Zen 4 1.02-1.12x (w4a16-g128-head8, w4a16-g64, q4_0; in-process A/B, medians of 8
+// rounds at 128 positions).
+struct LayOut {
+  alignas(64) uint16_t z[4][32];  // vector j of a 128-block: (8t + 4e + j) mod 64 at lane 2t + e
+  alignas(64) uint16_t y[2][32];  // vectors 2i and 2i + 1 of a 64-block, 16 lanes each
+  constexpr LayOut() : z{}, y{} {
+    for (int j = 0; j < 4; ++j)
+      for (int lane = 0; lane < 32; ++lane) z[j][lane] = static_cast<uint16_t>((8 * (lane / 2) + 4 * (lane % 2) + j) % 64);
+    for (int i = 0; i < 2; ++i)
+      for (int lane = 0; lane < 16; ++lane) y[i][lane] = z[2 * i][lane], y[i][16 + lane] = z[2 * i + 1][lane];
+  }
+};
+constexpr LayOut kLayOut{};
+
+inline void lay_out(const uint16_t* v, uint16_t* out, int64_t W) {
+  const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + 32);
+  if (W == 128) {
+    const __m512i c = _mm512_loadu_si512(v + 64), d = _mm512_loadu_si512(v + 96);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i ix = _mm512_load_si512(kLayOut.z[j]);
+      _mm512_storeu_si512(out + 32 * j, _mm512_mask_mov_epi16(_mm512_permutex2var_epi16(a, ix, b), 0xFFFF0000u,
+                                                              _mm512_permutex2var_epi16(c, ix, d)));
+    }
+    return;
+  }
+  for (int i = 0; i < 2; ++i)  // 64 values: vectors 2i and 2i + 1 from one permute
+    _mm512_storeu_si512(out + 32 * i, _mm512_permutex2var_epi16(a, _mm512_load_si512(kLayOut.y[i]), b));
+}
+
 // Lay out x [M, K] for the lane bookkeeping above: within each block of W values, vector j
 // holds x[8t + j] in lane 2t and x[8t + 4 + j] in lane 2t + 1.  xsum [M, G] gets the group
 // sums of the values actually multiplied (hi + lo), so the 128 offset cancels against them
@@ -289,14 +322,9 @@ void prepare(const float* x, uint16_t* hi, uint16_t* lo, float* xsum, int64_t M,
       xsum[m * (K / group) + g] = _mm512_reduce_add_ps(t);
     }
     for (int64_t p = 0; p < K;) {
-      const int64_t W = K - p >= 128 ? 128 : 64, Q = W / 4;
-      for (int j = 0; j < 4; ++j)
-        for (int64_t t = 0; t < W / 8; ++t)
-          for (int e = 0; e < 2; ++e) {
-            const int64_t from = p + 8 * t + 4 * e + j, at = m * K + p + j * Q + 2 * t + e;
-            hi[at] = h[from];
-            if (lo) lo[at] = l[from];
-          }
+      const int64_t W = K - p >= 128 ? 128 : 64;
+      lay_out(h + p, hi + m * K + p, W);
+      if (lo) lay_out(l + p, lo + m * K + p, W);
       p += W;
     }
   }
