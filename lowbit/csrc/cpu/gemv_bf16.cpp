@@ -207,8 +207,8 @@ inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // unpacked weight vector serves the R rows, each block's x vectors the W weight rows.  Every
 // output takes the same operations whatever R and W, so the same bits.  GROUP: 32, 64, or 0
 // for a multiple of 128 (`group`; then K is one too).  No division per block: a 64-bit idiv
-// there (~10 cycles each) was more than a block's vector work.  fetch: each block's line of
-// codes (64 bytes) prefetches the line kStreamAhead on into the L2 (simd.h) where `fetch`.
+// there (~10 cycles each) was more than a block's vector work.  prefetch: each block's line
+// of codes (64 bytes) prefetches the line kStreamAhead on into the L2 (simd.h).
 template <int R, int W, bool SIGNED, bool HAS_ZP, bool MIN, bool SPLIT, int GROUP>
 void rows(const uint8_t* w, const uint16_t* xh, const uint16_t* xl, const float* xsum, int64_t K, int64_t G,
           int64_t group, const float* s, const float* z, float* y, int64_t ldy, bool prefetch) {
@@ -341,8 +341,8 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
   // w4a16-g128-head8 step at 128 positions: 10.5-11.3 ms without prefetches, 8.8-9.6 with
   // row n + kRowsAhead's codes fetched into the L1 as row n was read).  Each block now
   // prefetches the codes kStreamAhead on into the L2 (simd.h), with the first row of x:
-  // the same step on the Zen 4, 2 threads, 1.03-1.32x (decode tok/s of 7 process pairs, old
-  // and new builds alternating: 198 -> 217, 171 -> 223, 168 -> 214, 215 -> 207, ...).
+  // the same step on the Zen 4, 2 threads, 1.23x (in-process A/B, medians of 6 rounds at 128
+  // positions; the 8-bit head's prefetch changed with it, see simd.h).
   int64_t n = n0;
   if (M < MB && K / 2 < kLongRow)  // fewer rows of x than rows<MB, 1> takes: short weight rows kWeightGroup at a time
     for (; n + kWeightGroup <= n1; n += kWeightGroup) {
