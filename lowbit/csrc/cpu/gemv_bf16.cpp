@@ -38,7 +38,11 @@ namespace {
 // measured slower than 4 on Zen 5: the extra accumulators spill).
 constexpr int MB = 4;
 // Weight rows rows<> takes together below MB rows of x (1.0-1.1x one at a time at M = 1),
-// where a row's codes are shorter than kLongRow bytes (simd.h).
+// long rows too: with the L2 prefetches (rows) four interleaved rows of 768 bytes (SmolLM2's
+// down projection, 576 x 1536) stream from DRAM as fast as one row at a time (1.01-1.06x,
+// 2 threads, cycling through 120 MB), and in cache they take 1.17-1.43x less time (one x
+// load for four rows; Zen 4, a standalone copy of the kernel, variants alternating in one
+// process).  Eight rows were 0.91-0.97x four.
 constexpr int kWeightGroup = 4;
 
 // 512-bit block: 128 values, 64 packed bytes, float lanes t = 0..15.
@@ -344,7 +348,7 @@ void weight_rows(const PackedWeight& wt, const uint16_t* xh, const uint16_t* xl,
   // the same step on the Zen 4, 2 threads, 1.23x (in-process A/B, medians of 6 rounds at 128
   // positions; the 8-bit head's prefetch changed with it, see simd.h).
   int64_t n = n0;
-  if (M < MB && K / 2 < kLongRow)  // fewer rows of x than rows<MB, 1> takes: short weight rows kWeightGroup at a time
+  if (M < MB)  // fewer rows of x than rows<MB, 1> takes: weight rows kWeightGroup at a time
     for (; n + kWeightGroup <= n1; n += kWeightGroup) {
       const uint8_t* wn = wt.w + n * (K / 2);
       for (int64_t m = 0; m < M; ++m)

@@ -122,8 +122,8 @@ inline __m512 scale16(const uint16_t* p, __mmask16 in) { return _mm512_cvtph_ps(
 // SmolLM2's 49152 x 576 int8 head: gemv_f32's rows 1.2x; spread over the row instead, as
 // int8_mm_rows and gemv_a8.cpp's 8-bit rows do it, 1.15x and 1.35x there).
 constexpr int64_t kRowsAhead = 8;
-// Rows of at least kLongRow bytes of codes are read one at a time by the 4-bit decode
-// kernels (gemv_bf16.cpp, gemv_a8.cpp), which take shorter ones four at a time: four
+// Rows of at least kLongRow bytes of codes are read one at a time by gemv_a8.cpp's 4-bit
+// decode rows (L1 prefetches), which take shorter ones four at a time: four
 // interleaved streams of 768-byte rows (SmolLM2's down projection, K = 1536) ran at 8 GB/s
 // from DRAM against 16 GB/s for the same bytes in rows of 288 (Zen 4, 2 threads, cycling
 // through 128 MiB of weights); one row at a time, with the prefetches spread over the row,
