@@ -203,9 +203,9 @@ def test_native_batch_step_is_bit_identical_to_the_python_path(recipe, dtype, mo
 def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype):
     # Runner.forward's prefill takes q/k/v, o, gate/up and down through the C++ step planned
     # for its rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX
-    # tiles; int8 blocks of x on the row kernel or AMX tiles; W4A8 on AMX tiles; weight-only
-    # on AMX bf16 tiles), else one by one; a float model's projections stay on torch's linear
-    # (transformers' bits)
+    # tiles; int8 blocks of x on the row kernel or AMX tiles; W4A8 on AMX tiles or VNNI panels;
+    # weight-only on AMX bf16 tiles), else one by one; a float model's projections stay on
+    # torch's linear (transformers' bits)
     m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
     if recipe is not None:
@@ -219,8 +219,10 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
         act = None if lin.act_scheme is None else lowbit.QuantScheme.parse(lin.act_scheme)
         kernel = cpu.BACKEND.plan(lin.qweight.scheme, act, 60, lin.in_features, dtype).kernel
         # the W8A8, int8-block and weight-only kernels that take several weights at once (W8A8:
-        # AVX-512 VNNI's panels or AMX; AVX2's int16 panels run each projection alone)
+        # AVX-512 VNNI's panels or AMX; AVX2's int16 panels run each projection alone; W4A8's
+        # panels where they are VNNI's)
         multi = ("gemm_int8", "int8_amx", "a8_blocks", "a8_amx", "w4a8_amx", "gemm_bf16_amx")
+        multi += ("w4a8_panels",) if cpu._C.has_w4a8_panels() else ()
         assert fused == ({kernel in multi} if d is not None else set())
     else:
         assert True not in fused

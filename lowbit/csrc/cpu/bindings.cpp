@@ -116,4 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gptq_columns", &gptq_columns, "GPTQ's column loop in one block, bit-exact with algorithms.gptq._columns");
   m.def("ggml_dequantize", &ggml_dequantize, "ggml block types (GGUF data) to float32, bit-exact with formats.ggml");
   m.def("w4a8_gemm_panels", &w4a8_gemm_panels, "w4a8_gemm for many rows: gemm_int8.cpp's panels and tiles");
+  m.def("has_w4a8_panels", &has_w4a8_panels,
+        "whether w4a8_gemm_panels runs on gemm_int8.cpp's VNNI panels (then a decode step or prefill runs q/k/v and "
+        "gate/up through them in one call each); else gemm_a8.cpp's AVX2 panels, a projection at a time");
 }

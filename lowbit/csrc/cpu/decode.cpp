@@ -1394,9 +1394,11 @@ class Group {
             p->scale.numel() != p->codes.size(0) || K >= (int64_t(1) << 17))
           return false;
       } else {  // W4A8: u32x8 codes [N, K / 8], scales and int32 zero points [N, K / group]; w4a8_rows
-        // (kernel 0) for one row, or AMX tiles (kernel 2) for any number
+        // (kernel 0) for one row, VNNI panels (kernel 1) or AMX tiles (kernel 2) for any number
         const bool zp = p->zero_point.has_value();
-        const bool kernel_runs = p->kernel == 0 ? has_w4a8_rows() : p->kernel == 2 && has_amx_int8();
+        const bool kernel_runs = p->kernel == 0   ? has_w4a8_rows()
+                                 : p->kernel == 1 ? has_w4a8_panels()
+                                                  : p->kernel == 2 && has_amx_int8();
         if (p0.bits != 4 || p->kernel != p0.kernel || !kernel_runs || p->codes.scalar_type() != at::kInt || p->group != p0.group ||
             p->group % 32 != 0 || K % p->group != 0 || 128 * 15 * p->group >= (int64_t(1) << 30) ||
             p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
@@ -1431,12 +1433,19 @@ class Group {
   }
 
   // W4A8 on AMX tiles (kernel 2), which a prefill's rows take in one call.
-  bool w4a8_tiles() const { return kind_ == kTokens && bits_ == 4 && ps_[0].kernel == 2; }
+  // W4A8 on AMX tiles (kernel 2) or on gemm_int8.cpp's VNNI panels (kernel 1, where
+  // w4a8_gemm_panels runs them): M rows in one call.
+  bool w4a8_tiles() const {
+    return kind_ == kTokens && bits_ == 4 && (ps_[0].kernel == 2 || (ps_[0].kernel == 1 && has_w4a8_panels()));
+  }
 
-  // M rows of x through W4A8 projections on AMX tiles: each row quantized as run_tokens
-  // quantizes one (token_rows, unsigned codes shifted to int8), every weight's panels in one
-  // parallel region, the row scales and the rounding to T in the tiles' store
-  // (w4a8_amx_into), then the bias.
+  // M rows of x through W4A8 projections on AMX tiles or VNNI panels: each row quantized as
+  // run_tokens quantizes one (token_rows, unsigned codes shifted to int8), every weight's
+  // panels in one parallel region, the row scales and the rounding to T in the store
+  // (w4a8_amx_into, w4a8_panels_into), then the bias.  On the panels, where q/k/v (gate/up)
+  // each quantized x and went through ATen ops around their own call: 512-token prefills of
+  // w4a8-g128 and w4a8-g128-head8 1.20x and 1.25x (Zen 4, in-process A/B, medians of 8
+  // rounds), the same bits.
   template <typename T>
   void run_w4a8_tiles(const T* x, T* const* ys, int64_t M) const {
     std::vector<int8_t> q(M * K_);
@@ -1449,7 +1458,10 @@ class Group {
       ws.push_back(PackedWeight{reinterpret_cast<const uint8_t*>(p.codes.data_ptr()), p.scale.data_ptr<float>(),
                                 p.zero_point ? p.zero_point->data_ptr<int32_t>() : nullptr, out_features(i), nullptr});
     }
-    w4a8_amx_into(q.data(), z.data(), s.data(), M, K_, group_, ws, ys);
+    if (ps_[0].kernel == 2)
+      w4a8_amx_into(q.data(), z.data(), s.data(), M, K_, group_, ws, ys);
+    else
+      w4a8_panels_into(q.data(), z.data(), s.data(), M, K_, group_, ws, ys);
     for (size_t i = 0; i < ps_.size(); ++i) add_bias(i, ys[i], M);
   }
 

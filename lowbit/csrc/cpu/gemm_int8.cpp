@@ -491,6 +491,102 @@ constexpr auto TILES_U4 = tile_u4_table(std::make_integer_sequence<int, MR>{});
 #endif
 }  // namespace
 
+namespace {
+#ifdef LOWBIT_HAVE_INT8_GEMM
+// The W4A8 panel GEMM over the weights ws (codes u32x8 [N, K/8], float32 scales [N, G],
+// int32 zero points [N, G] or none: signed codes) of one x, their panels in one parallel
+// region: every panel of every weight times every part of x's rows (PanelItems), a thread's
+// items in order, each summed group by group into float32 yf (y * x_scale[m] rounded to Y
+// as the caller's loop and .to() round it, once the item's last chunk is done).
+template <typename Y>
+void w4a8_panels_run(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K,
+                     int64_t group, const std::vector<PackedWeight>& ws, Y* const* ys) {
+  const int64_t G = K / group;
+  // activations in panel order (each 8 values as 0, 2, 4, 6, 1, 3, 5, 7) and per row and
+  // group sum x - |g| xz (exact: check_w4a8_zero_points), one pass over x in parallel (as
+  // ATen ops, a strided copy and a reduction, they were a fifth of a W4A8 prefill)
+  std::vector<int8_t> xr(M * K);
+  std::vector<int32_t> xg(M * G);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* xs = x_q + m * K;
+      int8_t* xd = xr.data() + m * K;
+      for (int64_t k = 0; k < K; k += 8)
+        for (int i = 0; i < 4; ++i) {
+          xd[k + i] = xs[k + 2 * i];
+          xd[k + 4 + i] = xs[k + 2 * i + 1];
+        }
+      w4a8_group_sums(xs, x_zp[m], K, group, xg.data() + m * G);
+    }
+  });
+  // per weight: scales and zero points as [G][Npad] (lane i of a load at column c is column
+  // c + i's), and where the result is not float32 y itself, its float32 sums
+  constexpr bool direct = std::is_same<Y, float>::value;
+  std::vector<std::vector<float>> st(ws.size()), yf(ws.size());
+  std::vector<std::vector<int32_t>> zt(ws.size());
+  std::vector<int64_t> Ns;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    const PackedWeight& wt = ws[j];
+    const int64_t N = wt.N, Npad = (N + NP - 1) / NP * NP;
+    const float* sc = static_cast<const float*>(wt.s);
+    const int32_t* zp = static_cast<const int32_t*>(wt.z);
+    st[j].assign(G * Npad, 0.0f);
+    if (zp) zt[j].assign(G * Npad, 0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        st[j][g * Npad + n] = sc[n * G + g];
+        if (zp) zt[j][g * Npad + n] = zp[n * G + g];
+      }
+    if (!direct || x_scale) yf[j].resize(M * N);
+    Ns.push_back(N);
+  }
+  // chunks of whole groups, about 1024 values (the panel: 64 KiB)
+  const int64_t KC = std::max<int64_t>(1, 1024 / group) * group;
+  const uint32_t* px = reinterpret_cast<const uint32_t*>(xr.data());
+  const int64_t ldx = K / 4;
+  const PanelItems items(Ns, NP, M, MR);
+  at::parallel_for(0, items.size(), 1, [&](int64_t i0, int64_t i1) {
+    PanelBuffer buf(KC / 4 * NP);
+    uint32_t* panel = buf.data;
+    std::vector<int32_t> usum(KC / group * NP);
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [j, n0, m0, m1] = items[i];
+      const PackedWeight& wt = ws[j];
+      const int64_t N = wt.N, Npad = (N + NP - 1) / NP * NP;
+      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+      float* py = yf[j].empty() ? reinterpret_cast<float*>(ys[j]) : yf[j].data();
+      const GroupTerms terms{st[j].data(), zt[j].empty() ? nullptr : zt[j].data(), xg.data(), x_zp, usum.data(), G,
+                             Npad};
+      // the codes of this item's next chunk, or of the next item's panel when it is this weight's
+      const int64_t later = i + 1 < i1 && items[i + 1].j == j ? items[i + 1].n0 : -1;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        pack_panel_u4(wt.w, wt.z == nullptr, N, K, group, n0, k0, kc, panel, usum.data(), k0 + kc < K ? n0 : later,
+                      k0 + kc < K ? k0 + kc : 0);
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+          TILES_U4[mr - 1](px + m * ldx + k0 / 4, ldx, panel, kc / group, group / 4, k0 / group, py + m * N + n0, N, m,
+                           n0, ncols, k0 == 0, terms);
+        }
+      }
+      if (!yf[j].empty())
+        for (int64_t m = m0; m < m1; ++m) {
+          const float xs = x_scale ? x_scale[m] : 1.0f;
+          const float* src = py + m * N + n0;
+          Y* dst = ys[j] + m * N + n0;
+          if constexpr (direct) {
+            for (int c = 0; c < ncols; ++c) dst[c] = src[c] * xs;
+          } else {
+            uint16_t* db = reinterpret_cast<uint16_t*>(dst);  // c10's rounding of the scaled sum
+            for (int c = 0; c < ncols; ++c) db[c] = bf16_bits(x_scale ? src[c] * xs : src[c]);
+          }
+        }
+    }
+  });
+}
+#endif
+}  // namespace
+
 // x_q int8 [M, K]; x_zp int32 [M]; codes int32 [N, K/8] (u32x8); w_scale float32 [N, G];
 // w_zp int32 [N, G] or none (signed codes).  Returns float32 [M, N] = sum_g w_scale * int_g,
 // the contract of matmul.cpp's w4a8_gemm (x_scale and bias applied by the caller).
@@ -499,72 +595,52 @@ at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const
   TORCH_CHECK(group % 32 == 0 && x_q.size(1) % group == 0,
               "lowbit._C.w4a8_gemm_panels: group must be a multiple of 32 dividing K");
   check_w4a8_zero_points("lowbit._C.w4a8_gemm_panels", x_q, x_zp, group);
-#ifdef LOWBIT_HAVE_INT8_GEMM
   const int64_t M = x_q.size(0), K = x_q.size(1), N = codes.size(0), G = K / group;
+  TORCH_CHECK(x_q.dim() == 2 && x_q.scalar_type() == at::kChar && codes.dim() == 2 &&
+                  codes.scalar_type() == at::kInt && codes.size(1) * 8 == K && w_scale.scalar_type() == at::kFloat &&
+                  w_scale.dim() == 2 && w_scale.size(0) == N && w_scale.size(1) == G &&
+                  (!w_zp || w_zp->sizes() == w_scale.sizes()),
+              "lowbit._C.w4a8_gemm_panels: int8 x_q [M, K], codes int32 [N, K/8], float32 scales and zero points "
+              "[N, K/group] expected");
+#ifdef LOWBIT_HAVE_INT8_GEMM
   at::Tensor y = at::empty({M, N}, x_q.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
-  const int64_t Npad = (N + NP - 1) / NP * NP;
-  // activations in panel order (each 8 values as 0, 2, 4, 6, 1, 3, 5, 7) and per row and
-  // group sum x - |g| xz (exact: check_w4a8_zero_points), one pass over x in parallel (as
-  // ATen ops, a strided copy and a reduction, they were a fifth of a W4A8 prefill)
-  const at::Tensor xc = x_q.contiguous();
+  const at::Tensor xc = x_q.contiguous(), cc = codes.contiguous(), sc = w_scale.contiguous();
   const at::Tensor xz = x_zp.to(at::kInt).contiguous();
-  at::Tensor xr = at::empty({M, K}, xc.options());
-  at::Tensor xg = at::empty({M, G}, xz.options());
-  {
-    const int8_t* src = xc.data_ptr<int8_t>();
-    int8_t* dst = xr.data_ptr<int8_t>();
-    const int32_t* pz = xz.data_ptr<int32_t>();
-    int32_t* pg = xg.data_ptr<int32_t>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        const int8_t* xs = src + m * K;
-        int8_t* xd = dst + m * K;
-        for (int64_t k = 0; k < K; k += 8)
-          for (int i = 0; i < 4; ++i) {
-            xd[k + i] = xs[k + 2 * i];
-            xd[k + 4 + i] = xs[k + 2 * i + 1];
-          }
-        w4a8_group_sums(xs, pz[m], K, group, pg + m * G);
-      }
-    });
-  }
-  const at::Tensor st = groups_by_column(w_scale, Npad, at::kFloat);
-  const at::Tensor zt = w_zp.has_value() ? groups_by_column(*w_zp, Npad, at::kInt) : at::Tensor();
-  // chunks of whole groups, about 1024 values (the panel: 64 KiB)
-  const int64_t KC = std::max<int64_t>(1, 1024 / group) * group;
-  const uint32_t* px = reinterpret_cast<const uint32_t*>(xr.data_ptr());
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const bool is_signed = !w_zp.has_value();
+  const at::Tensor zc = w_zp.has_value() ? w_zp->to(at::kInt).contiguous() : at::Tensor();
   float* py = y.data_ptr<float>();
-  const int64_t ldx = K / 4;
-  const PanelWork work(Npad / NP, M, MR, at::get_num_threads());
-  at::parallel_for(0, work.items(Npad / NP), 1, [&](int64_t i0, int64_t i1) {
-    PanelBuffer buf(KC / 4 * NP);
-    uint32_t* panel = buf.data;
-    std::vector<int32_t> usum(KC / group * NP);
-    const GroupTerms terms{st.data_ptr<float>(), zt.defined() ? zt.data_ptr<int32_t>() : nullptr, xg.data_ptr<int32_t>(),
-                           xz.data_ptr<int32_t>(), usum.data(), G, Npad};
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
-      const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel_u4(w, is_signed, N, K, group, n0, k0, kc, panel, usum.data(), next_n0, k0 + kc < K ? k0 + kc : 0);
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          TILES_U4[mr - 1](px + m * ldx + k0 / 4, ldx, panel, kc / group, group / 4, k0 / group, py + m * N + n0, N, m,
-                           n0, ncols, k0 == 0, terms);
-        }
-      }
-    }
-  });
+  w4a8_panels_run<float>(xc.data_ptr<int8_t>(), xz.data_ptr<int32_t>(), nullptr, M, K, group,
+                         {PackedWeight{reinterpret_cast<const uint8_t*>(cc.data_ptr()), sc.data_ptr<float>(),
+                                       zc.defined() ? zc.data_ptr<int32_t>() : nullptr, N, nullptr}},
+                         &py);
   return y;
 #else
   return w4a8_gemm_panels_avx2(x_q, x_zp, codes, w_scale, w_zp, group);  // gemm_a8.cpp: vpmaddubsw, no VNNI
 #endif
 }
+
+bool has_w4a8_panels() {
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename Y>
+void w4a8_panels_into(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K,
+                      int64_t group, const std::vector<PackedWeight>& weights, Y* const* ys) {
+#ifdef LOWBIT_HAVE_INT8_GEMM
+  if (M > 0) w4a8_panels_run<Y>(x_q, x_zp, x_scale, M, K, group, weights, ys);
+#else
+  (void)x_q, (void)x_zp, (void)x_scale, (void)M, (void)K, (void)group, (void)weights, (void)ys;
+  TORCH_CHECK(false, "lowbit._C.w4a8_panels_into needs AVX-512 with VNNI");
+#endif
+}
+template void w4a8_panels_into<float>(const int8_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
+                                      const std::vector<PackedWeight>&, float* const*);
+template void w4a8_panels_into<c10::BFloat16>(const int8_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
+                                              const std::vector<PackedWeight>&, c10::BFloat16* const*);
 
 // ---- W8A8 for a few rows without VNNI: int8 x int8 with vpmaddwd ------------------------
 //

@@ -375,6 +375,13 @@ at::Tensor int8_mm_rows(const at::Tensor& a, const at::Tensor& b);
 void int8_mm_rows_into(const int8_t* a, int64_t M, int64_t K, const int8_t* b, int64_t N, int32_t* c);
 at::Tensor w4a8_gemm_panels(const at::Tensor& x_q, const at::Tensor& x_zp, const at::Tensor& codes,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& w_zp, int64_t group);
+// w4a8_gemm_panels for several weights of one x (their panels in one parallel region), as
+// w4a8_amx_into takes them (the same bits as w4a8_gemm_panels, then * x_scale[m] and .to()).
+// Needs has_w4a8_panels() (AVX-512 VNNI; without it w4a8_gemm_panels is gemm_a8.cpp's).
+bool has_w4a8_panels();
+template <typename Y>
+void w4a8_panels_into(const int8_t* x_q, const int32_t* x_zp, const float* x_scale, int64_t M, int64_t K,
+                      int64_t group, const std::vector<PackedWeight>& weights, Y* const* ys);
 // gptq.cpp
 void gptq_columns(at::Tensor& W, at::Tensor& Q, at::Tensor& E, const at::Tensor& U, int64_t a, int64_t b,
                   const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, double qmin, double qmax,

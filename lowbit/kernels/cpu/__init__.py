@@ -531,7 +531,8 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
             return Plan("w4a8_amx", f"over {W4A8_ROWS_MAX_M} rows where AMX runs: u4 codes unpacked once into "
                                     "AMX int8 tiles, a group per tile sum: 1.8-2.7x the vpdpbusd panels")
         if m > W4A8_ROWS_MAX_M and _C.int8_gemm_supported(k):
-            return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels")
+            return Plan("w4a8_panels", f"over {W4A8_ROWS_MAX_M} rows: u4 codes unpacked once into int8 panels "
+                                       "(vpdpbusd), a layer's q/k/v and gate/up each in one call")
         return Plan("w4a8_rows", "packed u4 codes, vpdpbusd dot products per group")
     if _has_w4a8_rows() and group % 32 == 0:
         if m <= W4A8_AVX2_ROWS_MAX_M:
