@@ -1198,8 +1198,9 @@ class Group {
   }
 
   // x [M, K] in T through every projection: ys[i] [M, out_features(i)] in T, bias added, as
-  // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row; more
-  // rows go through Proj's tensor path, the same arithmetic.  W8A8 on gemm_int8's panels
+  // Proj gives them.  The per-token int8 path on pointers (kTokens) takes one row (W4A8 on
+  // AMX tiles or VNNI panels any number); more rows go through Proj's tensor path, the same
+  // arithmetic.  W8A8 on gemm_int8's panels
   // or AMX tiles (kInt8Linear) takes any number of rows; so do AMX bf16 tiles (kAmxBf16)
   // for bf16 x (and float32 x with quantized weights), other dtypes the tensor path.
   template <typename T>
@@ -1432,7 +1433,6 @@ class Group {
     });
   }
 
-  // W4A8 on AMX tiles (kernel 2), which a prefill's rows take in one call.
   // W4A8 on AMX tiles (kernel 2) or on gemm_int8.cpp's VNNI panels (kernel 1, where
   // w4a8_gemm_panels runs them): M rows in one call.
   bool w4a8_tiles() const {
