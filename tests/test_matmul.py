@@ -57,7 +57,7 @@ def weight_only_tolerance(x, qt, y_ref, backend="cpu"):
     # Which kernel the backend runs: its plan, the one the kernels follow (on a machine
     # without AVX-512 every 4/8-bit call on cpu runs weight tiles).
     kernel = get_backend(backend).plan(s, None, m, k, x.dtype).kernel
-    bf16_tiles = backend == "cpu" and kernel in ("gemm_bf16", "gemm_bf16_amx", "tiles_bf16")
+    bf16_tiles = backend == "cpu" and kernel in ("gemm_bf16", "gemm_fma", "gemm_bf16_amx", "tiles_bf16")
     bf16_dots = backend == "cpu" and kernel.startswith("gemv_bf16")  # or float32 FMAs: a tighter subset
     a = abs_products(x, qt)
     # what the float32 sums add up: gemv_f32 sums signed 4-bit codes as u = q + 8, less 8 sum x
@@ -1016,6 +1016,69 @@ def test_cpu_weight_only_gemm_bf16_gives_bf16_x_the_float32_sums_rounded_once(sc
     y = cpu._C.weight_only_matmul(x, codes, s, z, bits, group, kernel, scheme == "q4_1")
     y32 = cpu._C.weight_only_matmul(x.float(), codes, s, z, bits, group, kernel, scheme == "q4_1")
     assert y.dtype == torch.bfloat16 and y32.dtype == torch.float32 and torch.equal(y, y32.bfloat16())
+
+
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "q4_1",
+                                    "int8-asym-g64-zpmin"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (7, 33, 576), (65, 70, 256), (130, 64, 2304), (40, 129, 3328)])
+def test_cpu_weight_only_gemm_fma_is_the_float32_sum_with_the_bf16_weight(scheme, m, n, k):
+    # gemm_bf16.cpp's panels on float32 FMAs (gemm_fma): the weight is the reference's bf16
+    # dequantization exactly (widened), x rounded to bf16, so every product is exact and only
+    # the float32 sums differ from float64: gamma_k sum |x w| (K = 2304 and 3328 in two and three
+    # chunks, their partial sums kept in float32 in between; m = 7, 65, 130: tiles of 6 rows and
+    # tails; n = 33, 70, 129: the last panel of 64 cut short).  Each output sums k in order
+    # whatever the other rows, so a row has its bits whatever m is; bf16 x gets the float32
+    # result rounded once.
+    if cpu._C is None or not cpu._C.gemm_bf16_supported(k, 32):
+        pytest.skip("no AVX512-BF16 GEMM in this build")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m * n + k)
+    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    codes, s, z = codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous()
+    zmin = qt.scheme.zero_point_domain == "min"
+    x = torch.randn(m, k, generator=g).bfloat16()
+    kernel = cpu.weight_only_kernel_index("gemm_fma")
+
+    def run(rows):
+        return cpu._C.weight_only_matmul(rows, codes, s, z, bits, group, kernel, zmin)
+
+    y = run(x.float())
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.bfloat16, zero_point_min=zmin).double()
+    want = x.double() @ w.T
+    tol = gamma(k) * (x.double().abs() @ w.abs().T)
+    assert y.dtype == torch.float32 and bool(((y.double() - want).abs() <= tol).all())
+    for rows in (1, min(m, 6), m - 1):
+        assert torch.equal(run(x[:rows].float()), y[:rows])
+    assert torch.equal(run(x[m - 1:].float()), y[m - 1:])
+    yb = run(x)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+    for j in range(0, k, 64):  # rows of the identity read the bf16 weight back exactly
+        assert torch.equal(run(torch.eye(k)[j:j + 64]), w.T[j:j + 64].float())
+
+
+def test_cpu_plan_takes_the_fma_gemm_where_bf16_dot_products_are_slow(monkeypatch):
+    # gemm_fma where fma_over_bf16_dots (measured, or LOWBIT_FMA_GEMM), from FMA_GEMM_MIN_M + 1
+    # rows of bf16 x, never for float32 x at "highest" (its own exact kernels)
+    if cpu._C is None or not cpu._C.gemm_bf16_supported(576, 64) or cpu._amx():
+        pytest.skip("no AVX512-BF16 GEMM in this build, or AMX runs the GEMMs")
+    fma, dot = cpu.bf16_dot_cost()
+    assert 0 < fma < 100 and 0 < dot < 100
+    s = QuantScheme.parse("int4-asym-g64")
+    big = cpu.FMA_GEMM_MIN_M + 1
+    try:
+        for forced, want in (("1", "gemm_fma"), ("0", "gemm_bf16")):
+            monkeypatch.setenv("LOWBIT_FMA_GEMM", forced)
+            cpu.clear_plans()
+            assert cpu.BACKEND.plan(s, None, big, 576, torch.bfloat16).kernel == want
+            assert cpu.BACKEND.plan(s, None, cpu.FMA_GEMM_MIN_M, 576, torch.bfloat16).kernel != "gemm_fma"
+            assert cpu.BACKEND.plan(s, None, big, 576, torch.float32).kernel != "gemm_fma"
+        monkeypatch.delenv("LOWBIT_FMA_GEMM")
+        cpu.clear_plans()
+        want = "gemm_fma" if dot > cpu.BF16_DOT_SLOW * 2 * fma else "gemm_bf16"
+        assert cpu.BACKEND.plan(s, None, big, 576, torch.bfloat16).kernel == want
+    finally:
+        cpu.clear_plans()
 
 
 @pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "q4_1",

@@ -98,6 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16_amx_supported", &gemv_bf16_amx_supported,
         "whether weight_only_gemv_bf16_amx runs here (AMX bf16) for K and group");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether weight_only_gemm_bf16 handles K and group");
+  m.def("bf16_dot_cost", &bf16_dot_cost,
+        "ns per 512-bit FMA and per vdpbf16ps on this core, [fma, dot] (empty without AVX512-BF16)");
   m.def("weight_only_kernels", &weight_only_kernels, "the names of weight_only_matmul's kernels, by index");
   m.def("weight_only_matmul", &weight_only_matmul, "weight-only matmul with the kernel the plan chose (an index)");
   m.def("split_matmul", &split_matmul,

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -86,7 +87,7 @@ inline __m512i dequant_bf16(__m512i lo, __m512i hi, __m512 sv, __m512 zv) {
   return (__m512i)_mm512_cvtne2ps_pbh(b, a);
 }
 
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32>
 void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
                 int64_t n0, int64_t k0, int64_t kc, uint32_t* panel, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
@@ -112,7 +113,7 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
         const int64_t g = k / group;
         const __m512 sv = _mm512_loadu_ps(st + g * Npad + c0);
         const __m512 zv = HAS_ZP ? _mm512_loadu_ps(zt + g * Npad + c0) : _mm512_setzero_ps();
-        uint32_t* out = panel + (k - k0) / 2 * NP + 16 * v;
+        uint32_t* out = panel + (F32 ? k - k0 : (k - k0) / 2) * NP + 16 * v;
         for (int p = 0; p < VALS / 2; ++p) {  // pair p of the dword: values 2p, 2p + 1
           __m512i lo, hi;
           constexpr int W = BITS;  // bits per value
@@ -125,7 +126,13 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
             hi = _mm512_and_si512(_mm512_srli_epi32(r[j], W * (2 * p + 1)), m);
           }
           const __m512i ab = dequant_bf16<HAS_ZP, MIN>(lo, hi, sv, zv);
-          _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
+          if constexpr (F32) {  // the same bf16 values widened: rows k + 2p and k + 2p + 1
+            _mm512_storeu_si512(out + 2 * p * NP, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
+            _mm512_storeu_si512(out + (2 * p + 1) * NP,
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
+          } else {
+            _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
+          }
         }
       }
     }
@@ -135,19 +142,29 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
 // The sums over kp pairs of x[r] . panel, R rows (R <= MR) x 64 columns, added to the
 // float32 partial sums of the earlier chunks of K (part, rows of NP; not `first`), then
 // stored: into part, or rounded once into y[r, 0:ncols] (T: float32 or bf16) at the `last`.
-template <int R, typename T>
+// F32: x and the panel hold float32 values (one per dword, kp values of K), multiplied by
+// FMAs; else pairs of bf16 (kp pairs), by vdpbf16ps.
+template <int R, typename T, bool F32>
 void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* part, T* y, int64_t ldy,
           int ncols, bool first, bool last) {
   __m512 acc[R][NV];
-  panel_dots<R>(acc, x, ldx, panel, kp,
-                [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
+  if constexpr (F32) {  // one chain per output over the chunks: the sum in the order of k
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * NP + 16 * v);
+    panel_dots_add<R>(acc, x, ldx, panel, kp, [](__m512 c, __m512i a, __m512i b) {
+      return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), c);
+    });
+  } else {
+    panel_dots<R>(acc, x, ldx, panel, kp,
+                  [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
+  }
   for (int v = 0; v < NV; ++v) {
     const int left = ncols - 16 * v;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r) {
       __m512 s = acc[r][v];
-      if (!first) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
+      if (!first && !F32) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
       if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, s);
       else _mm512_storeu_ps(part + r * NP + 16 * v, s);
     }
@@ -156,12 +173,12 @@ void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, flo
 
 template <typename T>
 using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, T*, int64_t, int, bool, bool);
-template <typename T, int... Rs>
+template <typename T, bool F32, int... Rs>
 constexpr std::array<TileFn<T>, MR> tile_table(std::integer_sequence<int, Rs...>) {
-  return {tile<Rs + 1, T>...};
+  return {tile<Rs + 1, T, F32>...};
 }
-template <typename T>
-constexpr auto TILES = tile_table<T>(std::make_integer_sequence<int, MR>{});
+template <typename T, bool F32>
+constexpr auto TILES = tile_table<T, F32>(std::make_integer_sequence<int, MR>{});
 
 
 // The GEMM's loop: every panel of NP weight rows and every part of the activation rows
@@ -171,7 +188,7 @@ constexpr auto TILES = tile_table<T>(std::make_integer_sequence<int, MR>{});
 // the item's rows [m0, m1), part: the thread's float32 buffer for their partial sums over
 // the chunks (rows of NP; null where K is one chunk).  The codes of the next chunk (or item)
 // arrive while this one is multiplied.
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename Step>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename Step>
 void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K, int64_t Npad,
                 int64_t group, int64_t kc_max, int64_t tile_rows, Step step) {
   const int64_t panels = Npad / NP;
@@ -179,7 +196,7 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
   const PanelWork work(panels, M, tile_rows, at::get_num_threads());
   at::parallel_for(0, work.items(panels), 1, [&](int64_t i0, int64_t i1) {
-    PanelBuffer buf(KC / 2 * NP);
+    PanelBuffer buf((F32 ? KC : KC / 2) * NP);
     std::vector<float> part(KC < K ? work.rows * NP : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
@@ -187,7 +204,7 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
-        pack_panel<BITS, SIGNED, HAS_ZP, MIN>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
+        pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
                                          k0 + kc < K ? k0 + kc : 0);
         step(static_cast<const uint32_t*>(buf.data), part.empty() ? nullptr : part.data(), m0, m1, n0, k0, kc,
              ncols);
@@ -196,17 +213,19 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
   });
 }
 
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, typename T>
+// xa: x as pairs of bf16 [M][K / 2], or F32: as float32 [M][K] (bf16 values widened).
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename T>
 void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
           int64_t Npad, int64_t group, T* y) {
-  const int64_t ldx = K / 2;
-  each_chunk<BITS, SIGNED, HAS_ZP, MIN>(
+  constexpr int64_t per = F32 ? 1 : 2;  // values of K per dword
+  const int64_t ldx = K / per;
+  each_chunk<BITS, SIGNED, HAS_ZP, MIN, F32>(
       w, st, zt, M, N, K, Npad, group, KC_MAX, MR,
       [&](const uint32_t* panel, float* part, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          TILES<T>[mr - 1](xa + m * ldx + k0 / 2, ldx, panel, kc / 2, part ? part + (m - m0) * NP : nullptr,
-                           y + m * N + n0, N, ncols, k0 == 0, k0 + kc >= K);
+          TILES<T, F32>[mr - 1](xa + m * ldx + k0 / per, ldx, panel, kc / per, part ? part + (m - m0) * NP : nullptr,
+                                y + m * N + n0, N, ncols, k0 == 0, k0 + kc >= K);
         }
       });
 }
@@ -290,7 +309,8 @@ namespace {
 // The entry below: its checks, x rounded to bf16, scale and zero point transposed to [G][Npad]
 // (lane i of a vector load is column i's value), then the GEMM for the weight's kind.
 at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool zero_point_min) {
+                      const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool zero_point_min,
+                      bool fma) {
   TORCH_CHECK(gemm_bf16_supported(x.size(1), group), who, ": unsupported K/group");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
                   scale.scalar_type() == at::kFloat,
@@ -315,7 +335,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     if (bits == 4) kind(std::integral_constant<int, 4>{});
     else kind(std::integral_constant<int, 8>{});
   };
-  if (M <= kRowsMaxM) {
+  if (M <= kRowsMaxM && !fma) {
     const at::Tensor sc = scale.contiguous();
     const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
     const uint16_t* xr = reinterpret_cast<const uint16_t*>(xb.data_ptr());
@@ -337,14 +357,20 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
   at::Tensor zt;
   if (zero_point.has_value()) zt = groups_by_column(*zero_point, Npad, at::kFloat);
-  const void* pa = xb.data_ptr();
+  const at::Tensor xf = fma ? xb.to(at::kFloat) : xb;  // the bf16 values, exact in float32
+  const void* pa = xf.data_ptr();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = st.data_ptr<float>();
   const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
   each_kind([&](auto b, auto sg, auto zp, auto mn) {
     const auto run = [&](auto* py) {
-      gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
-          static_cast<const uint32_t*>(pa), w, s, z, M, N, K, Npad, group, py);
+      const auto* xa = static_cast<const uint32_t*>(pa);
+      if (fma)
+        gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value, true>(
+            xa, w, s, z, M, N, K, Npad, group, py);
+      else
+        gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value, false>(
+            xa, w, s, z, M, N, K, Npad, group, py);
     };
     if (bf16_out) run(y.data_ptr<c10::BFloat16>());
     else run(y.data_ptr<float>());
@@ -363,5 +389,65 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                  bool zero_point_min) {
-  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, zero_point_min);
+  return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, zero_point_min,
+                    false);
+}
+
+// weight_only_gemm_bf16's contract and weight (the reference's dequantization rounded once
+// to bf16) on float32 FMAs: x rounded to bf16 and widened to float32 once per call, the
+// panels' bf16 values widened as they are packed (twice the bytes: KC_MAX * 256), each
+// product exact in float32 (8-bit significands), each output the float32 sum in the order
+// of k.  For machines whose vdpbf16ps costs much more than two FMAs (bf16_dot_cost).  Any
+// M goes through the panels.
+at::Tensor weight_only_gemm_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                bool zero_point_min) {
+  return panel_gemm("lowbit._C.weight_only_gemm_fma", x, codes, scale, zero_point, bits, group, zero_point_min,
+                    true);
+}
+
+// Nanoseconds per 512-bit FMA (16 multiply-adds) and per vdpbf16ps (32), each timed on 12
+// independent chains (more than latency x throughput on the machines seen), the best of 16
+// alternating tries on the calling thread: {fma, vdpbf16ps}; empty without AVX512-BF16.  Where
+// a vdpbf16ps costs more than two FMAs (Intel's AVX-512 cores without AMX: ~4), float32
+// FMAs on widened bf16 values do more multiply-adds a cycle than bf16 dot products.
+std::vector<double> bf16_dot_cost() {
+#ifdef LOWBIT_HAVE_BF16_GEMM
+  constexpr int kChains = 12, kIters = 2000;
+  const auto timed = [](auto step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / (kChains * kIters);
+  };
+  volatile float sink = 0;
+  const auto fmas = [&] {
+    __m512 acc[kChains];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const __m512 a = _mm512_set1_ps(1e-8f), b = _mm512_set1_ps(1e-8f);
+    for (int i = 0; i < kIters; ++i)
+      for (auto& c : acc) c = _mm512_fmadd_ps(a, b, c);
+    __m512 t = acc[0];
+    for (int c = 1; c < kChains; ++c) t = _mm512_add_ps(t, acc[c]);
+    sink = _mm512_reduce_add_ps(t);
+  };
+  const auto dots = [&] {
+    __m512 acc[kChains];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-4f), _mm512_set1_ps(1e-4f));
+    for (int i = 0; i < kIters; ++i)
+      for (auto& c : acc) c = _mm512_dpbf16_ps(c, a, a);
+    __m512 t = acc[0];
+    for (int c = 1; c < kChains; ++c) t = _mm512_add_ps(t, acc[c]);
+    sink = _mm512_reduce_add_ps(t);
+  };
+  double best_fma = 1e30, best_dot = 1e30;
+  for (int i = 0; i < 16; ++i) {
+    best_fma = std::min(best_fma, timed(fmas));
+    best_dot = std::min(best_dot, timed(dots));
+  }
+  (void)sink;
+  return {best_fma, best_dot};
+#else
+  return {};
+#endif
 }

@@ -140,7 +140,7 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 // which lowbit.kernels.cpu's plan returns).
 enum class WeightOnlyKernel : int64_t {
   kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4, kGemmF32Amx = 5,
-  kGemvBf16Amx = 6
+  kGemvBf16Amx = 6, kGemmFma = 7
 };
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -312,6 +312,10 @@ bool gemm_bf16_supported(int64_t K, int64_t group);
 at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                  bool zero_point_min = false);
+at::Tensor weight_only_gemm_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                bool zero_point_min);
+std::vector<double> bf16_dot_cost();
 // gemm_f32.cpp
 bool has_gemm_f32();
 // y float32 [M, N] = x [M, K] @ w [N, K].T, contiguous float32 (AVX2 + FMA register tiles).

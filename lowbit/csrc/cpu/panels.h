@@ -114,14 +114,13 @@ inline at::Tensor groups_by_column(const at::Tensor& t, int64_t Npad, at::Scalar
 }
 
 #if defined(__AVX512F__)
-// The tile's inner loop: acc[r][v] = sum over q < steps of dot(acc, the dword x[r * ldx + q]
+// The tile's inner loop (panel_dots): acc[r][v] = sum over q < steps of dot(acc, the dword x[r * ldx + q]
 // broadcast to every lane, columns 16v..16v+15 of panel row q), from zero.  Per step: NV
 // loads and R broadcasts for R * NV dot products.
+// panel_dots_add: the same steps added to acc as it is.
 template <int R, typename Acc, typename Dot>
-inline void panel_dots(Acc (&acc)[R][NV], const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t steps,
-                       Dot dot) {
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Acc{};
+inline void panel_dots_add(Acc (&acc)[R][NV], const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t steps,
+                           Dot dot) {
   for (int64_t q = 0; q < steps; ++q) {
     __m512i b[NV];
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(panel + q * NP + 16 * v);
@@ -130,6 +129,13 @@ inline void panel_dots(Acc (&acc)[R][NV], const uint32_t* x, int64_t ldx, const 
       for (int v = 0; v < NV; ++v) acc[r][v] = dot(acc[r][v], a, b[v]);
     }
   }
+}
+template <int R, typename Acc, typename Dot>
+inline void panel_dots(Acc (&acc)[R][NV], const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t steps,
+                       Dot dot) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc{};
+  panel_dots_add<R>(acc, x, ldx, panel, steps, dot);
 }
 
 // r[i] <- dword i of every r[j] (a 16 x 16 transpose of 32-bit elements).

@@ -9,6 +9,7 @@ entry points run exactly the kernel they are asked for.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from functools import lru_cache
@@ -86,6 +87,14 @@ AMX_BF16_GEMM_MAX_M = 1024
 # (before exact_few_rows below 64 rows, 1.1-1.5x faster at 8-32 rows since).
 GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
+# A vdpbf16ps does 32 multiply-adds, a 512-bit FMA 16.  On Zen 4 both issue about once a
+# cycle, so gemm_bf16's bf16 dot products do twice the work of FMAs; on the AVX-512 Xeon
+# without AMX (family 6 model 207) a vdpbf16ps takes ~4 FMAs' time (bf16_dot_cost), so
+# float32 FMAs on the same bf16 values, widened (gemm_fma), do ~2x the multiply-adds a
+# cycle, for panels of twice the bytes: that side wins where a dot costs more than
+# BF16_DOT_SLOW x two FMAs, from FMA_GEMM_MIN_M rows (below, gemm_bf16's rows path).
+BF16_DOT_SLOW = 1.25
+FMA_GEMM_MIN_M = 32
 # 4-bit weights with bf16 x: gemv_bf16 up to this many rows, then the GEMM path (gemm_bf16,
 # or bf16 tiles through torch.mm on AMX).  4 on Zen 5 (above); on an AVX-512 Xeon with AMX
 # against the AMX tiles, 2 threads (us, 1536x576 / 576x1536 int4 g64): M=4 125/111 vs
@@ -374,6 +383,34 @@ def _gemm_f32() -> bool:
     return _C is not None and _C.has_gemm_f32() and not _has_avx512()
 
 
+@lru_cache(maxsize=1)
+def bf16_dot_cost() -> tuple[float, float]:
+    """Nanoseconds per 512-bit FMA (16 multiply-adds) and per vdpbf16ps (32) on this core,
+    timed once per process (``_C.bf16_dot_cost``: 12 independent chains, the best of 16
+    alternating tries, well under a millisecond); (nan, nan) without AVX512-BF16.
+
+    Example::
+
+        >>> fma, dot = bf16_dot_cost()
+        >>> (fma > 0 and dot > 0) or (fma != fma)
+        True
+    """
+    cost = _C.bf16_dot_cost() if _C is not None else []
+    return (cost[0], cost[1]) if len(cost) == 2 else (float("nan"), float("nan"))
+
+
+def fma_over_bf16_dots() -> bool:
+    """Whether the weight-only GEMM beyond ``FMA_GEMM_MIN_M`` rows of bf16 x runs float32 FMAs
+    on widened bf16 values (``gemm_fma``) rather than vdpbf16ps (``gemm_bf16``): where a
+    vdpbf16ps costs more than ``BF16_DOT_SLOW`` times two FMAs (its multiply-adds), measured
+    here (``bf16_dot_cost``).  ``LOWBIT_FMA_GEMM=0``/``1`` overrides the measurement."""
+    forced = os.environ.get("LOWBIT_FMA_GEMM")
+    if forced in ("0", "1"):
+        return forced == "1"
+    fma, dot = bf16_dot_cost()
+    return dot > BF16_DOT_SLOW * 2 * fma  # False for nan
+
+
 def _has_w4a8_rows() -> bool:
     return _C is not None and _C.has_w4a8_rows()
 
@@ -426,6 +463,11 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
                                      "as bf16 A tiles, x in B tiles, gemv_bf16's arithmetic (1.1-6x gemv_bf16, "
                                      "1.1-1.5x gemm_bf16_amx: figures at GEMV_BF16_AMX_MAX_M)")
     if not exact and not _amx() and _C is not None and _C.gemm_bf16_supported(k, group):
+        if m > FMA_GEMM_MIN_M and fma_over_bf16_dots():
+            fma, dot = bf16_dot_cost()
+            return Plan("gemm_fma", f"over {FMA_GEMM_MIN_M} rows where a vdpbf16ps costs {dot / fma:.1f} FMAs "
+                                    "(measured at first use): gemm_bf16's panels and bf16 weight widened to float32, "
+                                    "float32 FMAs")
         return Plan("gemm_bf16", "bf16 panels of the weight, bf16 dot products (AVX512-BF16)")
     if (exact and zero_point_domain != "float" and k % 32 == 0 and group % 32 == 0 and k % group == 0
             and _has_amx_bf16()):
@@ -546,7 +588,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
-               "gemm_f32_amx", "tiles_f32", "tiles_bf16",
+               "gemm_fma", "gemm_f32_amx", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_vnni")
 
@@ -881,7 +923,7 @@ DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
 DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm", "a8_vnni")
 DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
-                  "gemm_f32_amx",
+                  "gemm_fma", "gemm_f32_amx",
                   *DECODE_W8A8_KERNELS, *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 
 
