@@ -23,6 +23,13 @@
 //      float32 partial sums of the earlier chunks; after the last chunk each sum is stored
 //      into y, rounded once (bf16 y for bf16 x, else float32).
 // A weight element is unpacked once per call whatever M is.
+//
+// The same GEMM on float32 FMAs (weight_only_gemm_fma), for cores whose vdpbf16ps costs
+// several FMAs (the AVX-512 Xeon without AMX: 4): the panel holds each bf16 value widened
+// to float32, panel[k][column], x is widened once per call, and the register tile (MR x 64,
+// the same registers) multiplies one value of k per step, each accumulator one chain over
+// all of K (chunks continue it from the partial sums): twice the panel bytes for twice the
+// multiply-adds a cycle there.
 
 #include "dots.h"
 #include "int8_epilogue.h"
@@ -142,31 +149,46 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
 // The sums over kp pairs of x[r] . panel, R rows (R <= MR) x 64 columns, added to the
 // float32 partial sums of the earlier chunks of K (part, rows of NP; not `first`), then
 // stored: into part, or rounded once into y[r, 0:ncols] (T: float32 or bf16) at the `last`.
-// F32: x and the panel hold float32 values (one per dword, kp values of K), multiplied by
-// FMAs; else pairs of bf16 (kp pairs), by vdpbf16ps.
-template <int R, typename T, bool F32>
+template <int R, typename T>
 void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* part, T* y, int64_t ldy,
           int ncols, bool first, bool last) {
   __m512 acc[R][NV];
-  if constexpr (F32) {  // one chain per output over the chunks: the sum in the order of k
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * NP + 16 * v);
-    panel_dots_add<R>(acc, x, ldx, panel, kp, [](__m512 c, __m512i a, __m512i b) {
-      return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), c);
-    });
-  } else {
-    panel_dots<R>(acc, x, ldx, panel, kp,
-                  [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
-  }
+  panel_dots<R>(acc, x, ldx, panel, kp,
+                [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
   for (int v = 0; v < NV; ++v) {
     const int left = ncols - 16 * v;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r) {
       __m512 s = acc[r][v];
-      if (!first && !F32) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
+      if (!first) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
       if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, s);
       else _mm512_storeu_ps(part + r * NP + 16 * v, s);
+    }
+  }
+}
+
+// The float32 panels' tile: the same R x 64 outputs from x and the panel as float32 (one
+// value of k per dword, kc steps), by FMAs; each accumulator continues the partial sums of
+// the earlier chunks (part; not `first`): one chain per output over all of K, in order.
+// (A 12 x 32 tile, half the panel bytes per FMA, and chunks of 64-384 values, the panel in
+// L1, were level with this one on the Xeon without AMX.)
+template <int R, typename T>
+void tile_f32(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kc, float* part, T* y, int64_t ldy,
+              int ncols, bool first, bool last) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * NP + 16 * v);
+  panel_dots_add<R>(acc, x, ldx, panel, kc, [](__m512 c, __m512i a, __m512i b) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), c);
+  });
+  for (int v = 0; v < NV; ++v) {
+    const int left = ncols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) {
+      if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, acc[r][v]);
+      else _mm512_storeu_ps(part + r * NP + 16 * v, acc[r][v]);
     }
   }
 }
@@ -175,7 +197,8 @@ template <typename T>
 using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, T*, int64_t, int, bool, bool);
 template <typename T, bool F32, int... Rs>
 constexpr std::array<TileFn<T>, MR> tile_table(std::integer_sequence<int, Rs...>) {
-  return {tile<Rs + 1, T, F32>...};
+  if constexpr (F32) return {tile_f32<Rs + 1, T>...};
+  else return {tile<Rs + 1, T>...};
 }
 template <typename T, bool F32>
 constexpr auto TILES = tile_table<T, F32>(std::make_integer_sequence<int, MR>{});
@@ -205,7 +228,7 @@ void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, i
         const int64_t kc = std::min(KC, K - k0);
         const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < i1 ? (i + 1) / work.parts * NP : -1;
         pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32>(w, st, zt, N, K, Npad, group, n0, k0, kc, buf.data, next_n0,
-                                         k0 + kc < K ? k0 + kc : 0);
+                                                   k0 + kc < K ? k0 + kc : 0);
         step(static_cast<const uint32_t*>(buf.data), part.empty() ? nullptr : part.data(), m0, m1, n0, k0, kc,
              ncols);
       }
@@ -357,7 +380,18 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
   const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
   at::Tensor zt;
   if (zero_point.has_value()) zt = groups_by_column(*zero_point, Npad, at::kFloat);
-  const at::Tensor xf = fma ? xb.to(at::kFloat) : xb;  // the bf16 values, exact in float32
+  at::Tensor xf = xb;
+  if (fma) {  // the bf16 values widened (exact), rows split between the threads
+    xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+    float* dst = xf.data_ptr<float>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * K; i < r1 * K; i += 16) {  // K is a multiple of 32
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+    });
+  }
   const void* pa = xf.data_ptr();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* s = st.data_ptr<float>();

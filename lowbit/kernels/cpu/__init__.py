@@ -89,10 +89,18 @@ GEMV_MAX_M = 6
 SPLIT_MAX_M = 2
 # A vdpbf16ps does 32 multiply-adds, a 512-bit FMA 16.  On Zen 4 both issue about once a
 # cycle, so gemm_bf16's bf16 dot products do twice the work of FMAs; on the AVX-512 Xeon
-# without AMX (family 6 model 207) a vdpbf16ps takes ~4 FMAs' time (bf16_dot_cost), so
-# float32 FMAs on the same bf16 values, widened (gemm_fma), do ~2x the multiply-adds a
-# cycle, for panels of twice the bytes: that side wins where a dot costs more than
-# BF16_DOT_SLOW x two FMAs, from FMA_GEMM_MIN_M rows (below, gemm_bf16's rows path).
+# without AMX (family 6 model 207) a vdpbf16ps takes 4.0 FMAs' time (bf16_dot_cost: 0.72
+# against 0.18 ns), so float32 FMAs on the same bf16 values, widened (gemm_fma), do ~2x the
+# multiply-adds a cycle, for panels of twice the bytes: that side runs where a dot costs
+# more than BF16_DOT_SLOW x two FMAs, over FMA_GEMM_MIN_M rows.  There, 2 threads, 4-bit g64
+# (g128 at K = 1536), ms gemm_bf16 / gemm_fma (MKL's float32 sgemm on the float weight):
+#   M=512: 576x576 2.20 / 1.25 (1.24), 192x576 0.69 / 0.62 (0.39), 1536x576 5.47 / 3.32 (3.09),
+#          576x1536 5.52 / 3.15 (3.12)
+#   M=64:  0.35 / 0.29, 0.12 / 0.12, 0.92 / 0.65, 0.84 / 0.66;  M=32: 0.19 / 0.17, 0.07 / 0.09,
+#          0.48 / 0.40, 0.45 / 0.36;  M=16: 0.10 / 0.12, 0.04 / 0.06, 0.28 / 0.28, 0.25 / 0.26
+# (at up to 64 rows gemm_bf16 is its rows path, dots.h).  A 512-token prefill of the bf16
+# model, in-process A/B: w4a16-g128 1.30x, w4a16-g64 1.30x, w8a16 1.45x, q4_0 1.26x, q8_0
+# 1.46x, q4_1 1.23x.  Chunks of K other than KC_MAX (128-384) were level or slower.
 BF16_DOT_SLOW = 1.25
 FMA_GEMM_MIN_M = 32
 # 4-bit weights with bf16 x: gemv_bf16 up to this many rows, then the GEMM path (gemm_bf16,
@@ -655,6 +663,9 @@ class CpuBackend(Backend):
         W.to(bfloat16)) and multiplies them with x rounded to bf16 with float32
         accumulation: bf16 torch.matmul's arithmetic, 4-5x faster than float32 here, and
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
+        ``gemm_fma`` (where a vdpbf16ps costs over 2.5 FMAs, ``fma_over_bf16_dots``) is
+        the same weight and x in gemm_bf16's panels, widened to float32, on FMAs: the same
+        exact products, summed in the order of k.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
         (float32 at the float32 matmul precision "highest", and on machines without
         AVX-512) through torch.mm; float32 ones on AVX2 machines without AVX-512 run
