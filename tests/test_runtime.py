@@ -347,8 +347,11 @@ def _needs_prefill():
                                                                (2, 20, 8, 2, 128, 5), (1, 5, 4, 4, 48, 0),
                                                                (3, 2, 4, 1, 64, 0), (1, 70, 2, 2, 16, 33),
                                                                (1, 40, 4, 2, 32, 3), (1, 33, 2, 1, 96, 0)])
-def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, heads, kv_heads, hd, pos):
+@pytest.mark.parametrize("bf16_dots", [True, False])  # bf16 scores on vdpbf16ps, or float32 FMAs (AMX tiles win)
+def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, heads, kv_heads, hd, pos, bf16_dots):
     _needs_prefill()
+    if not bf16_dots and dtype != torch.bfloat16:
+        pytest.skip("the choice is bf16 caches' only")
     torch.manual_seed(t * 100 + pos)
     cap = pos + t + 9
     q = torch.randn(n_seq, t, heads, hd).to(dtype)
@@ -356,7 +359,7 @@ def test_prefill_attention_matches_float64_causal_attention(dtype, n_seq, t, hea
     v = torch.randn(n_seq + 2, kv_heads, cap, hd).to(dtype)
     seqs = torch.randperm(n_seq + 2)[:n_seq]
     scale = hd ** -0.5
-    out = cpu.prefill_attention(q, k, v, seqs, pos, scale)
+    out = cpu._C.prefill_attention(q, k, v, seqs, pos, scale, bf16_dots)
     assert out.dtype == dtype and out.shape == q.shape
     rep, n = heads // kv_heads, pos + t
     unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]

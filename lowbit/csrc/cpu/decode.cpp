@@ -771,7 +771,8 @@ struct AttendTiles {
   }
 };
 
-template <typename T>
+// PAIRS: bf16 caches' scores on vdpbf16ps (kPairScores), else float32 FMAs.
+template <typename T, bool PAIRS>
 void prefill_attend(const T* q, const T* k, const T* v, T* out, const int64_t* seqs, int64_t N, int64_t t,
                     int64_t H, int64_t KV, int64_t cap, int64_t hd, int64_t pos, float scale) {
   const int64_t group = H / KV, n = pos + t, npad = (n + 31) / 32 * 32;
@@ -779,7 +780,7 @@ void prefill_attend(const T* q, const T* k, const T* v, T* out, const int64_t* s
   // K as 16-key panels (bf16 pairs for bf16 caches, else float32) and V as float32 rows,
   // per (query sequence, kv head)
   // (AMX tiles: V as bf16 pairs of positions, attend_value_pairs)
-  constexpr bool pairs = kPairScores<T>;
+  constexpr bool pairs = PAIRS;
   const bool tiles = pairs && attend_tiles_run(hd);
   const int64_t hd2 = hd / 2;
   std::vector<float> kt(pairs ? 0 : N * KV * npad * hd), vf(tiles ? 0 : N * KV * n * hd);
@@ -892,8 +893,10 @@ bool has_prefill_attention() {
 // sequence seqs[i] of the caches keys/values [B, KV, capacity, hd], whose first pos + t
 // positions hold its keys and values (these tokens' included).  Returns [N, t, H, hd] in
 // q's dtype: query i of each over positions 0 .. pos + i (causal), float32 arithmetic.
+// bf16_dots: bf16 caches take their scores on vdpbf16ps (or AMX tiles where they run); false:
+// on float32 FMAs (for cores whose vdpbf16ps costs several FMAs), unless AMX tiles run.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& seqs, int64_t pos, double scale) {
+                             const at::Tensor& seqs, int64_t pos, double scale, bool bf16_dots) {
   TORCH_CHECK(has_prefill_attention(), "prefill_attention needs AVX-512 (use scaled_dot_product_attention)");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "prefill_attention: q [N, t, H, hd] and caches [B, KV, capacity, hd] expected");
@@ -917,8 +920,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
   at::Tensor out = at::empty_like(qc);
 #ifdef LOWBIT_ATTEND_AVX512
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
-    prefill_attend<scalar_t>(qc.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                             out.data_ptr<scalar_t>(), sp, N, t, H, KV, cap, hd, pos, static_cast<float>(scale));
+    const auto run = [&](auto pairs) {
+      prefill_attend<scalar_t, decltype(pairs)::value>(qc.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(),
+                                                       values.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sp, N, t,
+                                                       H, KV, cap, hd, pos, static_cast<float>(scale));
+    };
+    if (kPairScores<scalar_t> && (bf16_dots || attend_tiles_run(hd)))
+      run(std::integral_constant<bool, kPairScores<scalar_t>>{});
+    else
+      run(std::false_type{});
   });
 #endif
   return out;
@@ -1875,7 +1885,9 @@ void bind_decode(pybind11::module& m) {
   m.def("prefill_attention_tiles", &attend_tiles_run,
         "whether prefill_attention runs bf16 caches of head size hd on AMX bf16 tiles here");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of t new tokens of each of N sequences over their caches, float32 arithmetic");
+        "causal attention of t new tokens of each of N sequences over their caches, float32 arithmetic",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("seqs"), py::arg("pos"), py::arg("scale"),
+        py::arg("bf16_dots") = true);
   m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (a NaN the largest), as int64");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of rows, one pass, float32 arithmetic");
   m.def("rope", &rope, "rotary embedding of [N, heads, head_dim] rows, as Runner's rope in x's dtype");

@@ -204,7 +204,7 @@ std::tuple<at::Tensor, bool> gemm_a8_blocks8(const at::Tensor& x, const at::Tens
 // decode.cpp: causal attention of t new tokens per sequence (AVX-512), and whether it was compiled in
 bool has_prefill_attention();
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& seqs, int64_t pos, double scale);
+                             const at::Tensor& seqs, int64_t pos, double scale, bool bf16_dots = true);
 // attend_amx.cpp: prefill_attention's products for bf16 caches on AMX bf16 tiles.
 // Whether they run here for head size hd (AMX bf16 tiles usable, hd 32, 64, 96 or 128).
 bool attend_tiles_run(int64_t hd);

@@ -1174,7 +1174,9 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
     [B, KV, capacity, hd], which already hold those tokens' keys and values; query j of a
     sequence sees its positions 0 .. pos + j.  Float32 arithmetic, GEMM-shaped (decode.cpp's
     prefill_attend; bf16 q and caches take the scores on bf16 dot products, each product
-    exact, the sums float32, and where AMX bf16 tiles run and hd is 32, 64, 96 or 128 both
+    exact, the sums float32, except where a vdpbf16ps costs over 2.5 FMAs
+    (``fma_over_bf16_dots``: float32 FMAs, as for float32 caches; a 512-token attention of
+    the bf16 model 1.2x on the Xeon without AMX), and where AMX bf16 tiles run and hd is 32, 64, 96 or 128 both
     products on tiles, the softmax weights in three bf16 parts); returns [N, t, H, hd] in
     q's dtype.
 
@@ -1186,7 +1188,7 @@ def prefill_attention(q, keys, values, seqs, pos: int, scaling: float):
         >>> out.shape
         torch.Size([1, 3, 2, 16])
     """
-    return _C.prefill_attention(q, keys, values, seqs, pos, scaling)
+    return _C.prefill_attention(q, keys, values, seqs, pos, scaling, not fma_over_bf16_dots())
 
 
 def argmax_rows(x):
