@@ -411,7 +411,14 @@ def fma_over_bf16_dots() -> bool:
     """Whether the weight-only GEMM beyond ``FMA_GEMM_MIN_M`` rows of bf16 x runs float32 FMAs
     on widened bf16 values (``gemm_fma``) rather than vdpbf16ps (``gemm_bf16``): where a
     vdpbf16ps costs more than ``BF16_DOT_SLOW`` times two FMAs (its multiply-adds), measured
-    here (``bf16_dot_cost``).  ``LOWBIT_FMA_GEMM=0``/``1`` overrides the measurement."""
+    here (``bf16_dot_cost``).  ``LOWBIT_FMA_GEMM=0``/``1`` overrides the measurement (the
+    plans are cached: ``clear_plans()`` after changing it).
+
+    Example::
+
+        >>> isinstance(fma_over_bf16_dots(), bool)
+        True
+    """
     forced = os.environ.get("LOWBIT_FMA_GEMM")
     if forced in ("0", "1"):
         return forced == "1"
