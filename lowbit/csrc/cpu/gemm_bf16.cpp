@@ -134,9 +134,8 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
           }
           const __m512i ab = dequant_bf16<HAS_ZP, MIN>(lo, hi, sv, zv);
           if constexpr (F32) {  // the same bf16 values widened: rows k + 2p and k + 2p + 1
-            _mm512_storeu_si512(out + 2 * p * NP, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
-            _mm512_storeu_si512(out + (2 * p + 1) * NP,
-                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
+            _mm512_storeu_ps(reinterpret_cast<float*>(out + 2 * p * NP), bf16x16(_mm512_castsi512_si256(ab)));
+            _mm512_storeu_ps(reinterpret_cast<float*>(out + (2 * p + 1) * NP), bf16x16(_mm512_extracti64x4_epi64(ab, 1)));
           } else {
             _mm512_storeu_si512(out + p * NP, _mm512_permutexvar_epi16(inter, ab));
           }
@@ -146,26 +145,33 @@ void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, i
   }
 }
 
-// The sums over kp pairs of x[r] . panel, R rows (R <= MR) x 64 columns, added to the
-// float32 partial sums of the earlier chunks of K (part, rows of NP; not `first`), then
-// stored: into part, or rounded once into y[r, 0:ncols] (T: float32 or bf16) at the `last`.
+// A tile's R x 64 sums acc (plus the partial sums in part where add_part) stored: into part,
+// or rounded once into y[r, 0:ncols] (T: float32 or bf16) at the `last` chunk of K.
 template <int R, typename T>
-void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* part, T* y, int64_t ldy,
-          int ncols, bool first, bool last) {
-  __m512 acc[R][NV];
-  panel_dots<R>(acc, x, ldx, panel, kp,
-                [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
+void store_tile(__m512 (&acc)[R][NV], float* part, T* y, int64_t ldy, int ncols, bool add_part, bool last) {
   for (int v = 0; v < NV; ++v) {
     const int left = ncols - 16 * v;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int r = 0; r < R; ++r) {
       __m512 s = acc[r][v];
-      if (!first) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
+      if (add_part) s = _mm512_add_ps(s, _mm512_loadu_ps(part + r * NP + 16 * v));
       if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, s);
       else _mm512_storeu_ps(part + r * NP + 16 * v, s);
     }
   }
+}
+
+// The sums over kp pairs of x[r] . panel, R rows (R <= MR) x 64 columns, added to the
+// float32 partial sums of the earlier chunks of K (part, rows of NP; not `first`), then
+// stored (store_tile).
+template <int R, typename T>
+void tile(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kp, float* part, T* y, int64_t ldy,
+          int ncols, bool first, bool last) {
+  __m512 acc[R][NV];
+  panel_dots<R>(acc, x, ldx, panel, kp,
+                [](__m512 c, __m512i a, __m512i b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); });
+  store_tile<R>(acc, part, y, ldy, ncols, !first, last);
 }
 
 // The float32 panels' tile: the same R x 64 outputs from x and the panel as float32 (one
@@ -182,15 +188,7 @@ void tile_f32(const uint32_t* x, int64_t ldx, const uint32_t* panel, int64_t kc,
   panel_dots_add<R>(acc, x, ldx, panel, kc, [](__m512 c, __m512i a, __m512i b) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), c);
   });
-  for (int v = 0; v < NV; ++v) {
-    const int left = ncols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < R; ++r) {
-      if (last) int8_epilogue::store<T>(y + r * ldy + 16 * v, mask, acc[r][v]);
-      else _mm512_storeu_ps(part + r * NP + 16 * v, acc[r][v]);
-    }
-  }
+  store_tile<R>(acc, part, y, ldy, ncols, false, last);
 }
 
 template <typename T>
@@ -386,10 +384,7 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
     const uint16_t* src = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     float* dst = xf.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * K; i < r1 * K; i += 16) {  // K is a multiple of 32
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
+      for (int64_t i = r0 * K; i < r1 * K; i += 16) _mm512_storeu_ps(dst + i, bf16x16(src + i));  // K: 32s
     });
   }
   const void* pa = xf.data_ptr();

@@ -86,11 +86,9 @@ inline __m512 offset_factor(__m512 s, __m512 z, bool min) {
              : _mm512_mul_ps(s, _mm512_add_ps(z, _mm512_set1_ps(128.f)));
 }
 inline float offset_factor(float s, float z, bool min) { return min ? s * 128.f - z : s * (z + 128.f); }
-// 16 bf16 values (bits) widened to float32: exact.
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+// 16 bf16 values (bits, in memory or in 16-bit lanes) widened to float32: exact.
+inline __m512 bf16x16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 bf16x16(const uint16_t* p) { return bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
 // Scales (and zero points) as the kernels read them: float32, or float16 bits (uint16_t,
