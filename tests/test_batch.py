@@ -204,8 +204,8 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
     # Runner.forward's prefill takes q/k/v, o, gate/up and down through the C++ step planned
     # for its rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX
     # tiles; int8 blocks of x on the row kernel or AMX tiles; W4A8 on AMX tiles or VNNI panels;
-    # weight-only on AMX bf16 tiles), else one by one; a float model's projections stay on
-    # torch's linear (transformers' bits)
+    # weight-only on AMX bf16 tiles, or bf16 x on gemm_bf16.cpp's panels), else one by one; a
+    # float model's projections stay on torch's linear (transformers' bits)
     m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
     if recipe is not None:
@@ -223,6 +223,7 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
         # panels where they are VNNI's)
         multi = ("gemm_int8", "int8_amx", "a8_blocks", "a8_amx", "w4a8_amx", "gemm_bf16_amx")
         multi += ("w4a8_panels",) if cpu._C.has_w4a8_panels() else ()
+        multi += ("gemm_bf16", "gemm_fma") if dtype == torch.bfloat16 else ()
         assert fused == ({kernel in multi} if d is not None else set())
     else:
         assert True not in fused
@@ -253,3 +254,39 @@ def test_row_counts_whose_projections_take_the_same_kernels_share_one_step(smol)
         assert r._rows_decoder(a) is not None
         assert (r._rows_decoder(a) is r._rows_decoder(b)) == (kernels[a] == kernels[b])
     assert len(r._decoders) == len(set(kernels.values()))
+
+
+@pytest.fixture
+def fma_gemm(request, monkeypatch):
+    """LOWBIT_FMA_GEMM set to the test's parameter, the plans made again before and after."""
+    monkeypatch.setenv("LOWBIT_FMA_GEMM", request.param)
+    cpu.clear_plans()
+    yield request.param
+    monkeypatch.undo()
+    cpu.clear_plans()
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+@pytest.mark.parametrize("fma_gemm", ["0", "1"], indirect=True)
+@pytest.mark.parametrize("recipe", ["w4a16-g64", "w8a16", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [40, 100])
+def test_weight_only_panels_run_q_k_v_and_gate_up_in_one_call_with_the_same_bits(recipe, rows, fma_gemm):
+    # gemm_bf16.cpp's panels (gemm_bf16, or gemm_fma where LOWBIT_FMA_GEMM=1) take q/k/v and
+    # gate/up of bf16 rows in one call (weight_only_panels_into: one parallel region, x widened
+    # once): each output the bits of lowbit.linear on its projection alone, bias included;
+    # 40 rows of gemm_bf16 are its rows form, 100 its panels
+    m = lowbit.quantize_model(biased_llama(torch.bfloat16), recipe, inplace=False)
+    r = Runner(m)
+    L = r.layers[0]
+    kernel = cpu.BACKEND.plan(L.q.qweight.scheme, None, rows, L.q.in_features, torch.bfloat16).kernel
+    if kernel not in ("gemm_bf16", "gemm_fma"):
+        pytest.skip(f"{rows} rows of {recipe} take {kernel} here")
+    assert kernel == ("gemm_fma" if fma_gemm == "1" and rows > cpu.FMA_GEMM_MIN_M else "gemm_bf16")
+    d = r._rows_decoder(rows)
+    x = torch.randn(rows, L.q.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        for which, mods in ((0, (L.q, L.k, L.v)), (2, (L.gate, L.up))):
+            assert d.fuses(0, which, rows)
+            ys = d.project(0, which, x)
+            for y, mod in zip(ys, mods, strict=True):
+                assert y.dtype == torch.bfloat16 and torch.equal(y, mod(x))

@@ -1114,7 +1114,7 @@ bool share_gemv_bf16(const std::vector<const Proj*>& ps) {
 
 // Projections of one input that a decode step runs as one call: q/k/v, gate/up, or one alone.
 // Where they share a kernel that takes several weights (share_blocks, share_gemv_f32,
-// share_gemv_bf16, share_tokens, share_int8_linear, share_amx_bf16), the step calls it on
+// share_gemv_bf16, share_tokens, share_int8_linear, share_amx_bf16, share_panels), the step calls it on
 // its own buffers (a8_blocks_into, gemv_f32_into, ...): no tensor and no allocation per
 // call, x prepared once, the weights checked once, here.  A step makes ~120 such calls, and
 // their tensors, checks and mallocs were ~1 ms of a 6 ms step (SmolLM2, q4_0-a8, 2 threads,
@@ -1148,16 +1148,26 @@ class Group {
       kind_ = kInt8Linear;
     else if (share_amx_bf16(ptrs))
       kind_ = kAmxBf16;
+    else if (share_panels(ptrs))
+      kind_ = kPanels;
     if (kind_ == kTensors) return;
     K_ = in_features(p0);
     bits_ = p0.codes.defined() ? p0.bits : 0;
     group_ = p0.group;
     if (kind_ == kInt8Linear) return;
+    const auto floats = [&](const at::Tensor& t) {  // float32, as the kernels read it, kept alive here
+      converted_.push_back(as_float(t).contiguous());
+      return converted_.back().data_ptr<float>();
+    };
+    if (kind_ == kPanels) {  // the bias added after the rounding (add_bias), as Proj adds it
+      for (size_t i = 0; i < ps_.size(); ++i) {
+        const Proj& p = ps_[i];
+        panels_.push_back(PanelWeight{static_cast<const uint8_t*>(p.codes.data_ptr()), floats(p.scale),
+                                      p.zero_point ? floats(*p.zero_point) : nullptr, out_features(i), nullptr});
+      }
+      return;
+    }
     if (kind_ == kAmxBf16) {
-      const auto floats = [&](const at::Tensor& t) {  // float32, as the kernels read it, kept alive here
-        converted_.push_back(as_float(t).contiguous());
-        return converted_.back().data_ptr<float>();
-      };
       for (size_t i = 0; i < ps_.size(); ++i) {
         const Proj& p = ps_[i];
         if (p.codes.defined())  // the bias added after the rounding (add_bias)
@@ -1217,7 +1227,7 @@ class Group {
   void run(const T* x, T* const* ys, int64_t M = 1) const {
     constexpr bool bf16 = std::is_same<T, c10::BFloat16>::value;
     if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value) ||
-        (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))))
+        (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))) || (kind_ == kPanels && !bf16))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) {
       if (!w4a8_tiles()) return run_tokens(x, ys);
@@ -1226,7 +1236,8 @@ class Group {
     }
     if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
     if (kind_ == kAmxBf16) return run_amx_bf16(x, ys, M);
-    if constexpr (std::is_same<T, c10::BFloat16>::value)
+    if constexpr (std::is_same<T, c10::BFloat16>::value) {
+      if (kind_ == kPanels) return run_panels(x, ys, M);
       if (kind_ == kBlocks && ps_[0].kernel == 1) {  // bf16 in and out of the tiles: no float32 copies
         thread_local std::vector<PackedWeight> w;
         w.assign(w_.begin(), w_.end());
@@ -1235,6 +1246,7 @@ class Group {
         for (size_t i = 0; i < w.size(); ++i) add_bias(i, ys[i], M);
         return;
       }
+    }
     constexpr bool f32 = std::is_same<T, float>::value;
     thread_local std::vector<float> xf_keep, yf_keep;
     thread_local std::vector<PackedWeight> w;  // this call's outputs (a Group may be stepped on two threads)
@@ -1268,7 +1280,7 @@ class Group {
   }
 
  private:
-  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear, kAmxBf16 };
+  enum Kind { kTensors, kBlocks, kGemv, kGemvBf16, kTokens, kInt8Linear, kAmxBf16, kPanels };
   // Values from which convert() and add_bias() leave the work to ATen (vectorized, and
   // parallel from 32768 values): below, a loop costs less than wrapping the buffers in
   // tensors.  A decode step's x is ~1000 values; a prefill's, or a batch's outputs, 10^4-10^6.
@@ -1387,6 +1399,43 @@ class Group {
     bf16_linear_amx_into(xb, M, K_, bits_, group_, dtype<T>(), ws);
     if (bits_)  // a weight-only projection's bias after the rounding, as Proj adds it
       for (size_t i = 0; i < ws.size(); ++i) add_bias(i, ys[i], M);
+  }
+
+  // Weight-only 4- or 8-bit weights on gemm_bf16.cpp's panels (weight_only_gemm_bf16, or
+  // weight_only_gemm_fma: the same kernel for all), all of one kind (bits, group, zero points
+  // or none, the "min" domain or not), K and group as the panels take them.
+  static bool share_panels(const std::vector<const Proj*>& ps) {
+    const Proj& p0 = *ps[0];
+    const int64_t K = in_features(p0);
+    if (!p0.codes.defined() || (p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmBf16) &&
+                                p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmFma)))
+      return false;
+    for (const Proj* p : ps) {
+      const bool zp = p->zero_point.has_value();
+      if (!p->codes.defined() || p->act != 0 || p->kernel != p0.kernel || p->bits != p0.bits ||
+          (p->bits != 4 && p->bits != 8) || p->group != p0.group || p->group <= 0 ||
+          !gemm_bf16_supported(K, p->group) || K % p->group != 0 || p->zero_point_min != p0.zero_point_min ||
+          zp != p0.zero_point.has_value() || (p->zero_point_min && !zp) || !p->codes.is_contiguous() ||
+          p->codes.dim() != 2 || p->codes.size(1) != (p->bits == 4 ? K / 8 : K) ||
+          p->codes.scalar_type() != (p->bits == 4 ? at::kInt : zp ? at::kByte : at::kChar) ||
+          p->scale.dim() != 2 || p->scale.size(0) != p->codes.size(0) || p->scale.size(1) != K / p->group ||
+          (zp && p->zero_point->sizes() != p->scale.sizes()))
+        return false;
+    }
+    return true;
+  }
+
+  // What Proj gives through weight_only_gemm_bf16 or weight_only_gemm_fma for each
+  // projection, their panels in one parallel region and bf16 x widened once
+  // (weight_only_panels_into), then the bias: the same bits.
+  void run_panels(const c10::BFloat16* x, c10::BFloat16* const* ys, int64_t M) const {
+    thread_local std::vector<PanelWeight> ws;
+    ws.assign(panels_.begin(), panels_.end());
+    for (size_t i = 0; i < ws.size(); ++i) ws[i].y = ys[i];
+    const Proj& p0 = ps_[0];
+    weight_only_panels_into(x, M, K_, bits_, group_, p0.zero_point.has_value(), p0.zero_point_min,
+                            p0.kernel == static_cast<int64_t>(WeightOnlyKernel::kGemmFma), ws);
+    for (size_t i = 0; i < ws.size(); ++i) add_bias(i, ys[i], M);
   }
 
   // Per-token int8 activations (act 1: symmetric, 2: asymmetric) with W8A8 codes on
@@ -1569,7 +1618,8 @@ class Group {
   Kind kind_ = kTensors;
   std::vector<PackedWeight> w_;  // kBlocks, kGemv, kGemvBf16: the packed weights (y set at each call)
   std::vector<Bf16Out> amx_;  // kAmxBf16: the weights (y set at each call)
-  std::vector<at::Tensor> converted_;  // the scales, zero points and biases w_ and amx_ point to
+  std::vector<PanelWeight> panels_;  // kPanels: the weights (y set at each call)
+  std::vector<at::Tensor> converted_;  // the scales, zero points and biases w_, amx_ and panels_ point to
   std::vector<at::Tensor> code_sums_;  // kTokens, asymmetric x, 8-bit codes: int32 sums of each row's codes
   int64_t K_ = 0, bits_ = 0, group_ = 0;
 };

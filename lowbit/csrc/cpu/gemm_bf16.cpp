@@ -64,9 +64,10 @@ constexpr int64_t KC_MAX = 1536;
 
 // Columns [n0, n0 + 64) of W (rows beyond N repeat row N - 1; their outputs are never
 // stored), values [k0, k0 + kc) with k0, kc multiples of 32, dequantized into
-// panel[(k - k0) / 2][column] pairs of bf16.  st, zt: scale and zero point transposed,
-// [G][Npad] with Npad a multiple of 64.  Each 16 x 64-byte block read also prefetches the
-// same block of the next call's panel (next_n0, next_k0; next_n0 < 0: none): 64 rows read
+// panel[(k - k0) / 2][column] pairs of bf16 (F32: each value widened, panel[k - k0][column]).
+// Npad a multiple of 64.  Each 16 x 64-byte block read also prefetches the
+// same block of the next call's panel (rows next_n0 of next_src from next_k0; next_src null:
+// none): 64 rows read
 // in short runs are too many streams for the hardware prefetchers, and weights read once
 // come from DRAM.
 // vpermw index interleaving the two halves of cvtne2ps_pbh(hi, lo): lo0 hi0 lo1 hi1 ...
@@ -94,23 +95,39 @@ inline __m512i dequant_bf16(__m512i lo, __m512i hi, __m512 sv, __m512 zv) {
   return (__m512i)_mm512_cvtne2ps_pbh(b, a);
 }
 
+// One weight of a panel GEMM call: codes w (rows of K / 2 bytes, 4-bit, or K bytes), scale and
+// zero point transposed to [G][Npad] (st, zt; zt null without zero points), N rows, and its
+// output y [M, N].
+struct PanelSource {
+  const uint8_t* w;
+  const float* st;
+  const float* zt;
+  int64_t N, Npad;
+  void* y;
+};
+
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32>
-void pack_panel(const uint8_t* w, const float* st, const float* zt, int64_t N, int64_t K, int64_t Npad, int64_t group,
-                int64_t n0, int64_t k0, int64_t kc, uint32_t* panel, int64_t next_n0, int64_t next_k0) {
+void pack_panel(const PanelSource& src, int64_t K, int64_t group, int64_t n0, int64_t k0, int64_t kc,
+                uint32_t* panel, const PanelSource* next_src, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const uint8_t* w = src.w;
+  const float *st = src.st, *zt = src.zt;
+  const int64_t N = src.N, Npad = src.Npad;
   const __m512i inter = _mm512_load_si512(kInterleave);
   for (int v = 0; v < NV; ++v) {
     const int64_t c0 = n0 + 16 * v;
     const uint8_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = w + std::min<int64_t>(c0 + i, N - 1) * row_bytes;
     const uint8_t* next[16];
-    for (int i = 0; i < 16; ++i) next[i] = w + std::min<int64_t>(next_n0 + 16 * v + i, N - 1) * row_bytes;
+    if (next_src)
+      for (int i = 0; i < 16; ++i)
+        next[i] = next_src->w + std::min<int64_t>(next_n0 + 16 * v + i, next_src->N - 1) * row_bytes;
     for (int64_t kb = k0; kb < k0 + kc; kb += 16 * VALS) {  // 16 dwords of each row
       const int dwords = static_cast<int>(std::min<int64_t>(16, (k0 + kc - kb) / VALS));
       const __mmask16 mask = static_cast<__mmask16>((1u << dwords) - 1);
       const int64_t ahead = next_k0 + (kb - k0);
-      if (next_n0 >= 0 && ahead < K)
+      if (next_src && ahead < K)
         for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(next[i] + ahead / VALS * 4), _MM_HINT_T1);
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, rows[i] + kb / VALS * 4);
@@ -202,53 +219,60 @@ template <typename T, bool F32>
 constexpr auto TILES = tile_table<T, F32>(std::make_integer_sequence<int, MR>{});
 
 
-// The GEMM's loop: every panel of NP weight rows and every part of the activation rows
-// (PanelWork, tiles of tile_rows rows) shared between threads as each_item shares items (a
-// static split waits for the slower of the VM's two threads: 1.03-1.13x at the bundled
-// model's shapes, M = 128 and 512, on the Xeon without AMX, in-process A/B); for each item
-// and each chunk of K (equal chunks of at most kc_max values, whole 32-blocks) the chunk
-// dequantized into the thread's panel and step(panel, part, m0, m1, n0, k0, kc, ncols) for
-// the item's rows [m0, m1), part: the thread's float32 buffer for their partial sums over
-// the chunks (rows of NP; null where K is one chunk).  The codes of the next chunk (or item)
-// arrive while this one is multiplied.
+// The GEMM's loop over the weights ws of one x: every panel of NP rows of every weight and
+// every part of the activation rows (PanelItems, tiles of tile_rows rows) shared between
+// threads as each_item shares items (a static split waits for the slower of the VM's two
+// threads: 1.03-1.13x at the bundled model's shapes, M = 128 and 512, on the Xeon without
+// AMX, in-process A/B); for each item and each chunk of K (equal chunks of at most kc_max
+// values, whole 32-blocks) the chunk dequantized into the thread's panel and step(j, panel,
+// part, m0, m1, n0, k0, kc, ncols) for weight j's rows n0.. and the item's rows [m0, m1),
+// part: the thread's float32 buffer for their partial sums over the chunks (rows of NP; null
+// where K is one chunk).  The codes of the next chunk (or item) arrive while this one is
+// multiplied.
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename Step>
-void each_chunk(const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K, int64_t Npad,
-                int64_t group, int64_t kc_max, int64_t tile_rows, Step step) {
-  const int64_t panels = Npad / NP;
+void each_chunk(const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_t group, int64_t kc_max,
+                int64_t tile_rows, Step step) {
   const int64_t chunks = (K + kc_max - 1) / kc_max;
   const int64_t KC = (K / 32 + chunks - 1) / chunks * 32;
-  const PanelWork work(panels, M, tile_rows, at::get_num_threads());
-  const int64_t items = work.items(panels);
+  std::vector<int64_t> Ns;
+  for (const PanelSource& src : ws) Ns.push_back(src.N);
+  const PanelItems items(Ns, NP, M, tile_rows);
+  const int64_t n = items.size();
   struct Scratch {
     PanelBuffer buf;
     std::vector<float> part;
   };
   const auto make = [&] {
-    return Scratch{PanelBuffer((F32 ? KC : KC / 2) * NP), std::vector<float>(KC < K ? work.rows * NP : 0)};
+    return Scratch{PanelBuffer((F32 ? KC : KC / 2) * NP), std::vector<float>(KC < K ? items.work.rows * NP : 0)};
   };
-  each_item(items, make, [&](Scratch& s, int64_t i) {
-    const int64_t n0 = i / work.parts * NP, m0 = i % work.parts * work.rows, m1 = std::min(M, m0 + work.rows);
-    const int ncols = static_cast<int>(std::min<int64_t>(NP, N - n0));
+  each_item(n, make, [&](Scratch& s, int64_t i) {
+    const auto [j, n0, m0, m1] = items[i];
+    const int ncols = static_cast<int>(std::min<int64_t>(NP, ws[j].N - n0));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t kc = std::min(KC, K - k0);
-      const int64_t next_n0 = k0 + kc < K ? n0 : i + 1 < items ? (i + 1) / work.parts * NP : -1;
-      pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32>(w, st, zt, N, K, Npad, group, n0, k0, kc, s.buf.data, next_n0,
-                                                 k0 + kc < K ? k0 + kc : 0);
-      step(static_cast<const uint32_t*>(s.buf.data), s.part.empty() ? nullptr : s.part.data(), m0, m1, n0, k0, kc,
-           ncols);
+      const bool more = k0 + kc < K;  // then the next chunk of this panel, else the next item's first
+      const PanelItems::Item next = more || i + 1 == n ? PanelItems::Item{j, n0, 0, 0} : items[i + 1];
+      pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32>(ws[j], K, group, n0, k0, kc, s.buf.data,
+                                                 more || i + 1 < n ? &ws[next.j] : nullptr, next.n0,
+                                                 more ? k0 + kc : 0);
+      step(j, static_cast<const uint32_t*>(s.buf.data), s.part.empty() ? nullptr : s.part.data(), m0, m1, n0, k0,
+           kc, ncols);
     }
   });
 }
 
-// xa: x as pairs of bf16 [M][K / 2], or F32: as float32 [M][K] (bf16 values widened).
+// xa: x as pairs of bf16 [M][K / 2], or F32: as float32 [M][K] (bf16 values widened); each
+// weight's y of type T.
 template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename T>
-void gemm(const uint32_t* xa, const uint8_t* w, const float* st, const float* zt, int64_t M, int64_t N, int64_t K,
-          int64_t Npad, int64_t group, T* y) {
+void gemm(const uint32_t* xa, const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_t group) {
   constexpr int64_t per = F32 ? 1 : 2;  // values of K per dword
   const int64_t ldx = K / per;
   each_chunk<BITS, SIGNED, HAS_ZP, MIN, F32>(
-      w, st, zt, M, N, K, Npad, group, KC_MAX, MR,
-      [&](const uint32_t* panel, float* part, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc, int ncols) {
+      ws, M, K, group, KC_MAX, MR,
+      [&](size_t j, const uint32_t* panel, float* part, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc,
+          int ncols) {
+        const int64_t N = ws[j].N;
+        T* y = static_cast<T*>(ws[j].y);
         for (int64_t m = m0; m < m1; m += MR) {
           const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
           TILES<T, F32>[mr - 1](xa + m * ldx + k0 / per, ldx, panel, kc / per, part ? part + (m - m0) * NP : nullptr,
@@ -332,9 +356,83 @@ bool gemm_bf16_supported(int64_t K, int64_t group) {
 #endif
 }
 
+#ifdef LOWBIT_HAVE_BF16_GEMM
 namespace {
-// The entry below: its checks, x rounded to bf16, scale and zero point transposed to [G][Npad]
-// (lane i of a vector load is column i's value), then the GEMM for the weight's kind.
+// f(bits, signed codes, zero points, "min" domain) as integral constants: signed codes
+// without z, unsigned ones with z (or with mins).
+template <typename F>
+void with_kind(int64_t bits, bool zero_point, bool zero_point_min, F f) {
+  using std::false_type, std::true_type;
+  const auto kind = [&](auto b) {
+    if (zero_point_min) f(b, false_type{}, true_type{}, true_type{});
+    else if (zero_point) f(b, false_type{}, true_type{}, false_type{});
+    else f(b, true_type{}, false_type{}, false_type{});
+  };
+  if (bits == 4) kind(std::integral_constant<int, 4>{});
+  else kind(std::integral_constant<int, 8>{});
+}
+
+// x rounded to bf16 [M, K] (xb) times each weight of ws (as stored: scale and zero point
+// float32 [N, G]; one kind, `zero_point` or not, all of `bits` and `group`) into its y [M, N]:
+// bf16 where bf16_out (each float32 sum rounded once), else float32.  Up to kRowsMaxM rows
+// without `fma` the rows form per weight; else the panels of all weights in one loop
+// (each_chunk), x widened once where fma.
+void panels_run(const uint16_t* xb, int64_t M, int64_t K, int64_t bits, int64_t group, bool zero_point,
+                bool zero_point_min, bool fma, bool bf16_out, const std::vector<PanelWeight>& ws) {
+  if (M == 0) return;
+  const int64_t G = K / group;
+  if (M <= kRowsMaxM && !fma) {
+    thread_local std::vector<float> yf_keep;
+    for (const PanelWeight& wt : ws) {
+      float* py = bf16_out ? grown(yf_keep, M * wt.N) : static_cast<float*>(wt.y);
+      with_kind(bits, zero_point, zero_point_min, [&](auto b, auto sg, auto zp, auto mn) {
+        rows_gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
+            xb, wt.w, wt.s, wt.z, M, wt.N, K, G, group, py);
+      });
+      if (bf16_out)  // rounded to nearest even, as .to(bfloat16)
+        at::from_blob(wt.y, {M * wt.N}, at::kBFloat16).copy_(at::from_blob(py, {M * wt.N}, at::kFloat));
+    }
+    return;
+  }
+  // scale and zero point as [G][Npad], zeros past row N: lane i of a vector load at column c
+  // is column c + i's value
+  std::vector<std::vector<float>> st(ws.size()), zt(ws.size());
+  std::vector<PanelSource> src;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    const PanelWeight& wt = ws[j];
+    const int64_t N = wt.N, Npad = (N + NP - 1) / NP * NP;
+    st[j].assign(G * Npad, 0.0f);
+    if (zero_point) zt[j].assign(G * Npad, 0.0f);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        st[j][g * Npad + n] = wt.s[n * G + g];
+        if (zero_point) zt[j][g * Npad + n] = wt.z[n * G + g];
+      }
+    src.push_back(PanelSource{wt.w, st[j].data(), zero_point ? zt[j].data() : nullptr, N, Npad, wt.y});
+  }
+  const uint32_t* xa = reinterpret_cast<const uint32_t*>(xb);
+  thread_local std::vector<float> xf_keep;
+  if (fma) {  // the bf16 values widened (exact), rows split between the threads
+    float* dst = grown(xf_keep, M * K);
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * K; i < r1 * K; i += 16) _mm512_storeu_ps(dst + i, bf16x16(xb + i));  // K: 32s
+    });
+    xa = reinterpret_cast<const uint32_t*>(dst);
+  }
+  with_kind(bits, zero_point, zero_point_min, [&](auto b, auto sg, auto zp, auto mn) {
+    constexpr int B = decltype(b)::value;
+    constexpr bool S = decltype(sg)::value, Z = decltype(zp)::value, MN = decltype(mn)::value;
+    if (fma && bf16_out) gemm<B, S, Z, MN, true, c10::BFloat16>(xa, src, M, K, group);
+    else if (fma) gemm<B, S, Z, MN, true, float>(xa, src, M, K, group);
+    else if (bf16_out) gemm<B, S, Z, MN, false, c10::BFloat16>(xa, src, M, K, group);
+    else gemm<B, S, Z, MN, false, float>(xa, src, M, K, group);
+  });
+}
+}  // namespace
+#endif
+
+namespace {
+// The entry below: its checks, x rounded to bf16, then panels_run for the one weight.
 at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool zero_point_min,
                       bool fma) {
@@ -350,72 +448,32 @@ at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& co
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
-  // f(bits, signed codes, zero points, "min" domain) as integral constants: signed codes
-  // without z, unsigned ones with z (or with mins)
-  const auto each_kind = [&](auto f) {
-    using std::false_type, std::true_type;
-    const auto kind = [&](auto b) {
-      if (zero_point_min) f(b, false_type{}, true_type{}, true_type{});
-      else if (zero_point) f(b, false_type{}, true_type{}, false_type{});
-      else f(b, true_type{}, false_type{}, false_type{});
-    };
-    if (bits == 4) kind(std::integral_constant<int, 4>{});
-    else kind(std::integral_constant<int, 8>{});
-  };
-  if (M <= kRowsMaxM && !fma) {
-    const at::Tensor sc = scale.contiguous();
-    const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
-    const uint16_t* xr = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-    const float *s = sc.data_ptr<float>(), *z = zc.defined() ? zc.data_ptr<float>() : nullptr;
-    const int64_t G = K / group;
-    TORCH_CHECK(sc.numel() == N * G && (!zc.defined() || zc.numel() == N * G), who, ": scale and zero point [N, ",
-                G, "] expected");
-    at::Tensor yf = bf16_out ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
-    float* py = yf.data_ptr<float>();
-    each_kind([&](auto b, auto sg, auto zp, auto mn) {
-      rows_gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value>(
-          xr, w, s, z, M, N, K, G, group, py);
-    });
-    if (bf16_out) y.copy_(yf);
-    return y;
-  }
-  const int64_t Npad = (N + NP - 1) / NP * NP;
-  const at::Tensor st = groups_by_column(scale, Npad, at::kFloat);
-  at::Tensor zt;
-  if (zero_point.has_value()) zt = groups_by_column(*zero_point, Npad, at::kFloat);
-  at::Tensor xf = xb;
-  if (fma) {  // the bf16 values widened (exact), rows split between the threads
-    xf = at::empty({M, K}, x.options().dtype(at::kFloat));
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-    float* dst = xf.data_ptr<float>();
-    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * K; i < r1 * K; i += 16) _mm512_storeu_ps(dst + i, bf16x16(src + i));  // K: 32s
-    });
-  }
-  const void* pa = xf.data_ptr();
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = st.data_ptr<float>();
-  const float* z = zt.defined() ? zt.data_ptr<float>() : nullptr;
-  each_kind([&](auto b, auto sg, auto zp, auto mn) {
-    const auto run = [&](auto* py) {
-      const auto* xa = static_cast<const uint32_t*>(pa);
-      if (fma)
-        gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value, true>(
-            xa, w, s, z, M, N, K, Npad, group, py);
-      else
-        gemm<decltype(b)::value, decltype(sg)::value, decltype(zp)::value, decltype(mn)::value, false>(
-            xa, w, s, z, M, N, K, Npad, group, py);
-    };
-    if (bf16_out) run(y.data_ptr<c10::BFloat16>());
-    else run(y.data_ptr<float>());
-  });
+  const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(scale.numel() == N * (K / group) && (!zc.defined() || zc.numel() == N * (K / group)), who,
+              ": scale and zero point [N, ", K / group, "] expected");
+  panels_run(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, bits, group, zc.defined(), zero_point_min, fma,
+             bf16_out,
+             {PanelWeight{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
+                          zc.defined() ? zc.data_ptr<float>() : nullptr, N, y.data_ptr()}});
 #else
-  (void)bits, (void)zero_point, (void)K, (void)zero_point_min;
+  (void)bits, (void)zero_point, (void)K, (void)zero_point_min, (void)fma;
 #endif
   return y;
 }
 }  // namespace
+
+// panels_run for several weights of one bf16 x (q/k/v, gate/up: one parallel region, x
+// widened once); the same bits as weight_only_gemm_bf16 (fma: weight_only_gemm_fma) on each.
+void weight_only_panels_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                             bool zero_point, bool zero_point_min, bool fma, const std::vector<PanelWeight>& ws) {
+  TORCH_CHECK(gemm_bf16_supported(K, group) && (bits == 4 || bits == 8) && (zero_point || !zero_point_min),
+              "lowbit._C.weight_only_panels_into: unsupported K/group/bits");
+#ifdef LOWBIT_HAVE_BF16_GEMM
+  panels_run(reinterpret_cast<const uint16_t*>(x), M, K, bits, group, zero_point, zero_point_min, fma, true, ws);
+#else
+  (void)x, (void)M, (void)ws, (void)fma;
+#endif
+}
 
 // x float32/bfloat16/float16 [M, K] (rounded to bf16); codes int8/uint8 [N, K] or int32
 // [N, K/8]; scale, zero_point float32 [N, G]: (q - z) * s, or q * s + z with zero_point_min

@@ -315,6 +315,21 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
 at::Tensor weight_only_gemm_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                 bool zero_point_min);
+// One weight of a weight_only_panels_into call: codes (4-bit: int32 [N, K / 8], 8-bit: [N, K]),
+// scale and zero point float32 [N, K / group] (z null: signed codes; with zero_point_min the
+// "min" domain's m), and its bf16 output y [M, N].
+struct PanelWeight {
+  const uint8_t* w;
+  const float* s;
+  const float* z;
+  int64_t N;
+  void* y;
+};
+// weight_only_gemm_bf16 (fma: weight_only_gemm_fma) for several weights of one bf16 input x
+// [M, K] (q/k/v, gate/up) in one parallel region, x widened once: the same bits as one call
+// each.  All weights of one kind: bits, group, zero points or none, the "min" domain or not.
+void weight_only_panels_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
+                             bool zero_point, bool zero_point_min, bool fma, const std::vector<PanelWeight>& ws);
 std::vector<double> bf16_dot_cost();
 // gemm_f32.cpp
 bool has_gemm_f32();

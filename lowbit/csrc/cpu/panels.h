@@ -105,14 +105,6 @@ void pack_groups(int64_t N, int64_t G, int64_t n0, T* out, F value) {
     for (int c = 0; c < COLS; ++c) out[g * COLS + c] = value(std::min<int64_t>(n0 + c, N - 1), g);
 }
 
-// Per-group values t [N, G] (scales, zero points) as [G][Npad] of dtype, zeros past column N:
-// lane i of a vector load at column c is column c + i's value.
-inline at::Tensor groups_by_column(const at::Tensor& t, int64_t Npad, at::ScalarType dtype) {
-  at::Tensor out = at::zeros({t.size(1), Npad}, t.options().dtype(dtype));
-  out.narrow(1, 0, t.size(0)).copy_(t.t());
-  return out;
-}
-
 #if defined(__AVX512F__)
 // The tile's inner loop (panel_dots): acc[r][v] = sum over q < steps of dot(acc, the dword x[r * ldx + q]
 // broadcast to every lane, columns 16v..16v+15 of panel row q), from zero.  Per step: NV
