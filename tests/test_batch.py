@@ -204,7 +204,8 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
     # Runner.forward's prefill takes q/k/v, o, gate/up and down through the C++ step planned
     # for its rows where that runs each group as one call (W8A8 on gemm_int8's panels or AMX
     # tiles; int8 blocks of x on the row kernel or AMX tiles; W4A8 on AMX tiles or VNNI panels;
-    # weight-only on AMX bf16 tiles, or bf16 x on gemm_bf16.cpp's panels), else one by one; a
+    # weight-only on AMX bf16 tiles, or on gemm_bf16.cpp's panels: bf16 x, or float32 x on
+    # gemm_f32_fma's), else one by one; a
     # float model's projections stay on torch's linear (transformers' bits)
     m = biased_llama(dtype)
     recipe = {"w8a8-asym": lowbit.Recipe(weight="int8-sym", activation="int8-asym-token")}.get(recipe, recipe)
@@ -223,7 +224,7 @@ def test_a_prefill_runs_the_groups_in_one_call_with_the_same_bits(recipe, dtype)
         # panels where they are VNNI's)
         multi = ("gemm_int8", "int8_amx", "a8_blocks", "a8_amx", "w4a8_amx", "gemm_bf16_amx")
         multi += ("w4a8_panels",) if cpu._C.has_w4a8_panels() else ()
-        multi += ("gemm_bf16", "gemm_fma") if dtype == torch.bfloat16 else ()
+        multi += ("gemm_bf16", "gemm_fma") if dtype == torch.bfloat16 else ("gemm_f32_fma",)
         assert fused == ({kernel in multi} if d is not None else set())
     else:
         assert True not in fused
@@ -290,3 +291,26 @@ def test_weight_only_panels_run_q_k_v_and_gate_up_in_one_call_with_the_same_bits
             ys = d.project(0, which, x)
             for y, mod in zip(ys, mods, strict=True):
                 assert y.dtype == torch.bfloat16 and torch.equal(y, mod(x))
+
+
+@pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
+@pytest.mark.parametrize("recipe", ["w4a16-g64", "w8a16", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [7, 100])
+def test_float32_panels_run_q_k_v_and_gate_up_in_one_call_with_the_same_bits(recipe, rows):
+    # a float32 model's weight-only projections beyond the decode kernels' rows take
+    # gemm_f32_fma's panels, q/k/v and gate/up in one call each (weight_only_panels_f32_into):
+    # each output the bits of lowbit.linear on its projection alone, bias included
+    m = lowbit.quantize_model(biased_llama(torch.float32), recipe, inplace=False)
+    r = Runner(m)
+    L = r.layers[0]
+    kernel = cpu.BACKEND.plan(L.q.qweight.scheme, None, rows, L.q.in_features, torch.float32).kernel
+    if kernel != "gemm_f32_fma":
+        pytest.skip(f"{rows} rows of {recipe} take {kernel} here")
+    d = r._rows_decoder(rows)
+    x = torch.randn(rows, L.q.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for which, mods in ((0, (L.q, L.k, L.v)), (2, (L.gate, L.up))):
+            assert d.fuses(0, which, rows)
+            ys = d.project(0, which, x)
+            for y, mod in zip(ys, mods, strict=True):
+                assert y.dtype == torch.float32 and torch.equal(y, mod(x))

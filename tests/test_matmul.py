@@ -925,12 +925,16 @@ def test_cpu_step_rows_past_dense_rows_run_gemm_f32_with_the_bias(monkeypatch):
 
 
 @pytest.mark.parametrize("gemm_f32", [False, True])
-def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone(monkeypatch, gemm_f32):
+def test_cpu_weight_tiles_reused_across_calls_leave_earlier_results_alone(monkeypatch, request, gemm_f32):
     # the dequantized tiles (or gemm_f32's panels) live in buffers reused by the next call
     # (no fresh multi-MiB allocation per matmul): an earlier result must not be a view of one
     if not cpu.available():
         pytest.skip(cpu.load_error())
     _force_gemm_f32(monkeypatch, gemm_f32)
+    # without gemm_bf16.cpp's panels (gemm_f32_fma takes float32 x where they run)
+    monkeypatch.setattr(cpu._C, "gemm_bf16_supported", lambda k, group: False)
+    cpu.clear_plans()
+    request.addfinalizer(cpu.clear_plans)
     x = torch.randn(300, 256)
     # float zero points: the tiles path also where AMX runs (gemm_f32_amx takes integer ones)
     ws = [lowbit.quantize(torch.randn(96, 256), "int4-asym-g64-zpfloat") for _ in range(2)]
@@ -1055,6 +1059,45 @@ def test_cpu_weight_only_gemm_fma_is_the_float32_sum_with_the_bf16_weight(scheme
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
     for j in range(0, k, 64):  # rows of the identity read the bf16 weight back exactly
         assert torch.equal(run(torch.eye(k)[j:j + 64]), w.T[j:j + 64].float())
+
+
+@pytest.mark.parametrize("scheme", ["int4-asym-g64", "int4-sym-g32", "int8-sym", "int8-asym-g64", "q4_1",
+                                    "int8-asym-g64-zpmin", "int4-asym-g32-zpfloat-f16"])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (7, 33, 576), (65, 70, 256), (130, 64, 2304), (40, 129, 3328)])
+def test_cpu_weight_only_gemm_f32_fma_is_the_float32_sum_with_the_reference_weight(scheme, m, n, k):
+    # gemm_f32_fma: gemm_fma's panels holding the reference's float32 weight, x as it is: the
+    # products are float32 FMAs of the reference's operands, so the result is within gamma_k
+    # sum |x w| of the exact float64 sum (chunks of K, tiles and short panels as above); each
+    # output sums k in order, so a row has its bits whatever m is; and where x and the weight
+    # are bf16 values (scales powers of two) it is gemm_fma's chain, bit for bit.
+    if cpu._C is None or not cpu._C.gemm_bf16_supported(k, 32):
+        pytest.skip("no AVX512-BF16 GEMM in this build")
+    from lowbit.ops.matmul import weight_parts
+    g = torch.Generator().manual_seed(m * n + k + 1)
+    qt = lowbit.quantize(torch.randn(n, k, generator=g), scheme)
+    codes, s, z, bits, group = weight_parts(qt)
+    codes, s, z = codes.contiguous(), s.float().contiguous(), None if z is None else z.float().contiguous()
+    zmin = qt.scheme.zero_point_domain == "min"
+    x = torch.randn(m, k, generator=g)
+    kernel = cpu.weight_only_kernel_index("gemm_f32_fma")
+
+    def run(rows, scale=s, zp=z, index=kernel):
+        return cpu._C.weight_only_matmul(rows, codes, scale, zp, bits, group, index, zmin)
+
+    y = run(x)
+    w = reference.dequantize_weight(codes, s, z, bits, group, k, torch.float32, zero_point_min=zmin).double()
+    tol = gamma(k) * (x.double().abs() @ w.abs().T)
+    assert y.dtype == torch.float32 and bool(((y.double() - x.double() @ w.T).abs() <= tol).all())
+    for rows in (1, min(m, 6), m - 1):
+        assert torch.equal(run(x[:rows]), y[:rows])
+    assert torch.equal(run(x[m - 1:]), y[m - 1:])
+    for j in range(0, k, 64):  # rows of the identity read the float32 weight back exactly
+        assert torch.equal(run(torch.eye(k)[j:j + 64]), w.T[j:j + 64].float())
+    if zmin or (z is not None and not torch.equal(z, z.round())):
+        return  # q * s + m, and (q - z) * s with z off the integers, are not bf16 values
+    pow2 = torch.exp2(torch.log2(s).round())  # (q - z) * 2^e: a bf16 value for |q - z| < 256
+    xb = x.bfloat16().float()
+    assert torch.equal(run(xb, pow2), run(xb, pow2, index=cpu.weight_only_kernel_index("gemm_fma")))
 
 
 def test_cpu_plan_takes_the_fma_gemm_where_bf16_dot_products_are_slow(monkeypatch):

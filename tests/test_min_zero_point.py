@@ -154,9 +154,11 @@ def test_the_cpu_kernels_refuse_the_min_form_where_they_cannot_take_it():
     """_C.weight_only_matmul refuses zero_point_min on every kernel without the mins."""
     qt = lowbit.quantize(torch.randn(16, 64), "int4-asym-g32-zpmin")
     x, s, z = torch.randn(2, 64), qt.scale.reshape(16, 2).float(), qt.zero_point.reshape(16, 2).float()
-    for kernel in ("gemv_f32", "gemv_bf16", "gemv_bf16_amx", "gemm_bf16", "gemm_fma", "gemm_bf16_amx", "gemm_f32_amx"):
+    for kernel in ("gemv_f32", "gemv_bf16", "gemv_bf16_amx", "gemm_bf16", "gemm_fma", "gemm_f32_fma", "gemm_bf16_amx",
+                   "gemm_f32_amx"):
         supported = {"gemv_bf16": cpu._C.gemv_bf16_supported, "gemv_bf16_amx": cpu._C.gemv_bf16_amx_supported,
-                     "gemm_bf16": cpu._C.gemm_bf16_supported, "gemm_fma": cpu._C.gemm_bf16_supported}.get(kernel)
+                     "gemm_bf16": cpu._C.gemm_bf16_supported, "gemm_fma": cpu._C.gemm_bf16_supported,
+                     "gemm_f32_fma": cpu._C.gemm_bf16_supported}.get(kernel)
         if (supported and not supported(64, 32)) or (kernel in ("gemm_bf16_amx", "gemm_f32_amx")
                                                         and not cpu._C.has_amx_bf16()):
             continue

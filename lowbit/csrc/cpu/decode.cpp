@@ -1227,7 +1227,8 @@ class Group {
   void run(const T* x, T* const* ys, int64_t M = 1) const {
     constexpr bool bf16 = std::is_same<T, c10::BFloat16>::value;
     if (!one_call(M) || ((kind_ == kTokens || kind_ == kInt8Linear) && std::is_same<T, double>::value) ||
-        (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))) || (kind_ == kPanels && !bf16))
+        (kind_ == kAmxBf16 && !(bf16 || (bits_ && std::is_same<T, float>::value))) ||
+        (kind_ == kPanels && !panels_take<T>()))
       return run_tensors(x, ys, M);
     if (kind_ == kTokens) {
       if (!w4a8_tiles()) return run_tokens(x, ys);
@@ -1236,8 +1237,9 @@ class Group {
     }
     if (kind_ == kInt8Linear) return run_int8_linear(x, ys, M);
     if (kind_ == kAmxBf16) return run_amx_bf16(x, ys, M);
-    if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    if constexpr (bf16 || std::is_same<T, float>::value)
       if (kind_ == kPanels) return run_panels(x, ys, M);
+    if constexpr (std::is_same<T, c10::BFloat16>::value) {
       if (kind_ == kBlocks && ps_[0].kernel == 1) {  // bf16 in and out of the tiles: no float32 copies
         thread_local std::vector<PackedWeight> w;
         w.assign(w_.begin(), w_.end());
@@ -1401,14 +1403,16 @@ class Group {
       for (size_t i = 0; i < ws.size(); ++i) add_bias(i, ys[i], M);
   }
 
-  // Weight-only 4- or 8-bit weights on gemm_bf16.cpp's panels (weight_only_gemm_bf16, or
-  // weight_only_gemm_fma: the same kernel for all), all of one kind (bits, group, zero points
-  // or none, the "min" domain or not), K and group as the panels take them.
+  // Weight-only 4- or 8-bit weights on gemm_bf16.cpp's panels (weight_only_gemm_bf16,
+  // weight_only_gemm_fma or weight_only_gemm_f32_fma: the same kernel for all), all of one
+  // kind (bits, group, zero points or none, the "min" domain or not), K and group as the
+  // panels take them.
   static bool share_panels(const std::vector<const Proj*>& ps) {
     const Proj& p0 = *ps[0];
     const int64_t K = in_features(p0);
     if (!p0.codes.defined() || (p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmBf16) &&
-                                p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmFma)))
+                                p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmFma) &&
+                                p0.kernel != static_cast<int64_t>(WeightOnlyKernel::kGemmF32Fma)))
       return false;
     for (const Proj* p : ps) {
       const bool zp = p->zero_point.has_value();
@@ -1425,16 +1429,29 @@ class Group {
     return true;
   }
 
-  // What Proj gives through weight_only_gemm_bf16 or weight_only_gemm_fma for each
-  // projection, their panels in one parallel region and bf16 x widened once
-  // (weight_only_panels_into), then the bias: the same bits.
-  void run_panels(const c10::BFloat16* x, c10::BFloat16* const* ys, int64_t M) const {
+  // The x the panels take: float32 for weight_only_gemm_f32_fma, bf16 for the others (other
+  // dtypes go through the tensor path, which converts them).
+  template <typename T>
+  bool panels_take() const {
+    return ps_[0].kernel == static_cast<int64_t>(WeightOnlyKernel::kGemmF32Fma) ? std::is_same<T, float>::value
+                                                                                : std::is_same<T, c10::BFloat16>::value;
+  }
+
+  // What Proj gives through weight_only_gemm_bf16, weight_only_gemm_fma or
+  // weight_only_gemm_f32_fma for each projection, their panels in one parallel region and x
+  // prepared once (weight_only_panels_into, weight_only_panels_f32_into), then the bias: the
+  // same bits.  x as panels_take says.
+  template <typename T>
+  void run_panels(const T* x, T* const* ys, int64_t M) const {
     thread_local std::vector<PanelWeight> ws;
     ws.assign(panels_.begin(), panels_.end());
     for (size_t i = 0; i < ws.size(); ++i) ws[i].y = ys[i];
     const Proj& p0 = ps_[0];
-    weight_only_panels_into(x, M, K_, bits_, group_, p0.zero_point.has_value(), p0.zero_point_min,
-                            p0.kernel == static_cast<int64_t>(WeightOnlyKernel::kGemmFma), ws);
+    if constexpr (std::is_same<T, float>::value)
+      weight_only_panels_f32_into(x, M, K_, bits_, group_, p0.zero_point.has_value(), p0.zero_point_min, ws);
+    else
+      weight_only_panels_into(x, M, K_, bits_, group_, p0.zero_point.has_value(), p0.zero_point_min,
+                              p0.kernel == static_cast<int64_t>(WeightOnlyKernel::kGemmFma), ws);
     for (size_t i = 0; i < ws.size(); ++i) add_bias(i, ys[i], M);
   }
 

@@ -29,7 +29,9 @@
 // to float32, panel[k][column], x is widened once per call, and the register tile (MR x 64,
 // the same registers) multiplies one value of k per step, each accumulator one chain over
 // all of K (chunks continue it from the partial sums): twice the panel bytes for twice the
-// multiply-adds a cycle there.
+// multiply-adds a cycle there.  For float32 x at matmul precision "highest"
+// (weight_only_gemm_f32_fma) the same float32 panels hold the reference's float32 weight,
+// not rounded to bf16, and x is read as it is: the reference's products, summed in order.
 
 #include "dots.h"
 #include "int8_epilogue.h"
@@ -64,7 +66,8 @@ constexpr int64_t KC_MAX = 1536;
 
 // Columns [n0, n0 + 64) of W (rows beyond N repeat row N - 1; their outputs are never
 // stored), values [k0, k0 + kc) with k0, kc multiples of 32, dequantized into
-// panel[(k - k0) / 2][column] pairs of bf16 (F32: each value widened, panel[k - k0][column]).
+// panel[(k - k0) / 2][column] pairs of bf16 (F32: each value widened, panel[k - k0][column];
+// F32 and EXACT: the float32 values themselves, not rounded to bf16).
 // Npad a multiple of 64.  Each 16 x 64-byte block read also prefetches the
 // same block of the next call's panel (rows next_n0 of next_src from next_k0; next_src null:
 // none): 64 rows read
@@ -79,20 +82,16 @@ alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 
 // product rounded, then the sum: its two steps), each rounded once to bf16 (vcvtne2ps2bf16
 // rounds to nearest even, as torch's .to(torch.bfloat16)): lo's 16 values, then hi's.
 template <bool HAS_ZP, bool MIN>
+inline __m512 dequant_f32(__m512i q, __m512 sv, __m512 zv) {
+  __m512 a = _mm512_cvtepi32_ps(q);
+  if constexpr (HAS_ZP && !MIN) a = _mm512_sub_ps(a, zv);
+  if constexpr (MIN) return mul_add_unfused(a, sv, zv);
+  return _mm512_mul_ps(a, sv);
+}
+
+template <bool HAS_ZP, bool MIN>
 inline __m512i dequant_bf16(__m512i lo, __m512i hi, __m512 sv, __m512 zv) {
-  __m512 a = _mm512_cvtepi32_ps(lo), b = _mm512_cvtepi32_ps(hi);
-  if constexpr (HAS_ZP && !MIN) {
-    a = _mm512_sub_ps(a, zv);
-    b = _mm512_sub_ps(b, zv);
-  }
-  if constexpr (MIN) {
-    a = mul_add_unfused(a, sv, zv);
-    b = mul_add_unfused(b, sv, zv);
-  } else {
-    a = _mm512_mul_ps(a, sv);
-    b = _mm512_mul_ps(b, sv);
-  }
-  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  return (__m512i)_mm512_cvtne2ps_pbh(dequant_f32<HAS_ZP, MIN>(hi, sv, zv), dequant_f32<HAS_ZP, MIN>(lo, sv, zv));
 }
 
 // One weight of a panel GEMM call: codes w (rows of K / 2 bytes, 4-bit, or K bytes), scale and
@@ -106,7 +105,7 @@ struct PanelSource {
   void* y;
 };
 
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, bool EXACT>
 void pack_panel(const PanelSource& src, int64_t K, int64_t group, int64_t n0, int64_t k0, int64_t kc,
                 uint32_t* panel, const PanelSource* next_src, int64_t next_n0, int64_t next_k0) {
   constexpr int VALS = BITS == 4 ? 8 : 4;  // values per dword of a row
@@ -148,6 +147,11 @@ void pack_panel(const PanelSource& src, int64_t K, int64_t group, int64_t n0, in
             const __m512i m = _mm512_set1_epi32((1 << W) - 1);
             lo = _mm512_and_si512(_mm512_srli_epi32(r[j], W * 2 * p), m);
             hi = _mm512_and_si512(_mm512_srli_epi32(r[j], W * (2 * p + 1)), m);
+          }
+          if constexpr (EXACT) {  // the float32 values themselves: rows k + 2p and k + 2p + 1
+            _mm512_storeu_ps(reinterpret_cast<float*>(out + 2 * p * NP), dequant_f32<HAS_ZP, MIN>(lo, sv, zv));
+            _mm512_storeu_ps(reinterpret_cast<float*>(out + (2 * p + 1) * NP), dequant_f32<HAS_ZP, MIN>(hi, sv, zv));
+            continue;
           }
           const __m512i ab = dequant_bf16<HAS_ZP, MIN>(lo, hi, sv, zv);
           if constexpr (F32) {  // the same bf16 values widened: rows k + 2p and k + 2p + 1
@@ -229,7 +233,7 @@ constexpr auto TILES = tile_table<T, F32>(std::make_integer_sequence<int, MR>{})
 // part: the thread's float32 buffer for their partial sums over the chunks (rows of NP; null
 // where K is one chunk).  The codes of the next chunk (or item) arrive while this one is
 // multiplied.
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename Step>
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, bool EXACT, typename Step>
 void each_chunk(const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_t group, int64_t kc_max,
                 int64_t tile_rows, Step step) {
   const int64_t chunks = (K + kc_max - 1) / kc_max;
@@ -252,7 +256,7 @@ void each_chunk(const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_
       const int64_t kc = std::min(KC, K - k0);
       const bool more = k0 + kc < K;  // then the next chunk of this panel, else the next item's first
       const PanelItems::Item next = more || i + 1 == n ? PanelItems::Item{j, n0, 0, 0} : items[i + 1];
-      pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32>(ws[j], K, group, n0, k0, kc, s.buf.data,
+      pack_panel<BITS, SIGNED, HAS_ZP, MIN, F32, EXACT>(ws[j], K, group, n0, k0, kc, s.buf.data,
                                                  more || i + 1 < n ? &ws[next.j] : nullptr, next.n0,
                                                  more ? k0 + kc : 0);
       step(j, static_cast<const uint32_t*>(s.buf.data), s.part.empty() ? nullptr : s.part.data(), m0, m1, n0, k0,
@@ -261,13 +265,13 @@ void each_chunk(const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_
   });
 }
 
-// xa: x as pairs of bf16 [M][K / 2], or F32: as float32 [M][K] (bf16 values widened); each
-// weight's y of type T.
-template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, typename T>
+// xa: x as pairs of bf16 [M][K / 2], or F32: as float32 [M][K] (bf16 values widened; EXACT:
+// float32 x as it is); each weight's y of type T.
+template <int BITS, bool SIGNED, bool HAS_ZP, bool MIN, bool F32, bool EXACT, typename T>
 void gemm(const uint32_t* xa, const std::vector<PanelSource>& ws, int64_t M, int64_t K, int64_t group) {
   constexpr int64_t per = F32 ? 1 : 2;  // values of K per dword
   const int64_t ldx = K / per;
-  each_chunk<BITS, SIGNED, HAS_ZP, MIN, F32>(
+  each_chunk<BITS, SIGNED, HAS_ZP, MIN, F32, EXACT>(
       ws, M, K, group, KC_MAX, MR,
       [&](size_t j, const uint32_t* panel, float* part, int64_t m0, int64_t m1, int64_t n0, int64_t k0, int64_t kc,
           int ncols) {
@@ -372,16 +376,22 @@ void with_kind(int64_t bits, bool zero_point, bool zero_point_min, F f) {
   else kind(std::integral_constant<int, 8>{});
 }
 
-// x rounded to bf16 [M, K] (xb) times each weight of ws (as stored: scale and zero point
+// The panels' arithmetic: bf16 dot products (gemm_bf16), float32 FMAs on the same bf16 values
+// widened (gemm_fma), or float32 FMAs on float32 x and the reference's float32 weight
+// (gemm_f32_fma: float32 x at matmul precision "highest").
+enum class PanelMath { kBf16Dots, kFma, kF32 };
+
+// x (bf16 [M, K], kF32: float32) times each weight of ws (as stored: scale and zero point
 // float32 [N, G]; one kind, `zero_point` or not, all of `bits` and `group`) into its y [M, N]:
 // bf16 where bf16_out (each float32 sum rounded once), else float32.  Up to kRowsMaxM rows
-// without `fma` the rows form per weight; else the panels of all weights in one loop
-// (each_chunk), x widened once where fma.
-void panels_run(const uint16_t* xb, int64_t M, int64_t K, int64_t bits, int64_t group, bool zero_point,
-                bool zero_point_min, bool fma, bool bf16_out, const std::vector<PanelWeight>& ws) {
+// of bf16 dots the rows form per weight; else the panels of all weights in one loop
+// (each_chunk), bf16 x widened once for kFma.
+void panels_run(const void* x, int64_t M, int64_t K, int64_t bits, int64_t group, bool zero_point,
+                bool zero_point_min, PanelMath math, bool bf16_out, const std::vector<PanelWeight>& ws) {
   if (M == 0) return;
   const int64_t G = K / group;
-  if (M <= kRowsMaxM && !fma) {
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  if (M <= kRowsMaxM && math == PanelMath::kBf16Dots) {
     thread_local std::vector<float> yf_keep;
     for (const PanelWeight& wt : ws) {
       float* py = bf16_out ? grown(yf_keep, M * wt.N) : static_cast<float*>(wt.y);
@@ -410,9 +420,9 @@ void panels_run(const uint16_t* xb, int64_t M, int64_t K, int64_t bits, int64_t 
       }
     src.push_back(PanelSource{wt.w, st[j].data(), zero_point ? zt[j].data() : nullptr, N, Npad, wt.y});
   }
-  const uint32_t* xa = reinterpret_cast<const uint32_t*>(xb);
+  const uint32_t* xa = static_cast<const uint32_t*>(x);
   thread_local std::vector<float> xf_keep;
-  if (fma) {  // the bf16 values widened (exact), rows split between the threads
+  if (math == PanelMath::kFma) {  // the bf16 values widened (exact), rows split between the threads
     float* dst = grown(xf_keep, M * K);
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0 * K; i < r1 * K; i += 16) _mm512_storeu_ps(dst + i, bf16x16(xb + i));  // K: 32s
@@ -422,41 +432,49 @@ void panels_run(const uint16_t* xb, int64_t M, int64_t K, int64_t bits, int64_t 
   with_kind(bits, zero_point, zero_point_min, [&](auto b, auto sg, auto zp, auto mn) {
     constexpr int B = decltype(b)::value;
     constexpr bool S = decltype(sg)::value, Z = decltype(zp)::value, MN = decltype(mn)::value;
-    if (fma && bf16_out) gemm<B, S, Z, MN, true, c10::BFloat16>(xa, src, M, K, group);
-    else if (fma) gemm<B, S, Z, MN, true, float>(xa, src, M, K, group);
-    else if (bf16_out) gemm<B, S, Z, MN, false, c10::BFloat16>(xa, src, M, K, group);
-    else gemm<B, S, Z, MN, false, float>(xa, src, M, K, group);
+    if (math == PanelMath::kF32) gemm<B, S, Z, MN, true, true, float>(xa, src, M, K, group);
+    else if (math == PanelMath::kFma && bf16_out) gemm<B, S, Z, MN, true, false, c10::BFloat16>(xa, src, M, K, group);
+    else if (math == PanelMath::kFma) gemm<B, S, Z, MN, true, false, float>(xa, src, M, K, group);
+    else if (bf16_out) gemm<B, S, Z, MN, false, false, c10::BFloat16>(xa, src, M, K, group);
+    else gemm<B, S, Z, MN, false, false, float>(xa, src, M, K, group);
   });
 }
 }  // namespace
 #endif
 
 namespace {
-// The entry below: its checks, x rounded to bf16, then panels_run for the one weight.
+// The entries below: their checks, x rounded to bf16 (kF32: float32 x as it is), then
+// panels_run for the one weight.
 at::Tensor panel_gemm(const char* who, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group, bool zero_point_min,
-                      bool fma) {
-  TORCH_CHECK(gemm_bf16_supported(x.size(1), group), who, ": unsupported K/group");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() &&
-                  scale.scalar_type() == at::kFloat,
+                      PanelMath math) {
+  TORCH_CHECK(x.dim() == 2 && gemm_bf16_supported(x.size(1), group), who,
+              ": x [M, K] with K and the group multiples of 32, each 32-block inside one group, expected");
+  TORCH_CHECK(bits == 4 || bits == 8, who, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
               who, ": contiguous x [M, K] and float32 scale expected");
+  TORCH_CHECK(math != PanelMath::kF32 || x.scalar_type() == at::kFloat, who, ": float32 x expected, got ",
+              x.scalar_type());
   TORCH_CHECK(!zero_point_min || zero_point.has_value(), who, ": zero_point_min needs the mins (zero_point)");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) * (codes.element_size() * 8 / bits) == K, who, ": codes [", N,
+              ", ", K, " values] expected");
   // bf16 x: y in bf16, each float32 sum rounded once (in the panels' store; after the rows')
   const bool bf16_out = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #ifdef LOWBIT_HAVE_BF16_GEMM
   if (M == 0 || N == 0) return y;
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // rounded to nearest even, as torch does
+  // rounded to nearest even, as torch does
+  const at::Tensor xb = math == PanelMath::kF32 ? x : x.to(at::kBFloat16).contiguous();
   const at::Tensor zc = zero_point ? zero_point->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(scale.numel() == N * (K / group) && (!zc.defined() || zc.numel() == N * (K / group)), who,
               ": scale and zero point [N, ", K / group, "] expected");
-  panels_run(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, bits, group, zc.defined(), zero_point_min, fma,
-             bf16_out,
+  panels_run(xb.data_ptr(), M, K, bits, group, zc.defined(), zero_point_min, math, bf16_out,
              {PanelWeight{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
                           zc.defined() ? zc.data_ptr<float>() : nullptr, N, y.data_ptr()}});
 #else
-  (void)bits, (void)zero_point, (void)K, (void)zero_point_min, (void)fma;
+  (void)K, (void)zero_point_min, (void)math;
+  TORCH_CHECK(false, who, " needs AVX-512 with BF16 (F, BW, VL)");
 #endif
   return y;
 }
@@ -469,9 +487,22 @@ void weight_only_panels_into(const c10::BFloat16* x, int64_t M, int64_t K, int64
   TORCH_CHECK(gemm_bf16_supported(K, group) && (bits == 4 || bits == 8) && (zero_point || !zero_point_min),
               "lowbit._C.weight_only_panels_into: unsupported K/group/bits");
 #ifdef LOWBIT_HAVE_BF16_GEMM
-  panels_run(reinterpret_cast<const uint16_t*>(x), M, K, bits, group, zero_point, zero_point_min, fma, true, ws);
+  panels_run(x, M, K, bits, group, zero_point, zero_point_min, fma ? PanelMath::kFma : PanelMath::kBf16Dots, true,
+             ws);
 #else
   (void)x, (void)M, (void)ws, (void)fma;
+#endif
+}
+
+// The same for float32 x on weight_only_gemm_f32_fma's panels (float32 y): its bits on each.
+void weight_only_panels_f32_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group, bool zero_point,
+                                 bool zero_point_min, const std::vector<PanelWeight>& ws) {
+  TORCH_CHECK(gemm_bf16_supported(K, group) && (bits == 4 || bits == 8) && (zero_point || !zero_point_min),
+              "lowbit._C.weight_only_panels_f32_into: unsupported K/group/bits");
+#ifdef LOWBIT_HAVE_BF16_GEMM
+  panels_run(x, M, K, bits, group, zero_point, zero_point_min, PanelMath::kF32, false, ws);
+#else
+  (void)x, (void)M, (void)ws;
 #endif
 }
 
@@ -483,7 +514,7 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
                                  const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                  bool zero_point_min) {
   return panel_gemm("lowbit._C.weight_only_gemm_bf16", x, codes, scale, zero_point, bits, group, zero_point_min,
-                    false);
+                    PanelMath::kBf16Dots);
 }
 
 // weight_only_gemm_bf16's contract and weight (the reference's dequantization rounded once
@@ -496,7 +527,19 @@ at::Tensor weight_only_gemm_fma(const at::Tensor& x, const at::Tensor& codes, co
                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                 bool zero_point_min) {
   return panel_gemm("lowbit._C.weight_only_gemm_fma", x, codes, scale, zero_point, bits, group, zero_point_min,
-                    true);
+                    PanelMath::kFma);
+}
+
+// Float32 x [M, K] at matmul precision "highest": weight_only_gemm_fma's panels and FMAs on x
+// as it is and the reference's float32 weight, (q - z) * s (q * s + m in the "min" domain:
+// the product rounded, then the sum), never rounded to bf16; each output the float32 FMA
+// chain over k in order (within gamma_K of sum |x| |w|; bit for bit weight_only_gemm_fma's
+// where x and the weight are bf16 values).  Returns float32 [M, N].
+at::Tensor weight_only_gemm_f32_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                    bool zero_point_min) {
+  return panel_gemm("lowbit._C.weight_only_gemm_f32_fma", x, codes, scale, zero_point, bits, group, zero_point_min,
+                    PanelMath::kF32);
 }
 
 // Nanoseconds per 512-bit FMA (16 multiply-adds) and per vdpbf16ps (32), each timed on 12

@@ -140,7 +140,7 @@ std::vector<at::Tensor> weight_only_gemv_many(const at::Tensor& x, const std::ve
 // which lowbit.kernels.cpu's plan returns).
 enum class WeightOnlyKernel : int64_t {
   kGemvF32 = 0, kGemvBf16 = 1, kGemvBf16Split = 2, kGemmBf16 = 3, kGemmBf16Amx = 4, kGemmF32Amx = 5,
-  kGemvBf16Amx = 6, kGemmFma = 7
+  kGemvBf16Amx = 6, kGemmFma = 7, kGemmF32Fma = 8
 };
 std::vector<std::string> weight_only_kernels();
 at::Tensor weight_only_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -315,6 +315,11 @@ at::Tensor weight_only_gemm_bf16(const at::Tensor& x, const at::Tensor& codes, c
 at::Tensor weight_only_gemm_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
                                 bool zero_point_min);
+// Float32 x at matmul precision "highest": the panels and FMAs of weight_only_gemm_fma on x as
+// it is and the reference's float32 weight (never rounded to bf16); float32 y.
+at::Tensor weight_only_gemm_f32_fma(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                    const c10::optional<at::Tensor>& zero_point, int64_t bits, int64_t group,
+                                    bool zero_point_min);
 // One weight of a weight_only_panels_into call: codes (4-bit: int32 [N, K / 8], 8-bit: [N, K]),
 // scale and zero point float32 [N, K / group] (z null: signed codes; with zero_point_min the
 // "min" domain's m), and its bf16 output y [M, N].
@@ -330,6 +335,9 @@ struct PanelWeight {
 // each.  All weights of one kind: bits, group, zero points or none, the "min" domain or not.
 void weight_only_panels_into(const c10::BFloat16* x, int64_t M, int64_t K, int64_t bits, int64_t group,
                              bool zero_point, bool zero_point_min, bool fma, const std::vector<PanelWeight>& ws);
+// weight_only_panels_into for float32 x on weight_only_gemm_f32_fma's panels (y float32).
+void weight_only_panels_f32_into(const float* x, int64_t M, int64_t K, int64_t bits, int64_t group, bool zero_point,
+                                 bool zero_point_min, const std::vector<PanelWeight>& ws);
 std::vector<double> bf16_dot_cost();
 // gemm_f32.cpp
 bool has_gemm_f32();

@@ -888,7 +888,7 @@ void w4a8_gemm_many_into(const int8_t* pq, const int32_t* pz, int64_t M, int64_t
 // lowbit.kernels.cpu's plan chose (WeightOnlyKernel) and returns [..., N] in x's dtype.
 
 const char* const kWeightOnlyKernels[] = {"gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemm_bf16", "gemm_bf16_amx",
-                                           "gemm_f32_amx", "gemv_bf16_amx", "gemm_fma"};
+                                           "gemm_f32_amx", "gemv_bf16_amx", "gemm_fma", "gemm_f32_fma"};
 
 std::vector<std::string> weight_only_kernels() {
   return std::vector<std::string>(std::begin(kWeightOnlyKernels), std::end(kWeightOnlyKernels));
@@ -977,6 +977,9 @@ at::Tensor weight_only_rows(const at::Tensor& x2, const at::Tensor& codes, const
     case WeightOnlyKernel::kGemmFma:
       y = weight_only_gemm_fma(x2, c, s, z, bits, group, zero_point_min);
       break;
+    case WeightOnlyKernel::kGemmF32Fma:
+      y = weight_only_gemm_f32_fma(as_float(x2), c, s, z, bits, group, zero_point_min);
+      break;
     case WeightOnlyKernel::kGemmBf16Amx:
       y = weight_only_gemm_bf16_amx(x2, c, s, z, bits, group, zero_point_min);
       break;
@@ -1016,6 +1019,7 @@ at::Tensor split_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const c10::optional<at::Tensor>& high_zero_point, int64_t high_group) {
   TORCH_CHECK(static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16 &&
                   static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmFma &&
+                  static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmF32Fma &&
                   static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmBf16Amx &&
                   static_cast<WeightOnlyKernel>(kernel) != WeightOnlyKernel::kGemmF32Amx,
               "lowbit._C.split_matmul: decode kernels (gemv_*) only");

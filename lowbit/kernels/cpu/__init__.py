@@ -489,6 +489,10 @@ def _weight_only_plan_at(bits, group, m, k, dtype, precision, zero_point_domain=
         return Plan("gemm_f32_amx", f"over {rows} rows, float32 x at matmul precision 'highest' where AMX runs: x in "
                                     "three bf16 parts (every product exact), q - z on bf16 tiles, float32 scaling "
                                     "per group: 1.05-2.5x the float32 tiles (figures at GEMV_MAX_M)")
+    if exact and _C is not None and _C.gemm_bf16_supported(k, group):
+        return Plan("gemm_f32_fma", f"over {rows} rows, float32 x at matmul precision 'highest' on AVX-512: "
+                                    "gemm_fma's panels holding the reference's float32 weight (no bf16 rounding), "
+                                    "x as it is, float32 FMAs, each output summed in the order of k")
     if exact or not _has_avx512():
         why = ("float32 activations at matmul precision 'highest'" if exact
                else "no AVX-512: float32 GEMMs beat bf16 ones without bf16 dot products")
@@ -603,7 +607,7 @@ def _act8_plan(bits: int, group: int, m: int, k: int) -> Plan:
 class CpuBackend(Backend):
     name = "cpu"
     kernels = ("reference", "gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
-               "gemm_fma", "gemm_f32_amx", "tiles_f32", "tiles_bf16",
+               "gemm_fma", "gemm_f32_fma", "gemm_f32_amx", "tiles_f32", "tiles_bf16",
                "int_mm", "int_mm_f32", "int8_rows", "int8_panels", "int8_amx", "gemm_int8", "w4a8_rows", "w4a8_panels",
                "w4a8_amx", "w4a8_int_mm", "a8_blocks", "a8_gemm", "a8_amx", "a8_vnni")
 
@@ -672,7 +676,11 @@ class CpuBackend(Backend):
         the bf16 roundings (2^-9 relative each) are far below the 4/8-bit weight error.
         ``gemm_fma`` (where a vdpbf16ps costs over 2.5 FMAs, ``fma_over_bf16_dots``) is
         the same weight and x in gemm_bf16's panels, widened to float32, on FMAs: the same
-        exact products, summed in the order of k.
+        exact products, summed in the order of k.  ``gemm_f32_fma`` (float32 x at the
+        float32 matmul precision "highest", AVX-512 machines without AMX, or weights with
+        float zero points where AMX runs) is those panels holding the reference's float32
+        weight, (q - z) * s, never rounded to bf16, and x as it is: each output the float32
+        FMA chain over k in order, within gamma_K of sum |x| |w|.
         ``tiles_*``: L2-sized tiles of W (or tiles as large as x) dequantized to bf16
         (float32 at the float32 matmul precision "highest", and on machines without
         AVX-512) through torch.mm; float32 ones on AVX2 machines without AVX-512 run
@@ -941,7 +949,7 @@ DECODE_W8A8_KERNELS = ("int_mm", "int8_rows", "gemm_int8", "int8_panels", "int8_
 DECODE_W4A8_KERNELS = ("w4a8_rows", "w4a8_panels", "w4a8_amx")
 DECODE_A8_BLOCKS_KERNELS = ("a8_blocks", "a8_amx", "a8_gemm", "a8_vnni")
 DECODE_KERNELS = ("gemv_f32", "gemv_bf16", "gemv_bf16_split", "gemv_bf16_amx", "gemm_bf16", "gemm_bf16_amx",
-                  "gemm_fma", "gemm_f32_amx",
+                  "gemm_fma", "gemm_f32_fma", "gemm_f32_amx",
                   *DECODE_W8A8_KERNELS, *DECODE_W4A8_KERNELS, *DECODE_A8_BLOCKS_KERNELS)
 
 
