@@ -267,6 +267,20 @@ def fma_gemm(request, monkeypatch):
     cpu.clear_plans()
 
 
+def _assert_groups_fused_with_the_same_bits(r, rows, dtype):
+    """Layer 0's q/k/v and gate/up of `rows` rows of `dtype` x, each group in one call of r's
+    rows decoder: each output in dtype and the bits of its projection alone, bias included."""
+    L = r.layers[0]
+    d = r._rows_decoder(rows)
+    x = torch.randn(rows, L.q.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        for which, mods in ((0, (L.q, L.k, L.v)), (2, (L.gate, L.up))):
+            assert d.fuses(0, which, rows)
+            ys = d.project(0, which, x)
+            for y, mod in zip(ys, mods, strict=True):
+                assert y.dtype == dtype and torch.equal(y, mod(x))
+
+
 @pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
 @pytest.mark.parametrize("fma_gemm", ["0", "1"], indirect=True)
 @pytest.mark.parametrize("recipe", ["w4a16-g64", "w8a16", "q4_0", "q4_1"])
@@ -283,14 +297,7 @@ def test_weight_only_panels_run_q_k_v_and_gate_up_in_one_call_with_the_same_bits
     if kernel not in ("gemm_bf16", "gemm_fma"):
         pytest.skip(f"{rows} rows of {recipe} take {kernel} here")
     assert kernel == ("gemm_fma" if fma_gemm == "1" and rows > cpu.FMA_GEMM_MIN_M else "gemm_bf16")
-    d = r._rows_decoder(rows)
-    x = torch.randn(rows, L.q.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    with torch.inference_mode():
-        for which, mods in ((0, (L.q, L.k, L.v)), (2, (L.gate, L.up))):
-            assert d.fuses(0, which, rows)
-            ys = d.project(0, which, x)
-            for y, mod in zip(ys, mods, strict=True):
-                assert y.dtype == torch.bfloat16 and torch.equal(y, mod(x))
+    _assert_groups_fused_with_the_same_bits(r, rows, torch.bfloat16)
 
 
 @pytest.mark.skipif(cpu._C is None, reason="needs lowbit._C")
@@ -306,11 +313,4 @@ def test_float32_panels_run_q_k_v_and_gate_up_in_one_call_with_the_same_bits(rec
     kernel = cpu.BACKEND.plan(L.q.qweight.scheme, None, rows, L.q.in_features, torch.float32).kernel
     if kernel != "gemm_f32_fma":
         pytest.skip(f"{rows} rows of {recipe} take {kernel} here")
-    d = r._rows_decoder(rows)
-    x = torch.randn(rows, L.q.in_features, generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        for which, mods in ((0, (L.q, L.k, L.v)), (2, (L.gate, L.up))):
-            assert d.fuses(0, which, rows)
-            ys = d.project(0, which, x)
-            for y, mod in zip(ys, mods, strict=True):
-                assert y.dtype == torch.float32 and torch.equal(y, mod(x))
+    _assert_groups_fused_with_the_same_bits(r, rows, torch.float32)
